@@ -1,0 +1,19 @@
+import os
+
+from sb3_kl.common.controllers import AdaptiveKLController, FixedKLController, KLController, ProportionalKLController
+from sb3_kl.common.kl import KLSettings
+from sb3_kl.klppo import KLPPO
+
+# Read version from file
+version_file = os.path.join(os.path.dirname(__file__), "version.txt")
+with open(version_file) as file_handler:
+    __version__ = file_handler.read().strip()
+
+__all__ = [
+    "KLPPO",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
+    "KLSettings",
+    "ProportionalKLController",
+]

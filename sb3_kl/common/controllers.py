@@ -1,0 +1,215 @@
+"""
+KL-coefficient controllers: small objects that hold the penalty coefficient beta and update it
+after each policy update from the KL that update produced.
+
+They are plain Python objects with Python-float state, so SB3's ``save()`` keeps them inside the
+model's ``data`` and ``load()`` restores them exactly (they are created in ``__init__``, never in
+``_setup_model``, which ``load()`` runs *after* restoring attributes).
+
+Expressing well-known rules with :class:`AdaptiveKLController`:
+
+- PPO paper (Schulman et al. 2017, sec. 4): ``kl_adapt_factor=2.0``, ``kl_band=(1 / 1.5, 1.5)``.
+- RLlib's PPO: ``kl_adapt_factor=1.5``, ``kl_band=(0.5, 2.0)`` (beta x1.5 above 2 x target, x0.5 below 0.5 x target;
+  RLlib shrinks by 0.5 rather than 1 / 1.5, so it is the same rule up to the shrink step).
+- sb3_kl default: ``kl_adapt_factor=1.5``, ``kl_band=(0.5, 1.5)``, ``kl_coef_bounds=(1e-4, 10.0)``.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any
+
+
+def _check_positive_finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
+    return float(value)
+
+
+def _check_pair(name: str, value: Any, positive: bool = True) -> tuple[float, float]:
+    try:
+        low, high = value
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a pair (low, high), got {value!r}.") from None
+    low = _check_positive_finite(f"{name}[0]", low) if positive else float(low)
+    high = _check_positive_finite(f"{name}[1]", high) if positive else float(high)
+    if not low < high:
+        raise ValueError(f"`{name}` is inverted or empty: low={low} must be < high={high}; pass them as (low, high).")
+    return low, high
+
+
+class KLController(ABC):
+    """
+    Base class of the KL-coefficient controllers.
+
+    :param kl_coef: Initial coefficient beta
+    :param kl_coef_bounds: beta is kept within (min, max)
+    """
+
+    def __init__(self, kl_coef: float = 1.0, kl_coef_bounds: tuple[float, float] = (1e-4, 10.0)):
+        self.kl_coef_bounds = _check_pair("kl_coef_bounds", kl_coef_bounds)
+        kl_coef = _check_positive_finite("kl_coef", kl_coef)
+        low, high = self.kl_coef_bounds
+        if not low <= kl_coef <= high:
+            raise ValueError(f"`kl_coef`={kl_coef} lies outside `kl_coef_bounds`={self.kl_coef_bounds}: widen the bounds.")
+        self.kl_coef = kl_coef
+        self.n_updates = 0
+        # beta after each update and the KL that drove it: kept whole so that a resumed run continues the history
+        self.kl_history: list[float] = []
+        self.kl_coef_history: list[float] = []
+
+    def update(self, kl: float, target_kl: float, n_steps: int = 1) -> float:
+        """
+        Adjust beta from the KL of the last update.
+
+        :param kl: The measured KL of the update
+        :param target_kl: The target KL (current value of the schedule)
+        :param n_steps: Environment steps in the update (used by rate-limited controllers)
+        :return: The new beta
+        """
+        if not math.isfinite(kl):
+            raise ValueError(f"The measured KL is {kl}: the policy produced non-finite distributions.")
+        self.kl_coef = float(self._next_coef(float(kl), float(target_kl), int(n_steps)))
+        self.n_updates += 1
+        self.kl_history.append(float(kl))
+        self.kl_coef_history.append(self.kl_coef)
+        return self.kl_coef
+
+    @abstractmethod
+    def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
+        """:return: beta after an update with KL ``kl``"""
+
+    def _clip(self, kl_coef: float) -> float:
+        low, high = self.kl_coef_bounds
+        return min(max(kl_coef, low), high)
+
+    @property
+    def at_upper_bound(self) -> bool:
+        """Whether beta is pinned at its upper bound."""
+        return self.kl_coef >= self.kl_coef_bounds[1]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(kl_coef={self.kl_coef:.6g}, n_updates={self.n_updates})"
+
+
+class FixedKLController(KLController):
+    """
+    Keeps beta constant (a plain KL penalty). The KL of each update is still recorded.
+
+    :param kl_coef: The coefficient beta
+    :param kl_coef_bounds: Only checked against ``kl_coef``
+    """
+
+    def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
+        return self.kl_coef
+
+
+class AdaptiveKLController(KLController):
+    """
+    The band rule of the PPO paper: with ``d`` the update's KL (or its moving average over ``kl_window`` updates),
+    ``beta <- min(beta * factor, max)`` if ``d > band_hi * target``,
+    ``beta <- max(beta / factor, min)`` if ``d < band_lo * target``, unchanged otherwise.
+
+    :param kl_coef: Initial beta
+    :param kl_adapt_factor: Multiplicative step, > 1
+    :param kl_band: ``(band_lo, band_hi)`` as multiples of the target
+    :param kl_coef_bounds: beta is kept within (min, max)
+    :param kl_window: Number of recent update KLs averaged to drive beta (1 = the last update only)
+    """
+
+    def __init__(
+        self,
+        kl_coef: float = 1.0,
+        kl_adapt_factor: float = 1.5,
+        kl_band: tuple[float, float] = (0.5, 1.5),
+        kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+        kl_window: int = 1,
+    ):
+        super().__init__(kl_coef, kl_coef_bounds)
+        kl_adapt_factor = _check_positive_finite("kl_adapt_factor", kl_adapt_factor)
+        if kl_adapt_factor <= 1.0:
+            raise ValueError(
+                f"`kl_adapt_factor` must be > 1 for the adaptive controller, got {kl_adapt_factor}; "
+                "use kl_controller='fixed' for a constant coefficient."
+            )
+        self.kl_adapt_factor = kl_adapt_factor
+        self.kl_band = _check_pair("kl_band", kl_band)
+        if isinstance(kl_window, bool) or not isinstance(kl_window, int) or kl_window < 1:
+            raise ValueError(f"`kl_window` must be an integer >= 1, got {kl_window!r}.")
+        self.kl_window = kl_window
+        self.recent_kls: deque[float] = deque(maxlen=kl_window)
+
+    def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
+        self.recent_kls.append(kl)
+        driving_kl = sum(self.recent_kls) / len(self.recent_kls)
+        band_lo, band_hi = self.kl_band
+        if driving_kl > band_hi * target_kl:
+            return self._clip(self.kl_coef * self.kl_adapt_factor)
+        if driving_kl < band_lo * target_kl:
+            return self._clip(self.kl_coef / self.kl_adapt_factor)
+        return self.kl_coef
+
+
+class ProportionalKLController(KLController):
+    """
+    Rate-limited proportional controller of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human
+    Preferences", sec. 2.2), the one TRL used: ``e = clip(KL / target - 1, -kl_error_clip, kl_error_clip)``,
+    ``beta <- beta * (1 + e * n_steps / kl_horizon)``.
+
+    :param kl_coef: Initial beta
+    :param kl_horizon: Number of environment steps over which a full error changes beta by a factor (1 + clip)
+    :param kl_error_clip: Bound on the proportional error
+    :param kl_coef_bounds: beta is kept within (min, max)
+    """
+
+    def __init__(
+        self,
+        kl_coef: float = 1.0,
+        kl_horizon: int = 10_000,
+        kl_error_clip: float = 0.2,
+        kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+    ):
+        super().__init__(kl_coef, kl_coef_bounds)
+        self.kl_horizon = _check_positive_finite("kl_horizon", kl_horizon)
+        self.kl_error_clip = _check_positive_finite("kl_error_clip", kl_error_clip)
+
+    def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
+        error = min(max(kl / target_kl - 1.0, -self.kl_error_clip), self.kl_error_clip)
+        return self._clip(self.kl_coef * (1.0 + error * n_steps / self.kl_horizon))
+
+
+KL_CONTROLLERS: dict[str, type[KLController]] = {
+    "adaptive": AdaptiveKLController,
+    "fixed": FixedKLController,
+    "proportional": ProportionalKLController,
+}
+
+
+def make_kl_controller(
+    kl_controller: "str | KLController",
+    kl_coef: float = 1.0,
+    kl_adapt_factor: float = 1.5,
+    kl_band: tuple[float, float] = (0.5, 1.5),
+    kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+    kl_window: int = 1,
+    kl_horizon: int = 10_000,
+) -> KLController:
+    """
+    Build a controller from an algorithm's keyword arguments.
+
+    :param kl_controller: ``"adaptive"``, ``"fixed"``, ``"proportional"`` or a ready :class:`KLController`
+        (which is used as given; the other arguments are then ignored)
+    :return: The controller
+    """
+    if isinstance(kl_controller, KLController):
+        return kl_controller
+    if kl_controller == "adaptive":
+        return AdaptiveKLController(kl_coef, kl_adapt_factor, kl_band, kl_coef_bounds, kl_window)
+    if kl_controller == "fixed":
+        return FixedKLController(kl_coef, kl_coef_bounds)
+    if kl_controller == "proportional":
+        return ProportionalKLController(kl_coef, kl_horizon, kl_coef_bounds=kl_coef_bounds)
+    raise ValueError(
+        f"Unknown `kl_controller`={kl_controller!r}: choose one of {', '.join(map(repr, KL_CONTROLLERS))} "
+        "or pass a KLController instance."
+    )

@@ -1,0 +1,380 @@
+"""
+The KL core shared by every sb3_kl algorithm and callback.
+
+A policy's action distribution is reduced to a flat tensor of *distribution parameters* per state
+(``(batch, n_params)``), so that the rollout ("old") policy can be stored in a buffer or a snapshot
+without copying any network, and the per-state KL between two policies can be computed from
+two such tensors.
+
+Conventions (each is an option with a documented default):
+
+- **direction**: ``"forward"`` is KL(pi_old || pi_new), the divergence PPO and TRPO constrain (default);
+  ``"reverse"`` is KL(pi_new || pi_old).
+- **estimator**: ``"analytic"`` is the exact KL from the two distributions (default);
+  ``"k1"`` and ``"k3"`` are Schulman's sample estimators (http://joschu.net/blog/kl-approx.html) computed from
+  the log-ratio ``log r = log pi_new(a|s) - log pi_old(a|s)`` of the action ``a`` the rollout policy took.
+  Forward: k1 = -log r, k3 = (r - 1) - log r.
+  Reverse (importance-weighted by r, since actions come from pi_old): k1 = r log r, k3 = r log r - (r - 1).
+  Both k3 forms are never negative; k1 may be negative on a single sample.
+- **reduction** over action dimensions: ``"sum"`` is the joint KL of the action distribution (default);
+  ``"mean"`` divides it by the number of independent action dimensions (one for ``Discrete``,
+  ``len(nvec)`` for ``MultiDiscrete``, ``n`` for ``MultiBinary``, the action size for ``Box``).
+
+The KL of a tanh-squashed Gaussian (gSDE with ``squash_output=True``) equals the KL of the underlying Gaussians,
+because KL is invariant under the same bijection applied to both distributions.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.distributions import (
+    BernoulliDistribution,
+    CategoricalDistribution,
+    DiagGaussianDistribution,
+    Distribution,
+    MultiCategoricalDistribution,
+    StateDependentNoiseDistribution,
+)
+from torch.nn import functional as F
+
+KL_ESTIMATORS = ("analytic", "k1", "k3")
+KL_DIRECTIONS = ("forward", "reverse")
+KL_REDUCTIONS = ("sum", "mean")
+
+
+class DistributionParams(ABC):
+    """
+    Translates between an SB3 action distribution and a flat tensor of its parameters,
+    and computes the exact per-dimension KL between two parameter tensors.
+
+    :param n_params: Number of parameters per state
+    :param n_dims: Number of independent action dimensions (used by the ``"mean"`` reduction)
+    """
+
+    def __init__(self, n_params: int, n_dims: int):
+        self.n_params = n_params
+        self.n_dims = n_dims
+
+    @abstractmethod
+    def extract(self, distribution: Distribution) -> th.Tensor:
+        """
+        :param distribution: A distribution built by the policy (``proba_distribution`` already called)
+        :return: Its parameters, shape ``(batch, n_params)``; differentiable when the distribution is
+        """
+
+    @abstractmethod
+    def kl_per_dim(self, p: th.Tensor, q: th.Tensor) -> th.Tensor:
+        """
+        Exact KL(p || q) for each independent action dimension.
+
+        :param p: Parameters of the first distribution, ``(batch, n_params)``
+        :param q: Parameters of the second distribution, ``(batch, n_params)``
+        :return: ``(batch, n_dims)``
+        """
+
+    @abstractmethod
+    def entropy(self, params: th.Tensor) -> th.Tensor:
+        """
+        :param params: ``(batch, n_params)``
+        :return: The joint entropy per state, ``(batch,)``
+        """
+
+    @abstractmethod
+    def torch_distributions(self, params: th.Tensor) -> list[th.distributions.Distribution]:
+        """
+        Independent ``torch.distributions`` objects whose KLs add up to the joint KL
+        (one per factor; used to check this module against PyTorch's own ``kl_divergence``).
+
+        :param params: ``(batch, n_params)``
+        """
+
+
+class GaussianParams(DistributionParams):
+    """
+    Diagonal Gaussian (``Box`` actions, with or without gSDE): parameters are ``[mean, log_std]``.
+
+    :param action_dim: Size of the action vector
+    """
+
+    def __init__(self, action_dim: int):
+        super().__init__(n_params=2 * action_dim, n_dims=action_dim)
+        self.action_dim = action_dim
+
+    def extract(self, distribution: Distribution) -> th.Tensor:
+        normal = distribution.distribution
+        return th.cat([normal.loc, th.log(normal.scale)], dim=-1)  # type: ignore[union-attr]
+
+    def split(self, params: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        """:return: mean and log_std, each ``(batch, action_dim)``"""
+        return params[..., : self.action_dim], params[..., self.action_dim :]
+
+    def kl_per_dim(self, p: th.Tensor, q: th.Tensor) -> th.Tensor:
+        mean_p, log_std_p = self.split(p)
+        mean_q, log_std_q = self.split(q)
+        # KL(N(mp, sp) || N(mq, sq)) = log(sq / sp) + (sp^2 + (mp - mq)^2) / (2 sq^2) - 1/2
+        var_ratio = th.exp(2.0 * (log_std_p - log_std_q))
+        mean_term = ((mean_p - mean_q) * th.exp(-log_std_q)) ** 2
+        return 0.5 * (var_ratio + mean_term - 1.0) - (log_std_p - log_std_q)
+
+    def entropy(self, params: th.Tensor) -> th.Tensor:
+        _, log_std = self.split(params)
+        return (log_std + 0.5 * math.log(2.0 * math.pi * math.e)).sum(dim=-1)
+
+    def std(self, params: th.Tensor) -> th.Tensor:
+        """:return: the standard deviation per state and action dimension"""
+        return th.exp(self.split(params)[1])
+
+    def torch_distributions(self, params: th.Tensor) -> list[th.distributions.Distribution]:
+        mean, log_std = self.split(params)
+        return [th.distributions.Normal(mean, th.exp(log_std))]
+
+
+class CategoricalParams(DistributionParams):
+    """
+    Categorical over ``n`` actions (``Discrete``): parameters are the normalized log-probabilities.
+
+    :param n: Number of actions
+    """
+
+    def __init__(self, n: int):
+        super().__init__(n_params=n, n_dims=1)
+
+    def extract(self, distribution: Distribution) -> th.Tensor:
+        return distribution.distribution.logits  # type: ignore[union-attr]
+
+    def kl_per_dim(self, p: th.Tensor, q: th.Tensor) -> th.Tensor:
+        log_p = th.log_softmax(p, dim=-1)
+        log_q = th.log_softmax(q, dim=-1)
+        return (th.exp(log_p) * (log_p - log_q)).sum(dim=-1, keepdim=True)
+
+    def entropy(self, params: th.Tensor) -> th.Tensor:
+        log_p = th.log_softmax(params, dim=-1)
+        return -(th.exp(log_p) * log_p).sum(dim=-1)
+
+    def torch_distributions(self, params: th.Tensor) -> list[th.distributions.Distribution]:
+        return [th.distributions.Categorical(logits=params)]
+
+
+class MultiCategoricalParams(DistributionParams):
+    """
+    Independent categoricals (``MultiDiscrete``): parameters are the concatenated log-probabilities.
+
+    :param nvec: Number of choices of each sub-action
+    """
+
+    def __init__(self, nvec: list[int]):
+        super().__init__(n_params=int(sum(nvec)), n_dims=len(nvec))
+        self.nvec = [int(n) for n in nvec]
+
+    def extract(self, distribution: Distribution) -> th.Tensor:
+        return th.cat([categorical.logits for categorical in distribution.distribution], dim=-1)  # type: ignore[union-attr]
+
+    def kl_per_dim(self, p: th.Tensor, q: th.Tensor) -> th.Tensor:
+        kls = []
+        for p_i, q_i in zip(th.split(p, self.nvec, dim=-1), th.split(q, self.nvec, dim=-1), strict=True):
+            log_p = th.log_softmax(p_i, dim=-1)
+            log_q = th.log_softmax(q_i, dim=-1)
+            kls.append((th.exp(log_p) * (log_p - log_q)).sum(dim=-1))
+        return th.stack(kls, dim=-1)
+
+    def entropy(self, params: th.Tensor) -> th.Tensor:
+        entropy = th.zeros(params.shape[:-1], device=params.device)
+        for p_i in th.split(params, self.nvec, dim=-1):
+            log_p = th.log_softmax(p_i, dim=-1)
+            entropy = entropy - (th.exp(log_p) * log_p).sum(dim=-1)
+        return entropy
+
+    def torch_distributions(self, params: th.Tensor) -> list[th.distributions.Distribution]:
+        return [th.distributions.Categorical(logits=p_i) for p_i in th.split(params, self.nvec, dim=-1)]
+
+
+class BernoulliParams(DistributionParams):
+    """
+    Independent Bernoullis (``MultiBinary``): parameters are the logits.
+
+    :param n: Number of binary actions
+    """
+
+    def __init__(self, n: int):
+        super().__init__(n_params=n, n_dims=n)
+
+    def extract(self, distribution: Distribution) -> th.Tensor:
+        return distribution.distribution.logits  # type: ignore[union-attr]
+
+    def kl_per_dim(self, p: th.Tensor, q: th.Tensor) -> th.Tensor:
+        # log sigma(x) and log(1 - sigma(x)) = log sigma(-x), computed stably
+        log_p1, log_p0 = F.logsigmoid(p), F.logsigmoid(-p)
+        log_q1, log_q0 = F.logsigmoid(q), F.logsigmoid(-q)
+        return th.exp(log_p1) * (log_p1 - log_q1) + th.exp(log_p0) * (log_p0 - log_q0)
+
+    def entropy(self, params: th.Tensor) -> th.Tensor:
+        log_p1, log_p0 = F.logsigmoid(params), F.logsigmoid(-params)
+        return -(th.exp(log_p1) * log_p1 + th.exp(log_p0) * log_p0).sum(dim=-1)
+
+    def torch_distributions(self, params: th.Tensor) -> list[th.distributions.Distribution]:
+        return [th.distributions.Bernoulli(logits=params)]
+
+
+def make_distribution_params(action_dist: Distribution, action_space: spaces.Space | None = None) -> DistributionParams:
+    """
+    Choose the parameter layout for a policy's action distribution.
+
+    :param action_dist: The policy's ``action_dist``
+    :param action_space: Unused, kept for symmetry with SB3's ``make_proba_distribution``
+    :return: The matching :class:`DistributionParams`
+    """
+    if isinstance(action_dist, (DiagGaussianDistribution, StateDependentNoiseDistribution)):
+        return GaussianParams(action_dist.action_dim)
+    if isinstance(action_dist, CategoricalDistribution):
+        return CategoricalParams(action_dist.action_dim)
+    if isinstance(action_dist, MultiCategoricalDistribution):
+        return MultiCategoricalParams(list(action_dist.action_dims))
+    if isinstance(action_dist, BernoulliDistribution):
+        return BernoulliParams(action_dist.action_dims)
+    raise TypeError(
+        f"sb3_kl has no exact KL for the action distribution {type(action_dist).__name__}: "
+        "supported are Categorical, MultiCategorical, Bernoulli, DiagGaussian and StateDependentNoise (gSDE)."
+    )
+
+
+@dataclass(frozen=True)
+class KLSettings:
+    """
+    Which KL is computed: direction, estimator, reduction over action dimensions.
+
+    :param estimator: ``"analytic"`` (exact), ``"k1"`` or ``"k3"`` (sample estimators from the stored old log-probs)
+    :param direction: ``"forward"`` = KL(pi_old || pi_new) or ``"reverse"`` = KL(pi_new || pi_old)
+    :param reduction: ``"sum"`` (joint KL) or ``"mean"`` (per action dimension) over action dimensions
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    """
+
+    estimator: str = "analytic"
+    direction: str = "forward"
+    reduction: str = "sum"
+    log_ratio_clip: float = 20.0
+
+    def __post_init__(self) -> None:
+        check_choice("kl_estimator", self.estimator, KL_ESTIMATORS)
+        check_choice("kl_direction", self.direction, KL_DIRECTIONS)
+        check_choice("kl_reduction", self.reduction, KL_REDUCTIONS)
+        if not (isinstance(self.log_ratio_clip, (int, float)) and math.isfinite(self.log_ratio_clip)) or self.log_ratio_clip <= 0:
+            raise ValueError(f"`log_ratio_clip` must be a positive finite number, got {self.log_ratio_clip!r}.")
+
+    @property
+    def convention(self) -> str:
+        """Short label of the convention, e.g. ``"forward/analytic/sum"`` (logged beside every KL figure)."""
+        return f"{self.direction}/{self.estimator}/{self.reduction}"
+
+    @property
+    def description(self) -> str:
+        """Human-readable description, e.g. ``"KL(old||new), analytic, summed over action dimensions"``."""
+        kl = "KL(old||new)" if self.direction == "forward" else "KL(new||old)"
+        reduction = "summed over" if self.reduction == "sum" else "averaged over"
+        return f"{kl}, {self.estimator}, {reduction} action dimensions"
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """
+    :raises ValueError: when ``value`` is not one of ``choices``, naming the argument
+    """
+    if value not in choices:
+        raise ValueError(f"Unknown `{name}`={value!r}: choose one of {', '.join(repr(c) for c in choices)}.")
+
+
+def sample_kl(log_ratio: th.Tensor, estimator: str, direction: str, log_ratio_clip: float = 20.0) -> th.Tensor:
+    """
+    Per-sample KL estimate from ``log r = log pi_new(a|s) - log pi_old(a|s)``, ``a ~ pi_old``.
+
+    :param log_ratio: ``(batch,)`` joint log-ratio of the taken actions
+    :param estimator: ``"k1"`` or ``"k3"``
+    :param direction: ``"forward"`` or ``"reverse"``
+    :param log_ratio_clip: clamp for ``log r`` before exponentiation
+    :return: ``(batch,)``
+    """
+    log_ratio = th.clamp(log_ratio, -log_ratio_clip, log_ratio_clip)
+    if direction == "forward":
+        if estimator == "k1":
+            return -log_ratio
+        return th.expm1(log_ratio) - log_ratio
+    ratio = th.exp(log_ratio)
+    if estimator == "k1":
+        return ratio * log_ratio
+    return ratio * log_ratio - th.expm1(log_ratio)
+
+
+def per_state_kl(
+    settings: KLSettings,
+    dist_params: DistributionParams,
+    old_params: th.Tensor,
+    new_params: th.Tensor,
+    log_ratio: th.Tensor | None = None,
+) -> th.Tensor:
+    """
+    The per-state KL between the old and new policy, in the convention of ``settings``.
+
+    :param settings: Direction, estimator, reduction
+    :param dist_params: Parameter layout of the action distribution
+    :param old_params: Parameters of the rollout policy, ``(batch, n_params)``
+    :param new_params: Parameters of the current policy, ``(batch, n_params)``
+    :param log_ratio: ``log pi_new(a|s) - log pi_old(a|s)`` of the stored actions, ``(batch,)``;
+        required by the sample estimators
+    :return: ``(batch,)``
+    """
+    if settings.estimator == "analytic":
+        if settings.direction == "forward":
+            kl = dist_params.kl_per_dim(old_params, new_params)
+        else:
+            kl = dist_params.kl_per_dim(new_params, old_params)
+        kl = kl.sum(dim=-1)
+    else:
+        if log_ratio is None:
+            raise ValueError(f"The {settings.estimator!r} KL estimator needs the log-ratio of the stored actions.")
+        kl = sample_kl(log_ratio, settings.estimator, settings.direction, settings.log_ratio_clip)
+    if settings.reduction == "mean":
+        kl = kl / dist_params.n_dims
+    return kl
+
+
+def kl_quantiles(per_state: np.ndarray, quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float]:
+    """
+    Summary statistics of a per-state KL array.
+
+    :param per_state: per-state KL values
+    :param quantiles: which quantiles to report (in [0, 1])
+    :return: ``{"mean": ..., "p50": ..., "p90": ..., "p99": ..., "max": ...}`` as Python floats
+    """
+    stats = {"mean": float(np.mean(per_state))}
+    values = np.quantile(per_state, quantiles)
+    for q, value in zip(quantiles, values, strict=True):
+        stats[quantile_name(q)] = float(value)
+    stats["max"] = float(np.max(per_state))
+    return stats
+
+
+def quantile_name(q: float) -> str:
+    """``0.99 -> "p99"``, ``0.5 -> "p50"``, ``0.999 -> "p99.9"``."""
+    percent = round(100.0 * q, 6)
+    return f"p{percent:g}"
+
+
+def distribution_params_for_space(action_space: spaces.Space) -> DistributionParams:
+    """
+    The parameter layout SB3's default action distribution has for an action space
+    (as chosen by ``make_proba_distribution``); known before any policy exists, e.g. to size a buffer.
+
+    :param action_space: The action space
+    :return: The matching :class:`DistributionParams`
+    """
+    if isinstance(action_space, spaces.Box):
+        return GaussianParams(int(np.prod(action_space.shape)))
+    if isinstance(action_space, spaces.Discrete):
+        return CategoricalParams(int(action_space.n))
+    if isinstance(action_space, spaces.MultiDiscrete):
+        return MultiCategoricalParams([int(n) for n in np.asarray(action_space.nvec).flatten()])
+    if isinstance(action_space, spaces.MultiBinary):
+        return BernoulliParams(int(np.prod(action_space.shape)))
+    raise TypeError(f"sb3_kl supports Box, Discrete, MultiDiscrete and MultiBinary actions, not {type(action_space).__name__}.")

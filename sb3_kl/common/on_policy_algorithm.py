@@ -1,0 +1,316 @@
+"""
+What KLPPO, ClipKLPPO and KLTRPO share: KL options and their validation, the KL-coefficient controller,
+the KL rollout buffer with its policy-version check, the frozen rollout distribution, the per-state KL
+measurement after each update with its logs, the variance floor and the count of non-finite steps.
+"""
+
+import math
+from typing import Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.distributions import Distribution, StateDependentNoiseDistribution
+from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
+from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
+from stable_baselines3.common.utils import FloatSchedule
+from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
+from sb3_kl.common.controllers import KLController, make_kl_controller
+from sb3_kl.common.kl import DistributionParams, GaussianParams, KLSettings, kl_quantiles, make_distribution_params, per_state_kl
+
+#: Default ``target_kl`` when ``None`` is passed, by kind of action space
+DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
+
+
+def check_schedule_positive(name: str, value: "float | Schedule | None", allow_none: bool = False) -> None:
+    """
+    Fail early on a non-positive or non-finite number, or a schedule whose start or end value is one.
+
+    :param name: Argument name, used in the message
+    :param value: A number, a schedule of progress remaining (1 -> 0), or None
+    :param allow_none: Whether None is accepted
+    """
+    if value is None:
+        if allow_none:
+            return
+        raise ValueError(f"`{name}` must not be None.")
+    if callable(value):
+        samples = {progress: value(progress) for progress in (1.0, 0.0)}
+    else:
+        samples = {1.0: value}
+    for progress, sample in samples.items():
+        if isinstance(sample, bool) or not isinstance(sample, (int, float, np.floating, np.integer)):
+            raise TypeError(f"`{name}` must be a number or a schedule returning numbers, got {sample!r} at progress {progress}.")
+        if not math.isfinite(sample) or sample <= 0:
+            raise ValueError(f"`{name}` must be positive and finite, got {sample!r} at progress_remaining={progress}.")
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """Raised when every optimizer step of an update had a non-finite loss or gradient."""
+
+
+class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
+    """
+    Base class of the sb3_kl algorithms. See :class:`~sb3_kl.KLPPO` for the meaning of the KL arguments.
+
+    :param target_kl: Target KL per update (number or schedule of progress remaining); ``None`` = 0.02 for discrete
+        action spaces, 0.03 for ``Box``
+    :param kl_coef: Initial KL coefficient beta
+    :param kl_controller: ``"adaptive"``, ``"fixed"``, ``"proportional"`` or a :class:`~sb3_kl.common.controllers.KLController`
+    :param kl_adapt_factor: Multiplicative step of the adaptive controller (> 1)
+    :param kl_band: Band (low, high) around the target, as multiples of it, where beta stays unchanged
+    :param kl_coef_bounds: Bounds (min, max) of beta
+    :param kl_window: Number of recent update KLs averaged to drive the adaptive controller
+    :param kl_horizon: Horizon (environment steps) of the proportional controller
+    :param kl_estimator: ``"analytic"``, ``"k1"`` or ``"k3"``
+    :param kl_direction: ``"forward"`` = KL(old||new) or ``"reverse"`` = KL(new||old)
+    :param kl_reduction: ``"sum"`` (joint KL) or ``"mean"`` over action dimensions
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    :param min_std: Variance floor for Gaussian policies: std >= min_std after every optimizer step
+    :param kl_quantiles: Quantiles of the per-state KL that are logged after each update
+    """
+
+    rollout_buffer: KLRolloutBuffer | KLDictRolloutBuffer  # type: ignore[assignment]
+    policy: ActorCriticPolicy
+
+    def __init__(
+        self,
+        *args: Any,
+        target_kl: "float | Schedule | None" = None,
+        kl_coef: float = 1.0,
+        kl_controller: "str | KLController" = "adaptive",
+        kl_adapt_factor: float = 1.5,
+        kl_band: tuple[float, float] = (0.5, 1.5),
+        kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+        kl_window: int = 1,
+        kl_horizon: int = 10_000,
+        kl_estimator: str = "analytic",
+        kl_direction: str = "forward",
+        kl_reduction: str = "sum",
+        log_ratio_clip: float = 20.0,
+        min_std: float | None = None,
+        kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        check_schedule_positive("target_kl", target_kl, allow_none=True)
+        self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
+        self.kl_controller = make_kl_controller(
+            kl_controller, kl_coef, kl_adapt_factor, tuple(kl_band), tuple(kl_coef_bounds), kl_window, kl_horizon  # type: ignore[arg-type]
+        )
+        if min_std is not None:
+            if isinstance(min_std, bool) or not isinstance(min_std, (int, float)) or not math.isfinite(min_std) or min_std <= 0:
+                raise ValueError(f"`min_std` must be a positive finite number (or None to disable the floor), got {min_std!r}.")
+            action_space = getattr(self, "action_space", None)  # unknown until load() when env=None
+            if action_space is not None and not isinstance(action_space, spaces.Box):
+                raise ValueError(
+                    f"`min_std`={min_std} sets a variance floor, which only exists for Gaussian policies (Box actions); "
+                    f"this action space is {type(action_space).__name__}: pass min_std=None."
+                )
+        for q in kl_quantiles:
+            if not 0.0 < q < 1.0:
+                raise ValueError(f"`kl_quantiles` must lie strictly between 0 and 1, got {q!r}.")
+        self.target_kl = target_kl
+        self.min_std = min_std
+        self.kl_quantiles = tuple(kl_quantiles)
+        # Incremented each time the policy's parameters change; the rollout buffer records the version that acted
+        self.policy_version = 0
+        self.nonfinite_steps_total = 0
+        self.dist_params: DistributionParams
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Set-up and persistence
+
+    def _setup_model(self) -> None:
+        if self.rollout_buffer_class is None:
+            self.rollout_buffer_class = KLDictRolloutBuffer if isinstance(self.observation_space, spaces.Dict) else KLRolloutBuffer
+        elif not issubclass(self.rollout_buffer_class, KLBufferMixin):
+            raise TypeError(
+                f"`rollout_buffer_class`={self.rollout_buffer_class.__name__} does not store the rollout policy's "
+                "distribution: pass a subclass of sb3_kl.common.buffers.KLRolloutBuffer (or KLDictRolloutBuffer)."
+            )
+        super()._setup_model()
+        if not isinstance(self.policy, ActorCriticPolicy):
+            raise ValueError("Policy must subclass stable_baselines3.common.policies.ActorCriticPolicy")
+        self.dist_params = make_distribution_params(self.policy.action_dist)
+        if self.target_kl is None:
+            continuous = isinstance(self.action_space, spaces.Box)
+            self.target_kl = DEFAULT_TARGET_KL["continuous" if continuous else "discrete"]
+        self.target_kl = FloatSchedule(self.target_kl)
+        if self.min_std is not None and not isinstance(self.dist_params, GaussianParams):
+            raise ValueError(f"`min_std` is set but the policy's action distribution is not Gaussian: pass min_std=None.")
+        # ``Algo.load(path, kl_coef=x)`` puts ``kl_coef`` in ``__dict__`` before calling ``_setup_model``: apply it
+        if "kl_coef" in self.__dict__:
+            self.kl_coef = self.__dict__.pop("kl_coef")
+
+    @property
+    def kl_coef(self) -> float:
+        """The current KL coefficient beta (held by ``kl_controller``)."""
+        return self.kl_controller.kl_coef
+
+    @kl_coef.setter
+    def kl_coef(self, value: float) -> None:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"`kl_coef` must be a positive finite number, got {value!r}.")
+        self.kl_controller.kl_coef = float(value)
+
+    def _excluded_save_params(self) -> list[str]:
+        # rebuilt from the policy by _setup_model
+        return [*super()._excluded_save_params(), "dist_params"]
+
+    def set_parameters(self, *args: Any, **kwargs: Any) -> None:
+        super().set_parameters(*args, **kwargs)
+        # New weights: a rollout collected before no longer describes the policy
+        self.policy_version += 1
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Rollouts
+
+    def collect_rollouts(
+        self,
+        env: VecEnv,
+        callback: BaseCallback,
+        rollout_buffer: RolloutBuffer,
+        n_rollout_steps: int,
+    ) -> bool:
+        """
+        SB3's rollout collection; afterwards the buffer records which policy version collected it.
+        """
+        continue_training = super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+        if isinstance(rollout_buffer, KLBufferMixin):
+            rollout_buffer.policy_version = self.policy_version
+        return continue_training
+
+    def _prepare_rollout_distribution(self) -> None:
+        """
+        Check the buffer belongs to the current policy and freeze the rollout distribution's parameters on it,
+        once, before the first gradient step of the update.
+        """
+        self.rollout_buffer.check_policy_version(self.policy_version)
+        if not self.rollout_buffer.old_distribution_ready:
+            self.rollout_buffer.compute_old_distribution(self.policy)
+
+    def _finish_update(self) -> None:
+        """Mark the policy as changed: the buffer just used is now stale."""
+        self.policy_version += 1
+
+    # ----------------------------------------------------------------------------------------------------------
+    # KL pieces used inside the losses
+
+    def _forward(self, obs: PyTorchObs) -> tuple[th.Tensor, Distribution]:
+        """
+        One forward pass of actor and critic.
+
+        :param obs: Observations
+        :return: the values ``(batch,)`` and the action distribution (with gradients)
+        """
+        features = self.policy.extract_features(obs)
+        if self.policy.share_features_extractor:
+            latent_pi, latent_vf = self.policy.mlp_extractor(features)
+        else:
+            pi_features, vf_features = features
+            latent_pi = self.policy.mlp_extractor.forward_actor(pi_features)
+            latent_vf = self.policy.mlp_extractor.forward_critic(vf_features)
+        values = self.policy.value_net(latent_vf).flatten()
+        return values, self.policy._get_action_dist_from_latent(latent_pi)
+
+    def _actions_for_log_prob(self, actions: th.Tensor) -> th.Tensor:
+        """Discrete actions come out of the buffer as floats of shape (batch, 1)."""
+        if isinstance(self.action_space, spaces.Discrete):
+            return actions.long().flatten()
+        return actions
+
+    def _per_state_kl(self, old_params: th.Tensor, distribution: Distribution, log_ratio: th.Tensor | None) -> th.Tensor:
+        """
+        Per-state KL between the rollout policy and ``distribution``, in the algorithm's convention.
+
+        :param old_params: Rollout-policy parameters from the buffer
+        :param distribution: The current policy's distribution on the same states
+        :param log_ratio: log pi_new(a|s) - log pi_old(a|s) of the stored actions (needed by k1/k3)
+        :return: ``(batch,)``
+        """
+        new_params = self.dist_params.extract(distribution)
+        return per_state_kl(self.kl_settings, self.dist_params, old_params, new_params, log_ratio)
+
+    def _current_target_kl(self) -> float:
+        target = float(self.target_kl(self._current_progress_remaining))  # type: ignore[operator]
+        if not math.isfinite(target) or target <= 0:
+            raise ValueError(f"`target_kl` must stay positive and finite, its schedule returned {target}.")
+        return target
+
+    # ----------------------------------------------------------------------------------------------------------
+    # After the update
+
+    @th.no_grad()
+    def _measure_update_kl(self, chunk_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+        """
+        One no-grad pass over the whole buffer with the updated policy (eval mode, as it will act).
+
+        :return: the per-state KL in the algorithm's convention, and the updated policy's distribution parameters
+        """
+        was_training = self.policy.training
+        self.policy.set_training_mode(False)
+        kls, params = [], []
+        try:
+            for data in self.rollout_buffer.get(chunk_size):
+                distribution = self.policy.get_distribution(data.observations)
+                log_ratio = distribution.log_prob(self._actions_for_log_prob(data.actions)) - data.old_log_prob
+                new_params = self.dist_params.extract(distribution)
+                kls.append(per_state_kl(self.kl_settings, self.dist_params, data.old_dist_params, new_params, log_ratio))
+                params.append(new_params)
+        finally:
+            self.policy.set_training_mode(was_training)
+        return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
+
+    def _record_update_kl(self, per_state: np.ndarray, new_params: np.ndarray, target_kl: float) -> dict[str, float]:
+        """
+        Log the KL of the update (``train/kl``, quantiles, max), adjust beta from its mean and log it.
+
+        :param per_state: Per-state KL of the update
+        :param new_params: Updated policy's distribution parameters on the buffer
+        :param target_kl: Current target
+        :return: the KL statistics
+        """
+        stats = kl_quantiles(per_state, self.kl_quantiles)
+        if not math.isfinite(stats["mean"]):
+            raise NonFiniteUpdateError(
+                "The KL between the rollout and the updated policy is not finite: the policy's outputs overflowed. "
+                "Check observations and rewards for NaN/inf (VecCheckNan), lower the learning rate or set max_grad_norm."
+            )
+        for name, value in stats.items():
+            self.logger.record("train/kl" if name == "mean" else f"train/kl_{name}", value)
+        self.logger.record("train/kl_convention", self.kl_settings.convention, exclude="tensorboard")
+        self.logger.record("train/target_kl", target_kl)
+        self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
+        self.logger.record("train/kl_coef", self.kl_coef)
+        if isinstance(self.dist_params, GaussianParams):
+            self.logger.record("train/std_min", float(np.exp(new_params[:, self.dist_params.action_dim :].min())))
+        return stats
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Variance floor
+
+    def _min_log_std_parameter(self) -> float | None:
+        """
+        The value below which ``policy.log_std`` is clamped so that std >= min_std.
+        For gSDE this floors the std of the exploration weights (``expln`` taken into account).
+        """
+        if self.min_std is None:
+            return None
+        action_dist = self.policy.action_dist
+        if isinstance(action_dist, StateDependentNoiseDistribution) and action_dist.use_expln and self.min_std > 1.0:
+            # expln(x) = log1p(x) + 1 for x > 0
+            return math.expm1(self.min_std - 1.0)
+        return math.log(self.min_std)
+
+    @th.no_grad()
+    def _apply_variance_floor(self) -> None:
+        """Clamp ``log_std`` in place so the Gaussian's std is at least ``min_std``."""
+        floor = self._min_log_std_parameter()
+        if floor is not None:
+            self.policy.log_std.clamp_(min=floor)

@@ -1,0 +1,441 @@
+import math
+import warnings
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.policies import BasePolicy
+from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
+from stable_baselines3.common.utils import FloatSchedule, explained_variance
+from torch.nn import functional as F
+
+from sb3_kl.common.controllers import KLController
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
+from sb3_kl.klppo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
+
+SelfKLPPO = TypeVar("SelfKLPPO", bound="KLPPO")
+
+
+class KLPPO(KLOnPolicyAlgorithm):
+    """
+    Proximal Policy Optimization with an adaptive KL penalty (KLPPO), a drop-in for SB3's ``PPO``.
+
+    Loss per minibatch: ``-E[r A] + beta * KL + vf_coef * L_V - ent_coef * H`` where ``r`` is the probability ratio
+    between the current and the rollout policy, and ``KL`` is the per-state KL between them averaged over the
+    minibatch (by default exact, forward ``KL(pi_old || pi_new)``, summed over action dimensions).
+    After each update, beta is adapted so that the update's KL tracks ``target_kl``.
+
+    Paper: https://arxiv.org/abs/1707.06347 (section 4, "Adaptive KL Penalty Coefficient")
+    Code: the minibatch loop follows SB3's PPO (https://github.com/DLR-RM/stable-baselines3)
+
+    :param policy: The policy model to use (MlpPolicy, CnnPolicy, ...)
+    :param env: The environment to learn from (if registered in Gym, can be str)
+    :param learning_rate: The learning rate, it can be a function
+        of the current progress remaining (from 1 to 0)
+    :param n_steps: The number of steps to run for each environment per update
+        (i.e. rollout buffer size is n_steps * n_envs where n_envs is number of environment copies running in parallel)
+    :param batch_size: Minibatch size
+    :param n_epochs: Number of epoch when optimizing the surrogate loss
+    :param gamma: Discount factor
+    :param gae_lambda: Factor for trade-off of bias vs variance for Generalized Advantage Estimator
+    :param clip_range: Ratio clipping parameter (number or schedule). ``None`` (default): no ratio clipping,
+        the KL penalty alone controls the step; a value adds PPO's clipped surrogate as well
+    :param clip_range_vf: Clipping parameter for the value function (as in PPO); None = no clipping
+    :param normalize_advantage: Whether to normalize or not the advantage
+    :param ent_coef: Entropy coefficient for the loss calculation
+    :param vf_coef: Value function coefficient for the loss calculation
+    :param max_grad_norm: The maximum value for the gradient clipping
+    :param use_sde: Whether to use generalized State Dependent Exploration (gSDE)
+    :param sde_sample_freq: Sample a new noise matrix every n steps when using gSDE (-1: once per rollout)
+    :param rollout_buffer_class: Rollout buffer class to use; must subclass ``KLRolloutBuffer`` (or its Dict variant).
+        If ``None``, it will be automatically selected.
+    :param rollout_buffer_kwargs: Keyword arguments to pass to the rollout buffer on creation
+    :param target_kl: Target KL of each update for the coefficient controller (number or schedule of progress
+        remaining). ``None``: 0.02 for discrete action spaces, 0.03 for ``Box``.
+        Unlike PPO's ``target_kl`` it is not an early-stopping threshold; see ``kl_stop_factor`` for that.
+    :param kl_coef: Initial KL coefficient beta
+    :param kl_controller: ``"adaptive"`` (band rule, default), ``"fixed"`` (constant beta), ``"proportional"``
+        (rate-limited rule of Ziegler et al. 2019) or a ``KLController`` instance
+    :param kl_adapt_factor: Adaptive controller: beta is multiplied/divided by this factor (> 1)
+    :param kl_band: Adaptive controller: beta grows when KL > band[1] * target, shrinks when KL < band[0] * target
+    :param kl_coef_bounds: Bounds (min, max) of beta
+    :param kl_window: Adaptive controller: number of recent update KLs averaged (1 = last update)
+    :param kl_horizon: Proportional controller: horizon in environment steps
+    :param kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (sample estimators)
+    :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
+    :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
+        exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
+    :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
+        (Schulman's modular_rl uses 1000 and 2); 0 disables it (default)
+    :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
+    :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std
+        (``log_std`` clamped in place; with gSDE the std of the exploration weights). None = no floor
+    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
+        the reported success rate, mean episode length, and mean reward over
+    :param tensorboard_log: the log location for tensorboard (if None, no logging)
+    :param policy_kwargs: additional arguments to be passed to the policy on creation
+    :param verbose: Verbosity level: 0 for no output, 1 for info messages (such as device or wrappers used), 2 for
+        debug messages
+    :param seed: Seed for the pseudo random generators
+    :param device: Device (cpu, cuda, ...) on which the code should be run.
+        Setting it to auto, the code will be run on the GPU if possible.
+    :param _init_setup_model: Whether or not to build the network at the creation of the instance
+    """
+
+    policy_aliases: ClassVar[dict[str, type[BasePolicy]]] = {
+        "MlpPolicy": MlpPolicy,
+        "CnnPolicy": CnnPolicy,
+        "MultiInputPolicy": MultiInputPolicy,
+    }
+
+    def __init__(
+        self,
+        policy: str | type[MlpPolicy],
+        env: GymEnv | str,
+        learning_rate: float | Schedule = 3e-4,
+        n_steps: int = 2048,
+        batch_size: int = 64,
+        n_epochs: int = 10,
+        gamma: float = 0.99,
+        gae_lambda: float = 0.95,
+        clip_range: float | Schedule | None = None,
+        clip_range_vf: float | Schedule | None = None,
+        normalize_advantage: bool = True,
+        ent_coef: float = 0.0,
+        vf_coef: float = 0.5,
+        max_grad_norm: float = 0.5,
+        use_sde: bool = False,
+        sde_sample_freq: int = -1,
+        rollout_buffer_class: type[RolloutBuffer] | None = None,
+        rollout_buffer_kwargs: dict[str, Any] | None = None,
+        target_kl: float | Schedule | None = None,
+        kl_coef: float = 1.0,
+        kl_controller: str | KLController = "adaptive",
+        kl_adapt_factor: float = 1.5,
+        kl_band: tuple[float, float] = (0.5, 1.5),
+        kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+        kl_window: int = 1,
+        kl_horizon: int = 10_000,
+        kl_estimator: str = "analytic",
+        kl_direction: str = "forward",
+        kl_reduction: str = "sum",
+        log_ratio_clip: float = 20.0,
+        kl_stop_factor: float | None = None,
+        kl_hinge_coef: float = 0.0,
+        kl_hinge_factor: float = 2.0,
+        min_std: float | None = None,
+        kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        stats_window_size: int = 100,
+        tensorboard_log: str | None = None,
+        policy_kwargs: dict[str, Any] | None = None,
+        verbose: int = 0,
+        seed: int | None = None,
+        device: th.device | str = "auto",
+        _init_setup_model: bool = True,
+    ):
+        super().__init__(
+            policy,
+            env,
+            learning_rate=learning_rate,
+            n_steps=n_steps,
+            gamma=gamma,
+            gae_lambda=gae_lambda,
+            ent_coef=ent_coef,
+            vf_coef=vf_coef,
+            max_grad_norm=max_grad_norm,
+            use_sde=use_sde,
+            sde_sample_freq=sde_sample_freq,
+            rollout_buffer_class=rollout_buffer_class,
+            rollout_buffer_kwargs=rollout_buffer_kwargs,
+            stats_window_size=stats_window_size,
+            tensorboard_log=tensorboard_log,
+            policy_kwargs=policy_kwargs,
+            verbose=verbose,
+            device=device,
+            seed=seed,
+            _init_setup_model=False,
+            supported_action_spaces=(
+                spaces.Box,
+                spaces.Discrete,
+                spaces.MultiDiscrete,
+                spaces.MultiBinary,
+            ),
+            target_kl=target_kl,
+            kl_coef=kl_coef,
+            kl_controller=kl_controller,
+            kl_adapt_factor=kl_adapt_factor,
+            kl_band=kl_band,
+            kl_coef_bounds=kl_coef_bounds,
+            kl_window=kl_window,
+            kl_horizon=kl_horizon,
+            kl_estimator=kl_estimator,
+            kl_direction=kl_direction,
+            kl_reduction=kl_reduction,
+            log_ratio_clip=log_ratio_clip,
+            min_std=min_std,
+            kl_quantiles=kl_quantiles,
+        )
+
+        # Same sanity checks as SB3's PPO (same exceptions, so PPO users see no difference)
+        if normalize_advantage:
+            assert (
+                batch_size > 1
+            ), "`batch_size` must be greater than 1. See https://github.com/DLR-RM/stable-baselines3/issues/440"
+
+        if self.env is not None:
+            buffer_size = self.env.num_envs * self.n_steps
+            assert buffer_size > 1 or (
+                not normalize_advantage
+            ), f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+            untruncated_batches = buffer_size // batch_size
+            if buffer_size % batch_size > 0:
+                warnings.warn(
+                    f"You have specified a mini-batch size of {batch_size},"
+                    f" but because the `RolloutBuffer` is of size `n_steps * n_envs = {buffer_size}`,"
+                    f" after every {untruncated_batches} untruncated mini-batches,"
+                    f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
+                    f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
+                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})"
+                )
+        if kl_stop_factor is not None and (not math.isfinite(kl_stop_factor) or kl_stop_factor <= 0):
+            raise ValueError(f"`kl_stop_factor` must be a positive finite number or None (no early stop), got {kl_stop_factor!r}.")
+        if not math.isfinite(kl_hinge_coef) or kl_hinge_coef < 0:
+            raise ValueError(f"`kl_hinge_coef` must be >= 0 (0 disables the hinge), got {kl_hinge_coef!r}.")
+        if not math.isfinite(kl_hinge_factor) or kl_hinge_factor <= 0:
+            raise ValueError(f"`kl_hinge_factor` must be a positive finite number, got {kl_hinge_factor!r}.")
+        if clip_range is not None and not callable(clip_range) and clip_range <= 0:
+            raise ValueError(f"`clip_range` must be positive, or None to disable ratio clipping; got {clip_range!r}.")
+        self.batch_size = batch_size
+        self.n_epochs = n_epochs
+        self.clip_range = clip_range
+        self.clip_range_vf = clip_range_vf
+        self.normalize_advantage = normalize_advantage
+        self.kl_stop_factor = kl_stop_factor
+        self.kl_hinge_coef = float(kl_hinge_coef)
+        self.kl_hinge_factor = float(kl_hinge_factor)
+
+        if _init_setup_model:
+            self._setup_model()
+
+    def _setup_model(self) -> None:
+        super()._setup_model()
+
+        # Initialize schedules for policy/value clipping
+        if self.clip_range is not None:
+            self.clip_range = FloatSchedule(self.clip_range)
+        if self.clip_range_vf is not None:
+            if isinstance(self.clip_range_vf, (float, int)):
+                assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, " "pass `None` to deactivate vf clipping"
+
+            self.clip_range_vf = FloatSchedule(self.clip_range_vf)
+
+    def train(self) -> None:
+        """
+        Update policy using the currently gathered rollout buffer.
+        """
+        self._prepare_rollout_distribution()
+        # Switch to train mode (this affects batch norm / dropout)
+        self.policy.set_training_mode(True)
+        # Update optimizer learning rate
+        self._update_learning_rate(self.policy.optimizer)
+        progress = self._current_progress_remaining
+        clip_range = self.clip_range(progress) if self.clip_range is not None else None  # type: ignore[operator]
+        clip_range_vf = self.clip_range_vf(progress) if self.clip_range_vf is not None else None  # type: ignore[operator]
+        target_kl = self._current_target_kl()
+        kl_coef = self.kl_coef
+
+        entropy_losses, pg_losses, value_losses, kl_losses, clip_fractions = [], [], [], [], []
+        approx_kl_divs: list[float] = []
+        n_minibatches = math.ceil(self.rollout_buffer.buffer_size * self.rollout_buffer.n_envs / self.batch_size)
+        nonfinite_steps, applied_steps = 0, 0
+        kl_grad_ratio = float("nan")
+        early_stop_epoch = self.n_epochs
+        loss = th.zeros(())
+
+        for epoch in range(self.n_epochs):
+            approx_kl_divs = []
+            epoch_kl_sum, epoch_states = 0.0, 0
+            for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
+                actions = self._actions_for_log_prob(rollout_data.actions)
+                # One forward pass gives the values, the log-probs and the distribution for the KL
+                values, distribution = self._forward(rollout_data.observations)
+                log_prob = distribution.log_prob(actions)
+                entropy = distribution.entropy()
+                log_ratio = log_prob - rollout_data.old_log_prob
+                kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
+
+                advantages = rollout_data.advantages
+                # Normalization does not make sense if mini batchsize == 1, see GH issue #325
+                if self.normalize_advantage and len(advantages) > 1:
+                    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+                policy_loss, clip_fraction = self._surrogate_loss(log_ratio, advantages, clip_range)
+                kl_loss = self._kl_penalty(kl, kl_coef, target_kl)
+
+                if clip_range_vf is None:
+                    values_pred = values
+                else:
+                    # Clip the difference between old and new value
+                    # NOTE: this depends on the reward scaling
+                    values_pred = rollout_data.old_values + th.clamp(values - rollout_data.old_values, -clip_range_vf, clip_range_vf)
+                value_loss = F.mse_loss(rollout_data.returns, values_pred)
+                # Entropy loss favor exploration (approximated by -log_prob when there is no analytical form)
+                entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
+
+                loss = policy_loss + kl_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
+
+                # Diagnostics: SB3's approx_kl (k3 estimate of KL(old||new)), see
+                # https://github.com/DLR-RM/stable-baselines3/issues/417 and http://joschu.net/blog/kl-approx.html
+                with th.no_grad():
+                    approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
+                    epoch_kl_sum += kl.item() * len(advantages)
+                    epoch_states += len(advantages)
+                pg_losses.append(policy_loss.item())
+                value_losses.append(value_loss.item())
+                entropy_losses.append(entropy_loss.item())
+                kl_losses.append(kl_loss.item())
+                if clip_fraction is not None:
+                    clip_fractions.append(clip_fraction)
+
+                if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
+                    kl_grad_ratio = self._gradient_ratio(kl_loss, policy_loss)
+
+                if self._optimizer_step(loss):
+                    applied_steps += 1
+                else:
+                    nonfinite_steps += 1
+
+            self._n_updates += 1
+            # Early stop judged once per epoch on the KL of all the states seen in it (one minibatch is too noisy)
+            if self.kl_stop_factor is not None and epoch_kl_sum / max(epoch_states, 1) > self.kl_stop_factor * target_kl:
+                early_stop_epoch = epoch + 1
+                if self.verbose >= 1:
+                    print(f"Early stopping at epoch {epoch + 1} due to reaching KL {epoch_kl_sum / epoch_states:.4f}")
+                if epoch < self.n_epochs - 1:
+                    kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
+                break
+
+        if applied_steps == 0 and nonfinite_steps > 0:
+            raise NonFiniteUpdateError(
+                f"All {nonfinite_steps} optimizer steps of this update had a non-finite loss or gradient, so none was "
+                "applied. Check the environment's observations and rewards for NaN/inf (wrap it with VecCheckNan), "
+                "normalize them (VecNormalize), lower the learning rate, or set max_grad_norm."
+            )
+        self.nonfinite_steps_total += nonfinite_steps
+
+        per_state, new_params = self._measure_update_kl()
+        self._finish_update()
+        explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
+
+        # Logs
+        self.logger.record("train/entropy_loss", np.mean(entropy_losses))
+        self.logger.record("train/policy_gradient_loss", np.mean(pg_losses))
+        self.logger.record("train/value_loss", np.mean(value_losses))
+        self.logger.record("train/kl_loss", np.mean(kl_losses))
+        self.logger.record("train/approx_kl", np.mean(approx_kl_divs))
+        if clip_range is not None:
+            self.logger.record("train/clip_fraction", np.mean(clip_fractions))
+            self.logger.record("train/clip_range", clip_range)
+        self.logger.record("train/loss", loss.item())
+        self.logger.record("train/explained_variance", explained_var)
+        if hasattr(self.policy, "log_std"):
+            self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
+        self.logger.record("train/kl_grad_ratio", kl_grad_ratio)
+        self.logger.record("train/early_stop_epoch", early_stop_epoch)
+        self.logger.record("train/nonfinite_steps", nonfinite_steps)
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        if clip_range_vf is not None:
+            self.logger.record("train/clip_range_vf", clip_range_vf)
+        self._record_update_kl(per_state, new_params, target_kl)
+
+    def _surrogate_loss(
+        self, log_ratio: th.Tensor, advantages: th.Tensor, clip_range: float | None
+    ) -> tuple[th.Tensor, float | None]:
+        """
+        Policy-gradient surrogate ``-E[r A]``, with PPO's clipping when ``clip_range`` is set.
+
+        :return: the loss and the clip fraction (None without clipping)
+        """
+        ratio = th.exp(th.clamp(log_ratio, -self.kl_settings.log_ratio_clip, self.kl_settings.log_ratio_clip))
+        if clip_range is None:
+            return -(advantages * ratio).mean(), None
+        policy_loss_1 = advantages * ratio
+        policy_loss_2 = advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)
+        clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float()).item()
+        return -th.min(policy_loss_1, policy_loss_2).mean(), clip_fraction
+
+    def _kl_penalty(self, kl: th.Tensor, kl_coef: float, target_kl: float) -> th.Tensor:
+        """
+        ``beta * KL``, plus the optional hinge ``kl_hinge_coef * max(0, KL - kl_hinge_factor * target)^2``.
+
+        :param kl: Mean per-state KL of the minibatch
+        """
+        penalty = kl_coef * kl
+        if self.kl_hinge_coef > 0:
+            penalty = penalty + self.kl_hinge_coef * th.clamp(kl - self.kl_hinge_factor * target_kl, min=0.0) ** 2
+        return penalty
+
+    def _optimizer_step(self, loss: th.Tensor) -> bool:
+        """
+        zero_grad, backward, clip and step; a non-finite loss or gradient norm skips the step.
+
+        :return: whether the step was applied
+        """
+        self.policy.optimizer.zero_grad()
+        if not th.isfinite(loss):
+            return False
+        loss.backward()
+        grad_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        if not th.isfinite(grad_norm):
+            self.policy.optimizer.zero_grad()
+            return False
+        self.policy.optimizer.step()
+        self._apply_variance_floor()
+        return True
+
+    def _gradient_ratio(self, kl_loss: th.Tensor, policy_loss: th.Tensor) -> float:
+        """
+        ``||grad beta*KL|| / ||grad surrogate||`` over the policy's parameters (graph kept for the optimizer step).
+        """
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        norms = []
+        for term in (kl_loss, policy_loss):
+            if not term.requires_grad:
+                norms.append(0.0)
+                continue
+            grads = th.autograd.grad(term, params, retain_graph=True, allow_unused=True)
+            norms.append(math.sqrt(sum(float((g**2).sum()) for g in grads if g is not None)))
+        return norms[0] / norms[1] if norms[1] > 0 else float("nan")
+
+    def _recompute_gradient_ratio(self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float) -> float:
+        """The gradient ratio on the last minibatch seen, with the final parameters (when the update stopped early)."""
+        _, distribution = self._forward(rollout_data.observations)
+        log_ratio = distribution.log_prob(self._actions_for_log_prob(rollout_data.actions)) - rollout_data.old_log_prob
+        kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
+        advantages = rollout_data.advantages
+        if self.normalize_advantage and len(advantages) > 1:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        policy_loss, _ = self._surrogate_loss(log_ratio, advantages, clip_range)
+        return self._gradient_ratio(self._kl_penalty(kl, kl_coef, target_kl), policy_loss)
+
+    def learn(
+        self: SelfKLPPO,
+        total_timesteps: int,
+        callback: MaybeCallback = None,
+        log_interval: int = 1,
+        tb_log_name: str = "KLPPO",
+        reset_num_timesteps: bool = True,
+        progress_bar: bool = False,
+    ) -> SelfKLPPO:
+        return super().learn(
+            total_timesteps=total_timesteps,
+            callback=callback,
+            log_interval=log_interval,
+            tb_log_name=tb_log_name,
+            reset_num_timesteps=reset_num_timesteps,
+            progress_bar=progress_bar,
+        )
