@@ -1,0 +1,125 @@
+import math
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sb3_kl.common.controllers import (
+    AdaptiveKLController,
+    FixedKLController,
+    ProportionalKLController,
+    make_kl_controller,
+)
+
+
+def test_adaptive_band_rule():
+    controller = AdaptiveKLController(kl_coef=1.0, kl_adapt_factor=1.5, kl_band=(0.5, 1.5), kl_coef_bounds=(1e-4, 10.0))
+    target = 0.02
+    assert controller.update(0.031, target) == pytest.approx(1.5)  # above 1.5 x target: grow
+    assert controller.update(0.02, target) == pytest.approx(1.5)  # in band: unchanged
+    assert controller.update(0.0099, target) == pytest.approx(1.0)  # below 0.5 x target: shrink
+    assert controller.kl_history == [0.031, 0.02, 0.0099]
+    assert controller.kl_coef_history == pytest.approx([1.5, 1.5, 1.0])
+    assert controller.n_updates == 3
+
+
+def test_adaptive_bounds_are_respected():
+    controller = AdaptiveKLController(kl_coef=1.0, kl_adapt_factor=2.0, kl_coef_bounds=(0.25, 4.0))
+    for _ in range(10):
+        controller.update(1.0, 0.01)
+    assert controller.kl_coef == 4.0
+    assert controller.at_upper_bound
+    for _ in range(10):
+        controller.update(0.0, 0.01)
+    assert controller.kl_coef == 0.25
+
+
+def test_ppo_paper_rule():
+    """PPO paper: factor 2 and band (1/1.5, 1.5)."""
+    controller = AdaptiveKLController(kl_coef=1.0, kl_adapt_factor=2.0, kl_band=(1 / 1.5, 1.5))
+    assert controller.update(0.016, 0.01) == 2.0
+    assert controller.update(0.0066, 0.01) == 1.0
+
+
+def test_window_averages_recent_kls():
+    controller = AdaptiveKLController(kl_coef=1.0, kl_window=3)
+    controller.update(0.0, 0.01)  # mean 0 -> shrink
+    assert controller.kl_coef == pytest.approx(1 / 1.5)
+    controller.update(0.03, 0.01)  # mean 0.015: in band
+    assert controller.kl_coef == pytest.approx(1 / 1.5)
+    controller.update(0.03, 0.01)  # mean 0.02 > 0.015: grow
+    assert controller.kl_coef == pytest.approx(1.0)
+
+
+def test_fixed_and_proportional():
+    fixed = FixedKLController(kl_coef=0.3)
+    assert fixed.update(10.0, 0.01) == 0.3
+    proportional = ProportionalKLController(kl_coef=1.0, kl_horizon=1000, kl_error_clip=0.2)
+    # error clipped to +0.2, 100 steps over a horizon of 1000: x1.02
+    assert proportional.update(1.0, 0.01, n_steps=100) == pytest.approx(1.02)
+    assert proportional.update(0.0, 0.01, n_steps=100) == pytest.approx(1.02 * 0.98)
+
+
+def test_state_survives_pickle():
+    controller = AdaptiveKLController(kl_coef=1.0, kl_window=4)
+    for kl in (0.1, 0.001, 0.02):
+        controller.update(kl, 0.02)
+    restored = pickle.loads(pickle.dumps(controller))
+    assert restored.kl_coef == controller.kl_coef
+    assert list(restored.recent_kls) == list(controller.recent_kls)
+    assert restored.kl_history == controller.kl_history
+    assert restored.update(0.5, 0.02) == controller.update(0.5, 0.02)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"kl_adapt_factor": 1.0}, "kl_adapt_factor"),
+        ({"kl_adapt_factor": 0.5}, "kl_adapt_factor"),
+        ({"kl_band": (1.5, 0.5)}, "kl_band"),
+        ({"kl_band": (0.0, 1.5)}, "kl_band"),
+        ({"kl_coef_bounds": (10.0, 1e-4)}, "kl_coef_bounds"),
+        ({"kl_coef_bounds": (-1.0, 1.0)}, "kl_coef_bounds"),
+        ({"kl_coef": -1.0}, "kl_coef"),
+        ({"kl_coef": 100.0}, "kl_coef"),
+        ({"kl_window": 0}, "kl_window"),
+    ],
+)
+def test_adaptive_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveKLController(**kwargs)
+
+
+def test_unknown_controller_name():
+    with pytest.raises(ValueError, match="kl_controller"):
+        make_kl_controller("pid")
+
+
+def test_nonfinite_kl_is_rejected():
+    with pytest.raises(ValueError, match="non-finite"):
+        AdaptiveKLController().update(float("nan"), 0.01)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=1, max_size=50),
+    st.floats(1e-4, 1.0),
+    st.sampled_from(["adaptive", "proportional", "fixed"]),
+)
+def test_coefficient_stays_in_bounds_and_finite(kls, target, kind):
+    controller = make_kl_controller(kind, kl_coef=1.0, kl_coef_bounds=(1e-3, 5.0))
+    for kl in kls:
+        coef = controller.update(kl, target, n_steps=2048)
+        assert math.isfinite(coef)
+        assert 1e-3 <= coef <= 5.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(1e-6, 10.0), st.floats(1e-6, 10.0), st.floats(1e-3, 1.0))
+def test_response_is_monotone_in_kl(kl_a, kl_b, target):
+    """A larger KL never yields a smaller coefficient from the same state."""
+    low, high = sorted((kl_a, kl_b))
+    for kind in ("adaptive", "proportional"):
+        a, b = make_kl_controller(kind), make_kl_controller(kind)
+        assert a.update(low, target, n_steps=1000) <= b.update(high, target, n_steps=1000)

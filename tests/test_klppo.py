@@ -1,0 +1,314 @@
+import copy
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.envs import (
+    FakeImageEnv,
+    IdentityEnv,
+    IdentityEnvBox,
+    IdentityEnvMultiBinary,
+    IdentityEnvMultiDiscrete,
+    SimpleMultiObsEnv,
+)
+from stable_baselines3.common.utils import LinearSchedule
+
+from sb3_kl import KLPPO
+from sb3_kl.common.buffers import StalePolicyError
+from sb3_kl.common.on_policy_algorithm import NonFiniteUpdateError
+
+SMALL = dict(n_steps=64, batch_size=32, n_epochs=3, policy_kwargs=dict(net_arch=[16]), seed=0)
+
+
+class SnapshotCallback(BaseCallback):
+    """Keeps a deep copy of the rollout policy and the rollout's observations at the end of every rollout."""
+
+    def __init__(self):
+        super().__init__()
+        self.snapshots = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        buffer = self.model.rollout_buffer
+        if isinstance(buffer.observations, dict):
+            obs = {k: v.reshape(-1, *v.shape[2:]).copy() for k, v in buffer.observations.items()}
+        else:
+            obs = buffer.observations.reshape(-1, *buffer.observations.shape[2:]).copy()
+        self.snapshots.append((snapshot_policy(self.model), obs))
+
+
+def snapshot_policy(model):
+    """An independent copy of the model's policy (deepcopy fails on gSDE's non-leaf exploration matrices)."""
+    policy = model.policy_class(
+        model.observation_space, model.action_space, model.lr_schedule, use_sde=model.use_sde, **model.policy_kwargs
+    )
+    policy.load_state_dict(model.policy.state_dict())
+    return policy.set_training_mode(False) or policy
+
+
+def independent_kl(old_policy, new_policy, obs) -> np.ndarray:
+    """Per-state KL(old || new) from PyTorch's kl_divergence on the two policies' own distributions."""
+    with th.no_grad():
+        if isinstance(obs, dict):
+            obs_tensor = {key: th.as_tensor(value) for key, value in obs.items()}
+        else:
+            obs_tensor = th.as_tensor(obs)
+        old = copy.copy(old_policy.get_distribution(obs_tensor))
+        new = new_policy.get_distribution(obs_tensor)
+        old_d, new_d = old.distribution, new.distribution
+        if isinstance(old_d, list):  # MultiCategorical
+            kl = sum(th.distributions.kl_divergence(p, q) for p, q in zip(old_d, new_d, strict=True))
+        else:
+            kl = th.distributions.kl_divergence(old_d, new_d)
+            if kl.dim() > 1:
+                kl = kl.sum(dim=-1)
+    return kl.numpy()
+
+
+ENVS = {
+    "discrete": lambda: IdentityEnv(4),
+    "box": lambda: IdentityEnvBox(eps=0.5),
+    "multidiscrete": lambda: IdentityEnvMultiDiscrete(3),
+    "multibinary": lambda: IdentityEnvMultiBinary(3),
+    "pendulum": lambda: gym.make("Pendulum-v1"),
+    "cartpole": lambda: gym.make("CartPole-v1"),
+}
+
+
+@pytest.mark.parametrize("env_name", list(ENVS))
+def test_logged_kl_equals_independent_kl(env_name):
+    """train/kl and its quantiles equal torch.distributions.kl_divergence between snapshots of the policy."""
+    snapshots = SnapshotCallback()
+    model = KLPPO("MlpPolicy", ENVS[env_name](), learning_rate=3e-3, **SMALL)
+    model.learn(2 * SMALL["n_steps"], callback=snapshots)
+    old_policy, obs = snapshots.snapshots[-1]
+    reference = independent_kl(old_policy, model.policy, obs)
+    logged = model.logger.name_to_value
+    assert logged["train/kl"] > 1e-6, "the update must move the policy"
+    assert logged["train/kl"] == pytest.approx(reference.mean(), rel=1e-4, abs=1e-8)
+    assert logged["train/kl_p50"] == pytest.approx(np.quantile(reference, 0.5), rel=1e-3, abs=1e-8)
+    assert logged["train/kl_p99"] == pytest.approx(np.quantile(reference, 0.99), rel=1e-3, abs=1e-8)
+    assert logged["train/kl_max"] == pytest.approx(reference.max(), rel=1e-3, abs=1e-8)
+    assert logged["train/kl_convention"] == "forward/analytic/sum"
+
+
+def test_reverse_direction_and_mean_reduction_are_what_they_say():
+    snapshots = SnapshotCallback()
+    model = KLPPO(
+        "MlpPolicy", IdentityEnvBox(eps=0.5), learning_rate=3e-3, kl_direction="reverse", kl_reduction="mean", **SMALL
+    )
+    model.learn(2 * SMALL["n_steps"], callback=snapshots)
+    old_policy, obs = snapshots.snapshots[-1]
+    # KL(new || old): swap the arguments of the independent computation; mean over the 1 action dim
+    reference = independent_kl(model.policy, old_policy, obs)
+    assert model.logger.name_to_value["train/kl"] == pytest.approx(reference.mean(), rel=1e-4)
+    assert model.logger.name_to_value["train/kl_convention"] == "reverse/analytic/mean"
+
+
+def test_gsde_kl():
+    snapshots = SnapshotCallback()
+    model = KLPPO("MlpPolicy", "Pendulum-v1", use_sde=True, sde_sample_freq=4, learning_rate=3e-3, **SMALL)
+    model.learn(2 * SMALL["n_steps"], callback=snapshots)
+    old_policy, obs = snapshots.snapshots[-1]
+    reference = independent_kl(old_policy, model.policy, obs)
+    assert model.logger.name_to_value["train/kl"] == pytest.approx(reference.mean(), rel=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_sample_estimators_run_and_are_labelled(estimator):
+    model = KLPPO("MlpPolicy", "CartPole-v1", kl_estimator=estimator, **SMALL)
+    model.learn(2 * SMALL["n_steps"])
+    assert np.isfinite(model.logger.name_to_value["train/kl"])
+    assert model.logger.name_to_value["train/kl_convention"] == f"forward/{estimator}/sum"
+
+
+@pytest.mark.parametrize(
+    "policy,env_fn",
+    [
+        ("MultiInputPolicy", lambda: SimpleMultiObsEnv(random_start=False)),
+        ("CnnPolicy", lambda: FakeImageEnv(screen_height=36, screen_width=36, n_channels=1, discrete=True)),
+    ],
+)
+def test_other_observation_spaces(policy, env_fn):
+    kwargs = dict(SMALL)
+    kwargs["policy_kwargs"] = dict(net_arch=[16]) if policy == "MultiInputPolicy" else dict(features_extractor_kwargs=dict(features_dim=16))
+    model = KLPPO(policy, env_fn(), **kwargs)
+    model.learn(2 * SMALL["n_steps"])
+    assert model.logger.name_to_value["train/kl"] >= 0
+
+
+def test_clipping_is_off_by_default_and_on_when_set():
+    model = KLPPO("MlpPolicy", "CartPole-v1", **SMALL)
+    model.learn(2 * SMALL["n_steps"])
+    assert model.clip_range is None
+    assert "train/clip_fraction" not in model.logger.name_to_value
+    clipped = KLPPO("MlpPolicy", "CartPole-v1", clip_range=0.2, **SMALL)
+    clipped.learn(2 * SMALL["n_steps"])
+    assert "train/clip_fraction" in clipped.logger.name_to_value
+    assert clipped.logger.name_to_value["train/clip_range"] == 0.2
+
+
+def test_default_target_depends_on_action_space():
+    assert KLPPO("MlpPolicy", "CartPole-v1", **SMALL).target_kl(1.0) == 0.02
+    assert KLPPO("MlpPolicy", "Pendulum-v1", **SMALL).target_kl(1.0) == 0.03
+
+
+def test_target_schedule_and_logged_keys():
+    model = KLPPO("MlpPolicy", "CartPole-v1", target_kl=LinearSchedule(0.05, 0.01, 1.0), **SMALL)
+    model.learn(4 * SMALL["n_steps"])
+    values = model.logger.name_to_value
+    assert values["train/target_kl"] == pytest.approx(0.01 + 0.04 * model._current_progress_remaining)
+    for key in ("train/kl_coef", "train/kl_grad_ratio", "train/approx_kl", "train/policy_gradient_loss", "train/value_loss",
+                "train/entropy_loss", "train/explained_variance", "train/nonfinite_steps", "train/early_stop_epoch"):
+        assert key in values, key
+    assert values["train/kl_coef"] == model.kl_coef
+    assert np.isfinite(values["train/kl_grad_ratio"]) and values["train/kl_grad_ratio"] > 0
+
+
+def test_coefficient_adapts_toward_target():
+    """With a tiny target the penalty grows; with a huge target it shrinks."""
+    tight = KLPPO("MlpPolicy", "CartPole-v1", learning_rate=3e-3, target_kl=1e-5, **SMALL).learn(4 * SMALL["n_steps"])
+    loose = KLPPO("MlpPolicy", "CartPole-v1", learning_rate=3e-3, target_kl=10.0, **SMALL).learn(4 * SMALL["n_steps"])
+    assert tight.kl_coef > 1.0 > loose.kl_coef
+    assert tight.kl_controller.n_updates == 4
+
+
+def test_save_load_continue_keeps_coefficient_and_controller(tmp_path):
+    model = KLPPO("MlpPolicy", "CartPole-v1", target_kl=1e-4, kl_window=3, **SMALL).learn(3 * SMALL["n_steps"])
+    beta, history, recent = model.kl_coef, list(model.kl_controller.kl_history), list(model.kl_controller.recent_kls)
+    assert beta != 1.0
+    model.save(tmp_path / "model.zip")
+    loaded = KLPPO.load(tmp_path / "model.zip", env=gym.make("CartPole-v1"))
+    assert loaded.kl_coef == beta
+    assert loaded.kl_controller.kl_history == history
+    assert list(loaded.kl_controller.recent_kls) == recent
+    assert loaded.target_kl(0.5) == 1e-4
+    loaded.learn(SMALL["n_steps"], reset_num_timesteps=False)
+    assert loaded.kl_controller.n_updates == 4
+    assert loaded.kl_controller.kl_history[:3] == history
+    # loading without an env, and overriding beta at load time as SB3 allows for any attribute
+    no_env = KLPPO.load(tmp_path / "model.zip", kl_coef=0.123)
+    assert no_env.kl_coef == 0.123
+    assert no_env.predict(np.zeros(4, dtype=np.float32))[0] in (0, 1)
+
+
+class StdRecorder(BaseCallback):
+    def __init__(self):
+        super().__init__()
+        self.stds = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_start(self) -> None:
+        self.stds.append(th.exp(self.model.policy.log_std).min().item())
+
+
+@pytest.mark.parametrize("use_sde", [False, True])
+def test_variance_floor_holds_under_a_loss_that_pushes_std_down(use_sde):
+    # a strongly negative entropy coefficient drives the std down
+    kwargs = dict(SMALL, learning_rate=5e-2, ent_coef=-5.0, use_sde=use_sde)
+    unfloored, recorder = KLPPO("MlpPolicy", "Pendulum-v1", **kwargs), StdRecorder()
+    unfloored.learn(6 * SMALL["n_steps"], callback=recorder)
+    floor = 0.6
+    assert min(recorder.stds) < floor, "the test loss must push the std below the floor"
+    floored, recorder = KLPPO("MlpPolicy", "Pendulum-v1", min_std=floor, **kwargs), StdRecorder()
+    floored.learn(6 * SMALL["n_steps"], callback=recorder)
+    assert min(recorder.stds) >= floor * (1 - 1e-6)
+    assert th.exp(floored.policy.log_std).min().item() >= floor * (1 - 1e-6)
+    if not use_sde:
+        assert floored.logger.name_to_value["train/std_min"] >= floor * (1 - 1e-5)
+
+
+def test_stale_buffer_is_refused():
+    model = KLPPO("MlpPolicy", "CartPole-v1", **SMALL).learn(SMALL["n_steps"])
+    with pytest.raises(StalePolicyError, match="Collect a new rollout"):
+        model.train()
+
+
+def test_nonfinite_steps_are_skipped_and_counted(monkeypatch):
+    model = KLPPO("MlpPolicy", "CartPole-v1", **SMALL)
+    original = model._surrogate_loss
+    calls = {"n": 0}
+
+    def sometimes_nan(*args, **kwargs):
+        loss, clip_fraction = original(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 1 else loss), clip_fraction
+
+    monkeypatch.setattr(model, "_surrogate_loss", sometimes_nan)
+    model.learn(SMALL["n_steps"] * 2)
+    assert model.logger.name_to_value["train/nonfinite_steps"] == 0  # second update
+    assert model.nonfinite_steps_total == 1
+    assert all(th.isfinite(p).all() for p in model.policy.parameters())
+
+
+class NaNRewardWrapper(gym.Wrapper):
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, float("nan"), terminated, truncated, info
+
+
+def test_update_with_only_nonfinite_steps_raises():
+    model = KLPPO("MlpPolicy", NaNRewardWrapper(gym.make("CartPole-v1")), **SMALL)
+    with pytest.raises(NonFiniteUpdateError, match="VecCheckNan"):
+        model.learn(SMALL["n_steps"])
+    assert all(th.isfinite(p).all() for p in model.policy.parameters())
+
+
+def test_kl_stop_factor_stops_early():
+    model = KLPPO("MlpPolicy", "CartPole-v1", learning_rate=0.05, n_epochs=10, target_kl=1e-4, kl_stop_factor=1.0,
+                  n_steps=64, batch_size=32, policy_kwargs=dict(net_arch=[16]), seed=0)
+    model.learn(128)
+    assert model.logger.name_to_value["train/early_stop_epoch"] < 10
+    assert np.isfinite(model.logger.name_to_value["train/kl_grad_ratio"])
+
+
+def test_hinge_adds_to_the_penalty():
+    model = KLPPO("MlpPolicy", "CartPole-v1", kl_hinge_coef=1000.0, kl_hinge_factor=2.0, **SMALL)
+    kl = th.tensor(0.05)
+    assert model._kl_penalty(kl, 1.0, 0.02).item() == pytest.approx(0.05 + 1000 * 0.01**2)
+    assert model._kl_penalty(th.tensor(0.01), 1.0, 0.02).item() == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"target_kl": -0.01}, ValueError, "target_kl"),
+        ({"target_kl": 0.0}, ValueError, "target_kl"),
+        ({"target_kl": float("inf")}, ValueError, "target_kl"),
+        ({"target_kl": LinearSchedule(0.02, -0.01, 1.0)}, ValueError, "target_kl"),
+        ({"target_kl": "0.01"}, TypeError, "target_kl"),
+        ({"kl_coef_bounds": (10.0, 1e-4)}, ValueError, "kl_coef_bounds"),
+        ({"kl_coef_bounds": (0.0, 1.0)}, ValueError, "kl_coef_bounds"),
+        ({"kl_band": (2.0, 0.5)}, ValueError, "kl_band"),
+        ({"kl_adapt_factor": 1.0}, ValueError, "kl_adapt_factor"),
+        ({"kl_estimator": "k2"}, ValueError, "kl_estimator"),
+        ({"kl_direction": "sideways"}, ValueError, "kl_direction"),
+        ({"kl_reduction": "max"}, ValueError, "kl_reduction"),
+        ({"kl_controller": "pid"}, ValueError, "kl_controller"),
+        ({"kl_window": 0}, ValueError, "kl_window"),
+        ({"kl_coef": float("nan")}, ValueError, "kl_coef"),
+        ({"min_std": -0.1}, ValueError, "min_std"),
+        ({"min_std": 0.1}, ValueError, "min_std"),  # CartPole is discrete: no variance to floor
+        ({"kl_stop_factor": 0.0}, ValueError, "kl_stop_factor"),
+        ({"kl_hinge_coef": -1.0}, ValueError, "kl_hinge_coef"),
+        ({"log_ratio_clip": 0.0}, ValueError, "log_ratio_clip"),
+        ({"clip_range": -0.2}, ValueError, "clip_range"),
+        ({"kl_quantiles": (0.5, 1.5)}, ValueError, "kl_quantiles"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        KLPPO("MlpPolicy", "CartPole-v1", **kwargs)
+
+
+def test_ppo_checks_are_kept():
+    with pytest.raises(AssertionError):
+        KLPPO("MlpPolicy", "CartPole-v1", batch_size=1)
+    with pytest.warns(UserWarning, match="mini-batch size"):
+        KLPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=60)
