@@ -1,8 +1,10 @@
 import os
 
+from sb3_kl.clip_klppo import ClipKLPPO
 from sb3_kl.common.controllers import AdaptiveKLController, FixedKLController, KLController, ProportionalKLController
 from sb3_kl.common.kl import KLSettings
 from sb3_kl.klppo import KLPPO
+from sb3_kl.kltrpo import KLTRPO
 
 # Read version from file
 version_file = os.path.join(os.path.dirname(__file__), "version.txt")
@@ -11,6 +13,8 @@ with open(version_file) as file_handler:
 
 __all__ = [
     "KLPPO",
+    "KLTRPO",
+    "ClipKLPPO",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",

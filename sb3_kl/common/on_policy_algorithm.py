@@ -267,13 +267,17 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
             self.policy.set_training_mode(was_training)
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
 
-    def _record_update_kl(self, per_state: np.ndarray, new_params: np.ndarray, target_kl: float) -> dict[str, float]:
+    def _record_update_kl(
+        self, per_state: np.ndarray, new_params: np.ndarray, target_kl: float, update_controller: bool = True
+    ) -> dict[str, float]:
         """
         Log the KL of the update (``train/kl``, quantiles, max), adjust beta from its mean and log it.
 
         :param per_state: Per-state KL of the update
         :param new_params: Updated policy's distribution parameters on the buffer
         :param target_kl: Current target
+        :param update_controller: Whether to adapt beta and log ``train/kl_coef`` (False for algorithms
+            without a KL penalty, e.g. KLTRPO's hard constraint)
         :return: the KL statistics
         """
         stats = kl_quantiles(per_state, self.kl_quantiles)
@@ -286,8 +290,9 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
             self.logger.record("train/kl" if name == "mean" else f"train/kl_{name}", value)
         self.logger.record("train/kl_convention", self.kl_settings.convention, exclude="tensorboard")
         self.logger.record("train/target_kl", target_kl)
-        self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
-        self.logger.record("train/kl_coef", self.kl_coef)
+        if update_controller:
+            self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
+            self.logger.record("train/kl_coef", self.kl_coef)
         if isinstance(self.dist_params, GaussianParams):
             self.logger.record("train/std_min", float(np.exp(new_params[:, self.dist_params.action_dim :].min())))
         return stats

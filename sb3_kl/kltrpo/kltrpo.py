@@ -1,0 +1,399 @@
+import math
+import warnings
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from sb3_contrib.common.utils import conjugate_gradient_solver
+from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.policies import BasePolicy
+from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
+from stable_baselines3.common.utils import explained_variance
+from torch import nn
+from torch.nn import functional as F
+
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
+from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
+
+SelfKLTRPO = TypeVar("SelfKLTRPO", bound="KLTRPO")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    """:raises ValueError: unless ``value`` is an integer >= ``minimum``, naming the argument"""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+
+def _check_float(name: str, value: Any, low: float, high: float | None, closed_low: bool, hint: str) -> None:
+    """:raises ValueError: unless ``value`` is a finite number in the interval, naming the argument"""
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float, np.floating, np.integer))
+        and math.isfinite(value)
+        and (value >= low if closed_low else value > low)
+        and (high is None or value < high)
+    )
+    if not ok:
+        raise ValueError(f"`{name}` must be {hint}, got {value!r}.")
+
+
+@th.no_grad()
+def _copy_flat_to_parameters(flat: th.Tensor, parameters: list[nn.Parameter]) -> None:
+    """Write a flat vector into the parameters, in place (unlike ``vector_to_parameters``, no aliasing of ``flat``)."""
+    start = 0
+    for param in parameters:
+        n_params = param.numel()
+        param.copy_(flat[start : start + n_params].view_as(param))
+        start += n_params
+
+
+class KLTRPO(KLOnPolicyAlgorithm):
+    """
+    Trust Region Policy Optimization with an exact KL constraint and an optional bound on the KL of the tail
+    of the states (KLTRPO), a drop-in for sb3-contrib's ``TRPO``.
+
+    Each update maximizes the surrogate ``E[r A]`` subject to ``mean_s KL(s) <= target_kl``, where ``KL(s)`` is the
+    exact per-state KL between the rollout and the updated policy in the algorithm's convention: by default
+    forward ``KL(pi_old || pi_new)`` summed over action dimensions, i.e. the KL of the joint action distribution
+    (sb3-contrib's TRPO constrains ``KL(pi_new || pi_old)`` averaged over action dimensions, which lets the joint
+    KL reach ``action_dim * target_kl``; ``kl_direction="reverse", kl_reduction="mean"`` reproduces it).
+
+    1. Conjugate gradient on Fisher-vector products (Hessian-vector products of the mean analytic KL, plus
+       ``cg_damping``) gives the natural-gradient direction ``d``.
+    2. The maximal step meets the quadratic model of the KL: ``beta = sqrt(2 target_kl / d^T (F + damping) d)``.
+    3. Backtracking line search from ``beta d``, shrinking by ``line_search_shrinking_factor``: a step is accepted
+       only if the surrogate improves, the measured mean KL is ``<= target_kl`` and, when ``tail_kl`` is set,
+       the ``tail_quantile`` of the per-state KL is ``<= tail_kl``. If no step is accepted the policy is unchanged.
+    4. The critic is fitted by ``n_critic_updates`` epochs of Adam on minibatches (the actor's gradients removed).
+
+    Paper: https://arxiv.org/abs/1502.05477 (and John Schulman's thesis, http://joschu.net/docs/thesis.pdf, p40-42)
+    Code: follows the structure of sb3-contrib's TRPO (https://github.com/Stable-Baselines-Team/stable-baselines3-contrib)
+
+    :param policy: The policy model to use (MlpPolicy, CnnPolicy, ...)
+    :param env: The environment to learn from (if registered in Gym, can be str)
+    :param learning_rate: The learning rate for the value function, it can be a function
+        of the current progress remaining (from 1 to 0)
+    :param n_steps: The number of steps to run for each environment per update
+        (i.e. rollout buffer size is n_steps * n_envs where n_envs is number of environment copies running in parallel)
+    :param batch_size: Minibatch size for the value function
+    :param gamma: Discount factor
+    :param cg_max_steps: maximum number of steps in the Conjugate Gradient algorithm
+        for computing the Hessian vector product
+    :param cg_damping: damping in the Hessian vector product computation
+    :param line_search_shrinking_factor: step-size reduction factor for the line-search
+        (i.e., ``theta_new = theta + alpha^i * step``), in (0, 1)
+    :param line_search_max_iter: maximum number of iterations for the backtracking line-search
+    :param n_critic_updates: number of critic updates per policy update
+    :param gae_lambda: Factor for trade-off of bias vs variance for Generalized Advantage Estimator
+    :param use_sde: Whether to use generalized State Dependent Exploration (gSDE)
+        instead of action noise exploration (default: False)
+    :param sde_sample_freq: Sample a new noise matrix every n steps when using gSDE
+        Default: -1 (only sample at the beginning of the rollout)
+    :param rollout_buffer_class: Rollout buffer class to use; must subclass ``KLRolloutBuffer`` (or its Dict variant).
+        If ``None``, it will be automatically selected.
+    :param rollout_buffer_kwargs: Keyword arguments to pass to the rollout buffer on creation
+    :param normalize_advantage: Whether to normalize or not the advantage
+    :param target_kl: Bound on the mean per-state KL of each update (number or schedule of progress remaining),
+        the delta of the trust region. Default 0.01
+    :param sub_sampling_factor: Use one state in ``sub_sampling_factor`` for the policy step, to make computation
+        faster (see p40-42 of John Schulman's thesis); the constraints are then checked on that subset only
+    :param kl_estimator: Must be ``"analytic"``: the trust region needs the exact KL and its Hessian
+    :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
+    :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
+    :param tail_kl: When set, a step is also rejected if the ``tail_quantile`` of the per-state KL exceeds it
+    :param tail_quantile: Quantile of the per-state KL bounded by ``tail_kl`` (default 0.99)
+    :param min_std: Variance floor for Gaussian policies: std >= min_std after every accepted step
+        (applied to each candidate of the line search, so the constraints hold for the floored policy). None = no floor
+    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
+        the reported success rate, mean episode length, and mean reward over
+    :param tensorboard_log: the log location for tensorboard (if None, no logging)
+    :param policy_kwargs: additional arguments to be passed to the policy on creation
+    :param verbose: the verbosity level: 0 no output, 1 info, 2 debug
+    :param seed: Seed for the pseudo random generators
+    :param device: Device (cpu, cuda, ...) on which the code should be run.
+        Setting it to auto, the code will be run on the GPU if possible.
+    :param _init_setup_model: Whether or not to build the network at the creation of the instance
+    """
+
+    policy_aliases: ClassVar[dict[str, type[BasePolicy]]] = {
+        "MlpPolicy": MlpPolicy,
+        "CnnPolicy": CnnPolicy,
+        "MultiInputPolicy": MultiInputPolicy,
+    }
+
+    def __init__(
+        self,
+        policy: str | type[MlpPolicy],
+        env: GymEnv | str,
+        learning_rate: float | Schedule = 1e-3,
+        n_steps: int = 2048,
+        batch_size: int = 128,
+        gamma: float = 0.99,
+        cg_max_steps: int = 15,
+        cg_damping: float = 0.1,
+        line_search_shrinking_factor: float = 0.8,
+        line_search_max_iter: int = 10,
+        n_critic_updates: int = 10,
+        gae_lambda: float = 0.95,
+        use_sde: bool = False,
+        sde_sample_freq: int = -1,
+        rollout_buffer_class: type[RolloutBuffer] | None = None,
+        rollout_buffer_kwargs: dict[str, Any] | None = None,
+        normalize_advantage: bool = True,
+        target_kl: float | Schedule = 0.01,
+        sub_sampling_factor: int = 1,
+        kl_estimator: str = "analytic",
+        kl_direction: str = "forward",
+        kl_reduction: str = "sum",
+        tail_kl: float | None = None,
+        tail_quantile: float = 0.99,
+        min_std: float | None = None,
+        kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        stats_window_size: int = 100,
+        tensorboard_log: str | None = None,
+        policy_kwargs: dict[str, Any] | None = None,
+        verbose: int = 0,
+        seed: int | None = None,
+        device: th.device | str = "auto",
+        _init_setup_model: bool = True,
+    ):
+        # Checked before building anything, so a bad argument fails fast
+        if target_kl is None:
+            raise ValueError("`target_kl` is the trust-region bound of KLTRPO and must be set (e.g. 0.01), got None.")
+        if kl_estimator != "analytic":
+            raise ValueError(
+                f"`kl_estimator`={kl_estimator!r} is not supported by KLTRPO: the trust region needs the exact KL "
+                "and its Hessian, pass kl_estimator='analytic'."
+            )
+        _check_int("cg_max_steps", cg_max_steps, 1)
+        _check_float("cg_damping", cg_damping, 0.0, None, True, "a finite number >= 0")
+        _check_float("line_search_shrinking_factor", line_search_shrinking_factor, 0.0, 1.0, False, "in (0, 1)")
+        _check_int("line_search_max_iter", line_search_max_iter, 1)
+        _check_int("n_critic_updates", n_critic_updates, 0)
+        _check_int("sub_sampling_factor", sub_sampling_factor, 1)
+        _check_int("batch_size", batch_size, 1)
+        if tail_kl is not None:
+            _check_float("tail_kl", tail_kl, 0.0, None, False, "a positive finite number (or None for no tail bound)")
+        _check_float("tail_quantile", tail_quantile, 0.0, 1.0, False, "strictly between 0 and 1")
+
+        super().__init__(
+            policy,
+            env,
+            learning_rate=learning_rate,
+            n_steps=n_steps,
+            gamma=gamma,
+            gae_lambda=gae_lambda,
+            ent_coef=0.0,  # entropy bonus is not used by TRPO
+            vf_coef=0.0,  # value function is optimized separately
+            max_grad_norm=0.0,
+            use_sde=use_sde,
+            sde_sample_freq=sde_sample_freq,
+            rollout_buffer_class=rollout_buffer_class,
+            rollout_buffer_kwargs=rollout_buffer_kwargs,
+            stats_window_size=stats_window_size,
+            tensorboard_log=tensorboard_log,
+            policy_kwargs=policy_kwargs,
+            verbose=verbose,
+            device=device,
+            seed=seed,
+            _init_setup_model=False,
+            supported_action_spaces=(
+                spaces.Box,
+                spaces.Discrete,
+                spaces.MultiDiscrete,
+                spaces.MultiBinary,
+            ),
+            target_kl=target_kl,
+            kl_estimator=kl_estimator,
+            kl_direction=kl_direction,
+            kl_reduction=kl_reduction,
+            min_std=min_std,
+            kl_quantiles=kl_quantiles,
+        )
+
+        self.normalize_advantage = normalize_advantage
+        # Same sanity checks as sb3-contrib's TRPO (same exceptions, so TRPO users see no difference)
+        if self.env is not None:
+            buffer_size = self.env.num_envs * self.n_steps
+            if normalize_advantage:
+                assert buffer_size > 1, (
+                    "`n_steps * n_envs` must be greater than 1. "
+                    f"Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+                )
+            untruncated_batches = buffer_size // batch_size
+            if buffer_size % batch_size > 0:
+                warnings.warn(
+                    f"You have specified a mini-batch size of {batch_size},"
+                    f" but because the `RolloutBuffer` is of size `n_steps * n_envs = {buffer_size}`,"
+                    f" after every {untruncated_batches} untruncated mini-batches,"
+                    f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
+                    f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
+                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})"
+                )
+        self.batch_size = batch_size
+        # Conjugate gradients parameters
+        self.cg_max_steps = cg_max_steps
+        self.cg_damping = float(cg_damping)
+        # Backtracking line search parameters
+        self.line_search_shrinking_factor = float(line_search_shrinking_factor)
+        self.line_search_max_iter = line_search_max_iter
+        self.n_critic_updates = n_critic_updates
+        self.sub_sampling_factor = sub_sampling_factor
+        self.tail_kl = None if tail_kl is None else float(tail_kl)
+        self.tail_quantile = float(tail_quantile)
+
+        if _init_setup_model:
+            self._setup_model()
+
+    def _actor_parameters(self) -> list[nn.Parameter]:
+        """
+        The parameters the KL constraint applies to: every trainable parameter of the policy except the critic's
+        (``mlp_extractor.value_net`` and ``value_net``). Parameters that turn out not to affect the action
+        distribution are dropped in :meth:`train`.
+        """
+        critic = set()
+        for module in (self.policy.value_net, self.policy.mlp_extractor.value_net):
+            critic.update(id(p) for p in module.parameters())
+        if not self.policy.share_features_extractor:
+            critic.update(id(p) for p in self.policy.vf_features_extractor.parameters())
+        return [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic]
+
+    def train(self) -> None:
+        """
+        Update policy using the currently gathered rollout buffer.
+        """
+        self._prepare_rollout_distribution()
+        # Switch to train mode (this affects batch norm / dropout)
+        self.policy.set_training_mode(True)
+        # Update optimizer learning rate (used by the critic only)
+        self._update_learning_rate(self.policy.optimizer)
+        target_kl = self._current_target_kl()
+
+        # The policy step uses the whole buffer in one batch (optionally sub-sampled)
+        rollout_data = next(self.rollout_buffer.get(batch_size=None))
+        step = self.sub_sampling_factor
+        observations = rollout_data.observations
+        if step > 1:
+            if isinstance(observations, dict):
+                observations = {key: obs[::step] for key, obs in observations.items()}
+            else:
+                observations = observations[::step]
+        actions = self._actions_for_log_prob(rollout_data.actions[::step])
+        old_log_prob = rollout_data.old_log_prob[::step]
+        old_params = rollout_data.old_dist_params[::step]
+        advantages = rollout_data.advantages[::step]
+        if self.normalize_advantage and len(advantages) > 1:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+        # Surrogate objective E[r A] and mean KL to the rollout policy, with their graph
+        distribution = self.policy.get_distribution(observations)
+        log_prob = distribution.log_prob(actions)
+        policy_objective = (advantages * th.exp(log_prob - old_log_prob)).mean()
+        kl_div = self._per_state_kl(old_params, distribution, None).mean()
+
+        # One autograd call over all the actor's parameters (no per-parameter loop); keep those the KL depends on
+        candidates = self._actor_parameters()
+        kl_grads = th.autograd.grad(kl_div, candidates, create_graph=True, allow_unused=True)
+        actor_params = [p for p, g in zip(candidates, kl_grads, strict=True) if g is not None]
+        grad_kl = th.cat([g.reshape(-1) for g in kl_grads if g is not None])
+        objective_grads = th.autograd.grad(policy_objective, actor_params, retain_graph=True, allow_unused=True)
+        policy_objective_gradient = th.cat(
+            [th.zeros_like(p).reshape(-1) if g is None else g.reshape(-1) for p, g in zip(actor_params, objective_grads, strict=True)]
+        )
+
+        def fisher_vector_product(vector: th.Tensor, retain_graph: bool = True) -> th.Tensor:
+            # Hessian of the mean KL at the rollout policy (= Fisher information matrix) times ``vector``, damped
+            grads = th.autograd.grad((grad_kl * vector.detach()).sum(), actor_params, retain_graph=retain_graph)
+            return th.cat([g.reshape(-1) for g in grads]) + self.cg_damping * vector
+
+        # Natural-gradient direction: solve (F + damping) d = g
+        search_direction = conjugate_gradient_solver(fisher_vector_product, policy_objective_gradient, max_iter=self.cg_max_steps)
+        # Largest step meeting the quadratic model of the KL: 1/2 (beta d)^T F (beta d) = target_kl
+        curvature = float(th.dot(search_direction, fisher_vector_product(search_direction, retain_graph=False)))
+        max_step_size = math.sqrt(2.0 * target_kl / curvature) if curvature > 0 and math.isfinite(curvature) else 0.0
+
+        with th.no_grad():
+            original_flat = nn.utils.parameters_to_vector(actor_params).clone()
+            old_objective = policy_objective.item()
+            backtrack_coeff = 1.0
+            success = False
+            steps_tried = 0
+            accepted_kl, accepted_objective, step_size = 0.0, old_objective, 0.0
+            if max_step_size > 0:
+                for _ in range(self.line_search_max_iter):
+                    steps_tried += 1
+                    candidate = original_flat + (backtrack_coeff * max_step_size) * search_direction
+                    _copy_flat_to_parameters(candidate, actor_params)
+                    # The floor is applied to the candidate, so what is checked is what is kept
+                    self._apply_variance_floor()
+                    distribution = self.policy.get_distribution(observations)
+                    log_prob = distribution.log_prob(actions)
+                    new_objective = (advantages * th.exp(log_prob - old_log_prob)).mean().item()
+                    per_state = self._per_state_kl(old_params, distribution, None)
+                    mean_kl = per_state.mean().item()
+                    within_tail = self.tail_kl is None or th.quantile(per_state, self.tail_quantile).item() <= self.tail_kl
+                    # Accept only if the surrogate improves and the measured KL meets every constraint
+                    if new_objective > old_objective and mean_kl <= target_kl and within_tail:
+                        success = True
+                        accepted_kl, accepted_objective = mean_kl, new_objective
+                        step_size = backtrack_coeff * max_step_size
+                        break
+                    backtrack_coeff *= self.line_search_shrinking_factor
+            if not success:
+                # No acceptable step: the policy is left exactly as it was
+                _copy_flat_to_parameters(original_flat, actor_params)
+
+        # Critic update, with the actor's gradients removed so it cannot move the policy
+        value_losses = []
+        for _ in range(self.n_critic_updates):
+            for batch in self.rollout_buffer.get(self.batch_size):
+                values_pred = self.policy.predict_values(batch.observations)
+                value_loss = F.mse_loss(batch.returns, values_pred.flatten())
+                value_losses.append(value_loss.item())
+                self.policy.optimizer.zero_grad()
+                value_loss.backward()
+                for param in actor_params:
+                    param.grad = None
+                self.policy.optimizer.step()
+
+        self._n_updates += 1
+        per_state_kl, new_params = self._measure_update_kl()
+        self._finish_update()
+        explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
+
+        # Logs (sb3-contrib TRPO's keys first)
+        self.logger.record("train/policy_objective", accepted_objective)
+        self.logger.record("train/value_loss", np.mean(value_losses) if value_losses else float("nan"))
+        self.logger.record("train/kl_divergence_loss", accepted_kl)
+        self.logger.record("train/explained_variance", explained_var)
+        self.logger.record("train/is_line_search_success", float(success))
+        if hasattr(self.policy, "log_std"):
+            self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/line_search_success", float(success))
+        self.logger.record("train/line_search_steps", steps_tried)
+        self.logger.record("train/step_size", step_size)
+        if self.tail_kl is not None:
+            self.logger.record("train/kl_tail", float(np.quantile(per_state_kl, self.tail_quantile)))
+            self.logger.record("train/tail_kl", self.tail_kl)
+        self._record_update_kl(per_state_kl, new_params, target_kl, update_controller=False)
+
+    def learn(
+        self: SelfKLTRPO,
+        total_timesteps: int,
+        callback: MaybeCallback = None,
+        log_interval: int = 1,
+        tb_log_name: str = "KLTRPO",
+        reset_num_timesteps: bool = True,
+        progress_bar: bool = False,
+    ) -> SelfKLTRPO:
+        return super().learn(
+            total_timesteps=total_timesteps,
+            callback=callback,
+            log_interval=log_interval,
+            tb_log_name=tb_log_name,
+            reset_num_timesteps=reset_num_timesteps,
+            progress_bar=progress_bar,
+        )
