@@ -1,0 +1,46 @@
+"""
+Command line entry point: ``python -m sb3_kl.zoo train|enjoy [zoo flags]`` (console script ``sb3-kl-zoo``).
+
+Examples::
+
+    python -m sb3_kl.zoo train --algo klppo --env Pendulum-v1
+    python -m sb3_kl.zoo train --algo klppo --env CartPole-v1 -optimize --n-trials 20 --storage sqlite:///kl.db
+    python -m sb3_kl.zoo enjoy --algo klppo --env Pendulum-v1 -f logs/
+"""
+
+import sys
+from collections.abc import Sequence
+
+USAGE = """usage: python -m sb3_kl.zoo {train,enjoy} [rl_zoo3 flags ...]
+
+  train   rl_zoo3.train with klppo/clip_klppo/kltrpo registered; uses sb3_kl/hyperparams/{algo}.yml unless -conf is given
+  enjoy   rl_zoo3.enjoy with the same algorithms registered
+
+Run `python -m sb3_kl.zoo train -h` for the zoo's flags."""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """
+    Dispatch to :func:`sb3_kl.zoo.train.train` or :func:`sb3_kl.zoo.enjoy.enjoy`.
+
+    :param argv: Arguments without the program name; default: ``sys.argv[1:]``
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    command, rest = args[0], args[1:]
+    if command == "train":
+        from sb3_kl.zoo.train import train
+
+        train(rest)
+    elif command == "enjoy":
+        from sb3_kl.zoo.enjoy import enjoy
+
+        enjoy(rest)
+    else:
+        raise SystemExit(f"Unknown command {command!r}: use `train` or `enjoy`.\n\n{USAGE}")
+
+
+if __name__ == "__main__":
+    main()

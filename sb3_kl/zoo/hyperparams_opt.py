@@ -1,0 +1,150 @@
+"""
+Optuna samplers for the sb3_kl algorithms, in the zoo's format: ``sample_<algo>_params(trial, n_actions, n_envs,
+additional_args) -> hyperparameters``, plus converters from a trial's raw ``params`` back to hyperparameters
+(the zoo calls them for ``--trial-id`` and ``--storage`` reloads).
+
+Every sampler names its Optuna parameters after the converter's input, and returns ``converter(trial params)``,
+so that a trial reloaded from a storage gives exactly the hyperparameters that were trained.
+"""
+
+from typing import Any
+
+import optuna
+from rl_zoo3.hyperparams_opt import convert_onpolicy_params
+
+
+def _sample_onpolicy_common(trial: optuna.Trial, net_archs: tuple[str, ...] = ("tiny", "small", "medium")) -> dict[str, Any]:
+    """Rollout size, discounting, learning rate and network: the part every on-policy sampler shares."""
+    params = {
+        # 2**5 = 32 to 2**9 = 512 samples per minibatch
+        "batch_size_pow": trial.suggest_int("batch_size_pow", 5, 9),
+        # 2**6 = 64 to 2**11 = 2048 steps per environment and rollout
+        "n_steps_pow": trial.suggest_int("n_steps_pow", 6, 11),
+        "one_minus_gamma": trial.suggest_float("one_minus_gamma", 0.0001, 0.03, log=True),
+        "one_minus_gae_lambda": trial.suggest_float("one_minus_gae_lambda", 0.001, 0.1, log=True),
+        "learning_rate": trial.suggest_float("learning_rate", 1e-5, 3e-3, log=True),
+        "net_arch": trial.suggest_categorical("net_arch", list(net_archs)),
+        "activation_fn": trial.suggest_categorical("activation_fn", ["tanh", "relu"]),
+    }
+    # Display true values in the study
+    trial.set_user_attr("gamma", 1 - params["one_minus_gamma"])
+    trial.set_user_attr("n_steps", 2 ** params["n_steps_pow"])
+    trial.set_user_attr("batch_size", 2 ** params["batch_size_pow"])
+    return params
+
+
+def _sample_kl_penalty(trial: optuna.Trial) -> dict[str, Any]:
+    """The KL options that matter for the penalty methods (KLPPO, ClipKLPPO)."""
+    return {
+        "target_kl": trial.suggest_float("target_kl", 0.002, 0.1, log=True),
+        "kl_coef": trial.suggest_float("kl_coef", 0.01, 5.0, log=True),
+        "kl_adapt_factor": trial.suggest_float("kl_adapt_factor", 1.1, 3.0),
+        "kl_estimator": trial.suggest_categorical("kl_estimator", ["analytic", "k3"]),
+    }
+
+
+def convert_klppo_params(sampled_params: dict[str, Any]) -> dict[str, Any]:
+    """
+    Convert the raw parameters of a KLPPO or ClipKLPPO trial into hyperparameters
+    (``*_pow`` -> powers of two, ``one_minus_*`` -> ``gamma``/``gae_lambda``, ``net_arch``/``activation_fn``
+    -> ``policy_kwargs``; the KL options pass through unchanged).
+
+    :param sampled_params: ``trial.params``
+    :return: Hyperparameters for the algorithm's constructor
+    """
+    return convert_onpolicy_params(sampled_params)
+
+
+def convert_kltrpo_params(sampled_params: dict[str, Any]) -> dict[str, Any]:
+    """
+    Convert the raw parameters of a KLTRPO trial into hyperparameters (same conversions as for KLPPO).
+
+    :param sampled_params: ``trial.params``
+    :return: Hyperparameters for the algorithm's constructor
+    """
+    return convert_onpolicy_params(sampled_params)
+
+
+def sample_klppo_params(trial: optuna.Trial, n_actions: int, n_envs: int, additional_args: dict) -> dict[str, Any]:
+    """
+    Sampler for KLPPO: PPO's usual options (without clipping) and the KL penalty's target, initial coefficient,
+    adaptation factor and estimator.
+
+    :param trial: Optuna trial
+    :param n_actions: Number of action dimensions (unused, part of the zoo's signature)
+    :param n_envs: Number of environments (unused, part of the zoo's signature)
+    :param additional_args: Zoo extras (unused)
+    :return: Hyperparameters for ``KLPPO``
+    """
+    params = _sample_onpolicy_common(trial)
+    params.update(
+        {
+            "ent_coef": trial.suggest_float("ent_coef", 1e-8, 0.1, log=True),
+            "n_epochs": trial.suggest_categorical("n_epochs", [1, 5, 10, 20]),
+            "max_grad_norm": trial.suggest_float("max_grad_norm", 0.3, 2.0),
+        }
+    )
+    params.update(_sample_kl_penalty(trial))
+    return convert_klppo_params(params)
+
+
+def sample_clip_klppo_params(trial: optuna.Trial, n_actions: int, n_envs: int, additional_args: dict) -> dict[str, Any]:
+    """
+    Sampler for ClipKLPPO: KLPPO's space plus PPO's ratio clip range.
+
+    :param trial: Optuna trial
+    :param n_actions: Number of action dimensions (unused, part of the zoo's signature)
+    :param n_envs: Number of environments (unused, part of the zoo's signature)
+    :param additional_args: Zoo extras (unused)
+    :return: Hyperparameters for ``ClipKLPPO``
+    """
+    params = _sample_onpolicy_common(trial)
+    params.update(
+        {
+            "ent_coef": trial.suggest_float("ent_coef", 1e-8, 0.1, log=True),
+            "n_epochs": trial.suggest_categorical("n_epochs", [1, 5, 10, 20]),
+            "max_grad_norm": trial.suggest_float("max_grad_norm", 0.3, 2.0),
+            "clip_range": trial.suggest_categorical("clip_range", [0.1, 0.2, 0.3, 0.4]),
+        }
+    )
+    params.update(_sample_kl_penalty(trial))
+    return convert_klppo_params(params)
+
+
+def sample_kltrpo_params(trial: optuna.Trial, n_actions: int, n_envs: int, additional_args: dict) -> dict[str, Any]:
+    """
+    Sampler for KLTRPO: TRPO's options (critic updates, conjugate-gradient steps and damping, line search)
+    and the trust region's ``target_kl``.
+
+    :param trial: Optuna trial
+    :param n_actions: Number of action dimensions (unused, part of the zoo's signature)
+    :param n_envs: Number of environments (unused, part of the zoo's signature)
+    :param additional_args: Zoo extras (unused)
+    :return: Hyperparameters for ``KLTRPO``
+    """
+    params = _sample_onpolicy_common(trial, net_archs=("small", "medium"))
+    params.update(
+        {
+            "n_critic_updates": trial.suggest_int("n_critic_updates", 5, 30),
+            "cg_max_steps": trial.suggest_int("cg_max_steps", 5, 30),
+            "cg_damping": trial.suggest_categorical("cg_damping", [0.5, 0.2, 0.1, 0.05, 0.01]),
+            "line_search_shrinking_factor": trial.suggest_categorical("line_search_shrinking_factor", [0.6, 0.7, 0.8, 0.9]),
+            "target_kl": trial.suggest_float("target_kl", 0.001, 0.1, log=True),
+        }
+    )
+    return convert_kltrpo_params(params)
+
+
+#: Zoo name -> sampler
+HYPERPARAMS_SAMPLER = {
+    "klppo": sample_klppo_params,
+    "clip_klppo": sample_clip_klppo_params,
+    "kltrpo": sample_kltrpo_params,
+}
+
+#: Zoo name -> converter of ``trial.params``
+HYPERPARAMS_CONVERTER = {
+    "klppo": convert_klppo_params,
+    "clip_klppo": convert_klppo_params,
+    "kltrpo": convert_kltrpo_params,
+}

@@ -1,0 +1,133 @@
+"""
+Registration of the sb3_kl algorithms in the RL Baselines3 Zoo, and the schedule pre-processing they need.
+
+The zoo keeps three module-level registries that its ``train``/``enjoy`` scripts read at call time:
+``rl_zoo3.ALGOS`` (one dict object shared by ``rl_zoo3.utils``, ``rl_zoo3.train`` and ``rl_zoo3.exp_manager``),
+``rl_zoo3.hyperparams_opt.HYPERPARAMS_SAMPLER`` and ``HYPERPARAMS_CONVERTER``. :func:`register` adds our entries to
+them in place, which is the extension route the zoo documents for SBX.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import rl_zoo3
+from rl_zoo3 import hyperparams_opt
+from rl_zoo3.exp_manager import ExperimentManager
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.utils import LinearSchedule
+
+import sb3_kl
+from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
+from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER
+
+#: Folder of the configs shipped with the package (``{algo}.yml``)
+HYPERPARAMS_DIR = Path(sb3_kl.__file__).parent / "hyperparams"
+
+#: Zoo name -> algorithm class
+SB3_KL_ALGOS: dict[str, type[BaseAlgorithm]] = {
+    "klppo": KLPPO,
+    "clip_klppo": ClipKLPPO,
+    "kltrpo": KLTRPO,
+}
+
+#: Hyperparameters that accept the zoo's ``lin_<float>`` syntax (and ``lin_<start>_<end>``) for our algorithms.
+#: The zoo itself parses the first three (into ``rl_zoo3.utils.SimpleLinearSchedule``); for sb3_kl algorithms all of
+#: them become SB3's picklable ``LinearSchedule``, so a saved model loads without rl_zoo3 installed.
+SCHEDULE_KEYS = ("learning_rate", "clip_range", "clip_range_vf", "target_kl")
+
+
+def default_config(algo: str) -> str:
+    """
+    Path of the config shipped with sb3_kl for ``algo`` (used when no ``-conf`` is given).
+
+    :param algo: Zoo name of an sb3_kl algorithm, e.g. ``"klppo"``
+    :return: Path of ``sb3_kl/hyperparams/{algo}.yml``
+    """
+    if algo not in SB3_KL_ALGOS:
+        raise ValueError(f"`algo`={algo!r} is not an sb3_kl algorithm; choose one of {sorted(SB3_KL_ALGOS)}.")
+    return str(HYPERPARAMS_DIR / f"{algo}.yml")
+
+
+def parse_linear_schedule(key: str, value: str) -> LinearSchedule:
+    """
+    Turn the zoo's schedule syntax into SB3's picklable ``LinearSchedule``:
+    ``"lin_<start>"`` decreases linearly from ``start`` (beginning of training) to 0 (end), as in the zoo;
+    ``"lin_<start>_<end>"`` decreases (or increases) linearly from ``start`` to ``end``.
+
+    :param key: Name of the hyperparameter, used in error messages
+    :param value: The string from the config, e.g. ``"lin_3e-4"`` or ``"lin_0.02_0.005"``
+    :return: The schedule
+    """
+    kind, *numbers = value.split("_")
+    try:
+        values = [float(number) for number in numbers]
+    except ValueError:
+        values = []
+    if kind != "lin" or len(values) not in (1, 2):
+        raise ValueError(
+            f"Invalid value for `{key}`: {value!r}. Use a number, 'lin_<start>' (e.g. 'lin_3e-4', linear decay to 0) "
+            "or 'lin_<start>_<end>' (e.g. 'lin_0.02_0.005', linear from start to end over training)."
+        )
+    start, end = values[0], values[1] if len(values) == 2 else 0.0
+    if key == "target_kl" and end <= 0:
+        raise ValueError(
+            f"`target_kl: {value}` would bring the KL target down to {end} by the end of training, and sb3_kl requires a "
+            f"positive target: give the final value as well, e.g. 'lin_{numbers[0]}_{start / 4:g}' (linear from {start:g} "
+            f"to {start / 4:g})."
+        )
+    return LinearSchedule(start=start, end=end, end_fraction=1.0)
+
+
+def preprocess_schedules(hyperparams: dict[str, Any]) -> dict[str, Any]:
+    """
+    Replace every ``"lin_..."`` string of :data:`SCHEDULE_KEYS` by an SB3 ``LinearSchedule``. Other values
+    (numbers, None, schedule objects) are left unchanged.
+
+    :param hyperparams: Hyperparameters as read from a zoo config
+    :return: A new dict
+    """
+    processed = dict(hyperparams)
+    for key in SCHEDULE_KEYS:
+        if isinstance(processed.get(key), str):
+            processed[key] = parse_linear_schedule(key, processed[key])
+    return processed
+
+
+def _patch_experiment_manager() -> None:
+    """
+    Make ``ExperimentManager._preprocess_hyperparams`` parse our schedules for sb3_kl algorithms (and only those).
+    The string schedules are converted before the zoo sees them and handed back afterwards, because the zoo rejects
+    schedule objects for the keys it parses itself. Idempotent.
+    """
+    original = ExperimentManager._preprocess_hyperparams
+    if getattr(original, "_sb3_kl_patched", False):
+        return
+
+    def _preprocess_hyperparams(self: ExperimentManager, hyperparams: dict[str, Any]) -> Any:
+        if self.algo not in SB3_KL_ALGOS:
+            return original(self, hyperparams)
+        converted = {
+            key: parse_linear_schedule(key, value)
+            for key, value in hyperparams.items()
+            if key in SCHEDULE_KEYS and isinstance(value, str)
+        }
+        remaining = {key: value for key, value in hyperparams.items() if key not in converted}
+        processed, *rest = original(self, remaining)
+        processed.update(converted)
+        return (processed, *rest)
+
+    _preprocess_hyperparams._sb3_kl_patched = True  # type: ignore[attr-defined]
+    _preprocess_hyperparams.__doc__ = original.__doc__
+    ExperimentManager._preprocess_hyperparams = _preprocess_hyperparams  # type: ignore[method-assign]
+
+
+def register() -> None:
+    """
+    Register the sb3_kl algorithms, their Optuna samplers and converters in the zoo's registries (in place).
+    Called when ``sb3_kl.zoo`` is imported; calling it again is harmless.
+    """
+    rl_zoo3.ALGOS.update(SB3_KL_ALGOS)
+    for algo in SB3_KL_ALGOS:
+        hyperparams_opt.HYPERPARAMS_SAMPLER[algo] = HYPERPARAMS_SAMPLER[algo]
+        hyperparams_opt.HYPERPARAMS_CONVERTER[algo] = HYPERPARAMS_CONVERTER[algo]
+    _patch_experiment_manager()
