@@ -1,0 +1,246 @@
+"""
+Reading SB3 runs back from disk: TensorBoard event files (through TensorBoard's own ``EventAccumulator``)
+and SB3's CSV logger output (``progress.csv``).
+
+A *run* is one directory holding ``events.out.tfevents.*`` files (one ``tb_log_name_<n>`` folder of a
+``tensorboard_log`` directory), or one ``progress.csv``. The x-axis is the environment step: SB3 writes every
+value at ``num_timesteps`` (TensorBoard step, or the ``time/total_timesteps`` column of the CSV).
+
+The KL keys differ between sb3_kl's algorithms (``train/kl``, ...) and a stock agent watched by
+``KLMonitorCallback`` (``kl/mean``, ...): :data:`KL_KEYS` maps one canonical name to both spellings.
+"""
+
+import csv
+import fnmatch
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# canonical name -> logger keys, in order of preference (sb3_kl algorithms first, then KLMonitorCallback)
+KL_KEYS: dict[str, tuple[str, ...]] = {
+    "kl_mean": ("train/kl", "kl/mean"),
+    "kl_p99": ("train/kl_p99", "kl/p99"),
+    "target_kl": ("train/target_kl", "kl/target"),
+    "kl_coef": ("train/kl_coef", "kl/coef"),
+    "learning_rate": ("train/learning_rate", "kl/learning_rate"),
+    "alarms": ("kl/alarms",),
+    "ep_rew_mean": ("rollout/ep_rew_mean",),
+}
+
+TIMESTEP_COLUMN = "time/total_timesteps"
+EVENT_FILE_PATTERN = "events.out.tfevents.*"
+CSV_FILE_NAME = "progress.csv"
+
+
+class DiagnosticsError(Exception):
+    """A problem with the user's input (missing directory, unreadable file, no KL keys), reported in one line."""
+
+
+@dataclass
+class Series:
+    """
+    One logged scalar: values at environment steps, sorted by step, one value per step (the last one written).
+
+    :param steps: Environment steps (``num_timesteps`` at each dump)
+    :param values: The logged values
+    """
+
+    steps: np.ndarray
+    values: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+@dataclass
+class RunLog:
+    """
+    The scalars of one run.
+
+    :param name: Display name (path relative to the directory given on the command line)
+    :param path: The run directory or file
+    :param source: ``"tensorboard"`` or ``"csv"``
+    :param scalars: Logger key -> :class:`Series`
+    """
+
+    name: str
+    path: str
+    source: str
+    scalars: dict[str, Series] = field(default_factory=dict)
+
+    def key_for(self, canonical: str) -> str | None:
+        """
+        :param canonical: A name of :data:`KL_KEYS`
+        :return: The logger key this run uses for it, or None if the run did not log it
+        """
+        for key in KL_KEYS[canonical]:
+            if key in self.scalars and len(self.scalars[key]) > 0:
+                return key
+        return None
+
+    def get(self, canonical: str) -> Series | None:
+        """
+        :param canonical: A name of :data:`KL_KEYS`
+        :return: The series under the first spelling this run logged, or None
+        """
+        key = self.key_for(canonical)
+        return None if key is None else self.scalars[key]
+
+    @property
+    def has_kl(self) -> bool:
+        """Whether the run logged a mean KL (``train/kl`` or ``kl/mean``)."""
+        return self.key_for("kl_mean") is not None
+
+
+def _make_series(pairs: dict[int, float]) -> Series:
+    steps = np.array(sorted(pairs), dtype=np.int64)
+    return Series(steps=steps, values=np.array([pairs[s] for s in steps], dtype=np.float64))
+
+
+def read_tensorboard(run_dir: str, name: str) -> RunLog:
+    """
+    Read every scalar of a TensorBoard run directory with TensorBoard's ``EventAccumulator``.
+
+    :param run_dir: Directory holding ``events.out.tfevents.*`` files
+    :param name: Display name of the run
+    :return: The run's scalars
+    """
+    # Imported here: TensorBoard's import is slow and only needed for event files
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    accumulator = EventAccumulator(run_dir, size_guidance={SCALARS: 0})  # 0 = keep every point
+    try:
+        accumulator.Reload()
+    except Exception as error:  # a corrupt record raises DataLossError or a protobuf DecodeError
+        raise DiagnosticsError(f"cannot read TensorBoard events in {run_dir}: {type(error).__name__}: {error}") from None
+    run = RunLog(name=name, path=run_dir, source="tensorboard")
+    for tag in accumulator.Tags().get(SCALARS, []):
+        pairs: dict[int, float] = {}
+        for event in accumulator.Scalars(tag):
+            pairs[int(event.step)] = float(event.value)
+        run.scalars[tag] = _make_series(pairs)
+    return run
+
+
+def _to_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def read_csv(csv_path: str, name: str) -> RunLog:
+    """
+    Read SB3's CSV logger output. Empty cells (a key not written at that dump) and text values are skipped.
+
+    :param csv_path: Path of ``progress.csv``
+    :param name: Display name of the run
+    :return: The run's scalars
+    """
+    try:
+        with open(csv_path, newline="") as file_handler:
+            rows = list(csv.DictReader(file_handler))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise DiagnosticsError(f"cannot read {csv_path}: {error}") from None
+    if not rows or TIMESTEP_COLUMN not in rows[0]:
+        raise DiagnosticsError(f"{csv_path} is not an SB3 progress.csv (no '{TIMESTEP_COLUMN}' column or no rows)")
+    columns: dict[str, dict[int, float]] = {}
+    for row in rows:
+        step = _to_float(row.get(TIMESTEP_COLUMN) or "")
+        if step is None or not math.isfinite(step):
+            continue
+        for key, text in row.items():
+            if key is None or key == TIMESTEP_COLUMN or not text:
+                continue
+            value = _to_float(text)
+            if value is not None:
+                columns.setdefault(key, {})[int(step)] = value
+    run = RunLog(name=name, path=csv_path, source="csv")
+    run.scalars = {key: _make_series(pairs) for key, pairs in columns.items()}
+    return run
+
+
+def find_runs(logdir: str) -> list[tuple[str, str, str]]:
+    """
+    Find the runs below ``logdir``.
+
+    :param logdir: A TensorBoard log directory, one run directory, an event file or a ``progress.csv``
+    :return: ``(name, path, source)`` per run, sorted by name. A directory with both event files and a
+        ``progress.csv`` counts once, as TensorBoard.
+    """
+    if not os.path.exists(logdir):
+        raise DiagnosticsError(f"{logdir} does not exist")
+    if os.path.isfile(logdir):
+        name = os.path.basename(os.path.dirname(os.path.abspath(logdir)))
+        if os.path.basename(logdir).startswith("events.out.tfevents"):
+            return [(name, logdir, "tensorboard")]
+        if logdir.endswith(".csv"):
+            return [(name, logdir, "csv")]
+        raise DiagnosticsError(f"{logdir} is neither a TensorBoard event file nor a progress.csv")
+    runs = []
+    root = os.path.abspath(logdir)
+    for directory, _, files in os.walk(root):
+        relative = os.path.relpath(directory, root)
+        name = os.path.basename(root) if relative == "." else relative
+        if any(fnmatch.fnmatch(file, EVENT_FILE_PATTERN) for file in files):
+            runs.append((name, directory, "tensorboard"))
+        elif CSV_FILE_NAME in files:
+            runs.append((name, os.path.join(directory, CSV_FILE_NAME), "csv"))
+    if not runs:
+        raise DiagnosticsError(f"no TensorBoard event files or progress.csv found under {logdir}")
+    return sorted(runs)
+
+
+def load_run(name: str, path: str, source: str) -> RunLog:
+    """
+    :param name: Display name
+    :param path: Run directory (TensorBoard), event file or CSV path
+    :param source: ``"tensorboard"`` or ``"csv"``
+    :return: The run's scalars
+    """
+    if source == "tensorboard":
+        run = read_tensorboard(path, name)
+    else:
+        run = read_csv(path, name)
+    if not run.scalars:
+        raise DiagnosticsError(f"run {name} ({path}) holds no scalar values")
+    return run
+
+
+def load_runs(logdir: str) -> tuple[list[RunLog], list[str]]:
+    """
+    Load every run below ``logdir`` that logged a mean KL.
+
+    :param logdir: See :func:`find_runs`
+    :return: The runs with KL keys, and one problem line per run that was skipped (unreadable or without KL keys)
+    """
+    runs, problems = [], []
+    for name, path, source in find_runs(logdir):
+        try:
+            run = load_run(name, path, source)
+        except DiagnosticsError as error:
+            problems.append(str(error))
+            continue
+        if not run.has_kl:
+            expected = " or ".join(KL_KEYS["kl_mean"])
+            problems.append(f"run {name} ({path}) has no KL keys ({expected}); log with an sb3_kl algorithm or KLMonitorCallback")
+            continue
+        runs.append(run)
+    return runs, problems
+
+
+def align(*series: Series) -> tuple[np.ndarray, list[np.ndarray]]:
+    """
+    Keep the steps at which every series has a finite value.
+
+    :param series: The series to align
+    :return: The common steps and the values of each series at those steps
+    """
+    common = series[0].steps
+    for other in series[1:]:
+        common = np.intersect1d(common, other.steps)
+    values = [s.values[np.searchsorted(s.steps, common)] for s in series]
+    finite = np.all([np.isfinite(v) for v in values], axis=0) if len(common) else np.zeros(0, dtype=bool)
+    return common[finite], [v[finite] for v in values]

@@ -1,0 +1,281 @@
+"""
+Per-run KL summary: KL statistics by training phase, time outside the target band, beta at its bounds,
+alarms, and the lead-lag between KL spikes and return drops (see :mod:`sb3_kl.diagnostics.leadlag`).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sb3_kl.diagnostics.leadlag import METHOD, LeadLagResult, lead_lag
+from sb3_kl.diagnostics.logs import RunLog, Series, align
+
+DEFAULT_BAND = (0.5, 2.0)
+DEFAULT_COEF_BOUNDS = (1e-4, 10.0)
+PHASES = ("early", "middle", "late")
+
+
+@dataclass
+class PhaseStats:
+    """
+    KL statistics over one third of the run's updates.
+
+    :param name: ``early``, ``middle`` or ``late``
+    :param first_step: First environment step of the phase
+    :param last_step: Last environment step of the phase
+    :param n_updates: Updates with a logged KL
+    :param kl_mean: Mean of the per-update mean KL
+    :param kl_median: Median of the per-update mean KL
+    :param kl_max: Largest per-update mean KL
+    :param kl_p99_max: Largest logged 99th percentile of the per-state KL (nan if not logged)
+    :param target: Mean target KL (nan if not logged)
+    :param above: Share of updates with KL above the band (nan without a target)
+    :param below: Share of updates with KL below the band (nan without a target)
+    """
+
+    name: str
+    first_step: int
+    last_step: int
+    n_updates: int
+    kl_mean: float
+    kl_median: float
+    kl_max: float
+    kl_p99_max: float = float("nan")
+    target: float = float("nan")
+    above: float = float("nan")
+    below: float = float("nan")
+
+
+@dataclass
+class RunReport:
+    """
+    Everything ``sb3-kl report`` prints for one run.
+
+    :param run: The run
+    :param band: Target band, as multiples of the target
+    :param phases: Statistics per third of training
+    :param n_updates: Updates with a logged KL
+    :param above: Share of all updates with KL above the band (nan without a target)
+    :param below: Share of all updates with KL below the band
+    :param coef: Summary of beta (empty if not logged)
+    :param alarm_steps: Steps at which the alarm count increased
+    :param n_alarms: Number of alarms
+    :param lead: Lead-lag result (None without ``rollout/ep_rew_mean``)
+    :param notes: Remarks on missing keys
+    """
+
+    run: RunLog
+    band: tuple[float, float]
+    phases: list[PhaseStats]
+    n_updates: int
+    above: float = float("nan")
+    below: float = float("nan")
+    coef: dict[str, float] = field(default_factory=dict)
+    alarm_steps: list[int] = field(default_factory=list)
+    n_alarms: int | None = None
+    lead: LeadLagResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def alarm_events(alarms: Series) -> tuple[np.ndarray, int]:
+    """
+    Steps at which alarms were raised. ``kl/alarms`` is read as a running count when it never decreases, and as
+    a count per dump otherwise.
+
+    :param alarms: The ``kl/alarms`` series
+    :return: The steps with new alarms and the total number of alarms
+    """
+    values = np.nan_to_num(alarms.values)
+    if np.all(np.diff(values) >= 0):
+        increments = np.diff(values, prepend=0.0)
+    else:
+        increments = values
+    return alarms.steps[increments > 0], int(round(increments[increments > 0].sum()))
+
+
+def _band_shares(kl: np.ndarray, target: np.ndarray, band: tuple[float, float]) -> tuple[float, float]:
+    if len(kl) == 0:
+        return float("nan"), float("nan")
+    return float(np.mean(kl > band[1] * target)), float(np.mean(kl < band[0] * target))
+
+
+def summarize_run(
+    run: RunLog,
+    band: tuple[float, float] = DEFAULT_BAND,
+    coef_bounds: tuple[float, float] = DEFAULT_COEF_BOUNDS,
+    target_kl: float | None = None,
+    max_lag: int = 10,
+    seed: int = 0,
+) -> RunReport:
+    """
+    Compute the report of one run.
+
+    :param run: A run that logged a mean KL
+    :param band: ``(low, high)``: the KL is "in band" when ``low * target <= KL <= high * target``
+    :param coef_bounds: Known bounds of beta (sb3_kl's default ``kl_coef_bounds``)
+    :param target_kl: Target used when the run did not log one (None: no band statistics then)
+    :param max_lag: Largest lag tried by the lead-lag test, in updates
+    :param seed: Seed of the lead-lag null distribution
+    :return: The report
+    """
+    kl = run.get("kl_mean")
+    assert kl is not None, "summarize_run needs a run with KL keys (filter with RunLog.has_kl)"
+    notes: list[str] = []
+    p99 = run.get("kl_p99")
+    target_series = run.get("target_kl")
+    if target_series is None and target_kl is not None:
+        target_series = Series(kl.steps, np.full(len(kl), float(target_kl)))
+        notes.append(f"no target KL logged: using --target {target_kl}")
+    elif target_series is None:
+        notes.append("no target KL logged: band statistics skipped (pass --target)")
+
+    if target_series is not None:
+        steps_t, (kl_t, target_t) = align(kl, target_series)
+    else:
+        steps_t, kl_t, target_t = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+    above, below = _band_shares(kl_t, target_t, band)
+
+    phases = []
+    for name, indices in zip(PHASES, np.array_split(np.arange(len(kl)), len(PHASES)), strict=True):
+        if len(indices) == 0:
+            continue
+        values, first, last = kl.values[indices], int(kl.steps[indices[0]]), int(kl.steps[indices[-1]])
+        phase = PhaseStats(name, first, last, len(indices), float(np.mean(values)), float(np.median(values)), float(np.max(values)))
+        if p99 is not None:
+            in_phase = p99.values[(p99.steps >= first) & (p99.steps <= last)]
+            phase.kl_p99_max = float(np.max(in_phase)) if len(in_phase) else float("nan")
+        in_phase = (steps_t >= first) & (steps_t <= last)
+        if np.any(in_phase):
+            phase.target = float(np.mean(target_t[in_phase]))
+            phase.above, phase.below = _band_shares(kl_t[in_phase], target_t[in_phase], band)
+        phases.append(phase)
+
+    report = RunReport(run=run, band=band, phases=phases, n_updates=len(kl), above=above, below=below, notes=notes)
+
+    coef = run.get("kl_coef")
+    if coef is not None:
+        values = coef.values[np.isfinite(coef.values)]
+        low, high = coef_bounds
+        report.coef = {
+            "first": float(values[0]),
+            "last": float(values[-1]),
+            "min": float(values.min()),
+            "max": float(values.max()),
+            "n": float(len(values)),
+            "at_upper_bound": float(np.sum(values >= high * (1 - 1e-6))),
+            "at_lower_bound": float(np.sum(values <= low * (1 + 1e-6))),
+            "at_max_seen": float(np.sum(values >= values.max() * (1 - 1e-6))) if values.max() > values.min() else 0.0,
+            "at_min_seen": float(np.sum(values <= values.min() * (1 + 1e-6))) if values.max() > values.min() else 0.0,
+        }
+    else:
+        notes.append("no KL coefficient logged (train/kl_coef or kl/coef)")
+
+    alarms = run.get("alarms")
+    if alarms is not None:
+        steps, count = alarm_events(alarms)
+        report.alarm_steps, report.n_alarms = [int(s) for s in steps], count
+
+    returns = run.get("ep_rew_mean")
+    if returns is None:
+        notes.append("no rollout/ep_rew_mean logged: lead-lag skipped")
+    else:
+        steps, (kl_r, returns_r) = align(kl, returns)
+        report.lead = lead_lag(kl_r, returns_r, steps=steps, max_lag=max_lag, seed=seed)
+    return report
+
+
+def _pct(share: float) -> str:
+    return "n/a" if not np.isfinite(share) else f"{100 * share:.0f}%"
+
+
+def _num(value: float) -> str:
+    return "n/a" if not np.isfinite(value) else f"{value:.3g}"
+
+
+def _coef_lines(report: RunReport, coef_bounds: tuple[float, float]) -> list[str]:
+    if not report.coef:
+        return []
+    c = report.coef
+    n = int(c["n"])
+    return [
+        f"beta (kl_coef): first {c['first']:.3g}, last {c['last']:.3g}, range [{c['min']:.3g}, {c['max']:.3g}]",
+        f"beta at its bounds: upper {coef_bounds[1]:g}: {int(c['at_upper_bound'])}/{n} updates, "
+        f"lower {coef_bounds[0]:g}: {int(c['at_lower_bound'])}/{n}; at the largest value seen: {int(c['at_max_seen'])}, "
+        f"at the smallest: {int(c['at_min_seen'])}",
+    ]
+
+
+def _alarm_line(report: RunReport) -> str:
+    if report.n_alarms is None:
+        return "alarms: not logged (kl/alarms comes from KLMonitorCallback)"
+    if report.n_alarms == 0:
+        return "alarms: none"
+    shown = ", ".join(str(s) for s in report.alarm_steps[:10]) + (", ..." if len(report.alarm_steps) > 10 else "")
+    return f"alarms: {report.n_alarms} (at steps {shown})"
+
+
+def format_text(report: RunReport, coef_bounds: tuple[float, float] = DEFAULT_COEF_BOUNDS) -> str:
+    """
+    :param report: The report of one run
+    :param coef_bounds: Known bounds of beta, as given to :func:`summarize_run`
+    :return: A plain-text summary
+    """
+    run = report.run
+    lo, hi = report.band
+    lines = [
+        f"== {run.name} ({run.source}: {run.path})",
+        f"updates with KL: {report.n_updates}, steps {report.phases[0].first_step}..{report.phases[-1].last_step}",
+        f"KL keys: mean={run.key_for('kl_mean')}, p99={run.key_for('kl_p99')}, target={run.key_for('target_kl')}, "
+        f"coef={run.key_for('kl_coef')}",
+        f"{'phase':<8}{'steps':>22}{'n':>6}{'KL mean':>11}{'median':>11}{'max':>11}{'p99 max':>11}{'target':>11}"
+        f"{'above':>8}{'below':>8}",
+    ]
+    for p in report.phases:
+        lines.append(
+            f"{p.name:<8}{f'{p.first_step}..{p.last_step}':>22}{p.n_updates:>6}{_num(p.kl_mean):>11}{_num(p.kl_median):>11}"
+            f"{_num(p.kl_max):>11}{_num(p.kl_p99_max):>11}{_num(p.target):>11}{_pct(p.above):>8}{_pct(p.below):>8}"
+        )
+    lines.append(
+        f"outside the band [{lo:g}, {hi:g}] x target: {_pct(report.above + report.below)} of updates "
+        f"(above {_pct(report.above)}, below {_pct(report.below)})"
+    )
+    lines += _coef_lines(report, coef_bounds)
+    lines.append(_alarm_line(report))
+    if report.lead is not None:
+        lines.append("lead-lag: " + report.lead.summary())
+    lines += [f"note: {note}" for note in report.notes]
+    return "\n".join(lines)
+
+
+def format_markdown(reports: list[RunReport], coef_bounds: tuple[float, float] = DEFAULT_COEF_BOUNDS) -> str:
+    """
+    :param reports: The reports of all runs
+    :param coef_bounds: Known bounds of beta
+    :return: A markdown document with one section per run and the method at the end
+    """
+    out = ["# KL report", ""]
+    for report in reports:
+        run = report.run
+        lo, hi = report.band
+        out += [
+            f"## {run.name}",
+            "",
+            f"Source: {run.source} `{run.path}`; {report.n_updates} updates with KL.",
+            "",
+            "| phase | steps | updates | KL mean | KL median | KL max | p99 max | target | above band | below band |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in report.phases:
+            out.append(
+                f"| {p.name} | {p.first_step}..{p.last_step} | {p.n_updates} | {_num(p.kl_mean)} | {_num(p.kl_median)} | "
+                f"{_num(p.kl_max)} | {_num(p.kl_p99_max)} | {_num(p.target)} | {_pct(p.above)} | {_pct(p.below)} |"
+            )
+        out += ["", f"- Outside the band [{lo:g}, {hi:g}] x target: {_pct(report.above + report.below)} of updates"]
+        out += [f"- {line}" for line in _coef_lines(report, coef_bounds)]
+        out.append(f"- {_alarm_line(report)}")
+        if report.lead is not None:
+            out.append(f"- Lead-lag: {report.lead.summary()}")
+        out += [f"- Note: {note}" for note in report.notes]
+        out.append("")
+    out += ["## Method", "", METHOD, ""]
+    return "\n".join(out)

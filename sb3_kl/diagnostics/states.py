@@ -1,0 +1,178 @@
+"""
+Drill-down into the states where the KL was high: which observation dimensions separate the monitor's saved
+top-k high-KL states from ordinary ones.
+
+The ``.npz`` file holds ``observations`` (k, *obs_shape), ``kl`` (k,), ``update`` (k,) and, when the monitor saved
+a background sample, ``background_observations`` (m, *obs_shape) and ``background_kl`` (m,).
+Without a background, the highest-KL half of the saved states is compared with the lowest-KL half.
+"""
+
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from sb3_kl.diagnostics.logs import DiagnosticsError
+
+MIN_GROUP = 2  # states needed in each group for a comparison
+
+
+@dataclass
+class DimensionComparison:
+    """
+    One observation dimension, high-KL states against reference states.
+
+    :param name: ``obs[i]`` (or ``obs[i,j]`` for multi-dimensional observations)
+    :param high_mean: Mean over the high-KL states
+    :param ref_mean: Mean over the reference states
+    :param high_quantiles: 10 %, 50 %, 90 % quantiles over the high-KL states
+    :param ref_quantiles: Same over the reference states
+    :param std_diff: Standardized difference ``(high_mean - ref_mean) / pooled std`` (Cohen's d)
+    :param auc: Probability that a high-KL state has the larger value than a reference state (0.5 = no separation)
+    """
+
+    name: str
+    high_mean: float
+    ref_mean: float
+    high_quantiles: np.ndarray
+    ref_quantiles: np.ndarray
+    std_diff: float
+    auc: float
+
+
+@dataclass
+class StatesReport:
+    """
+    :param dims: Per-dimension comparisons, most separated first
+    :param n_high: Number of high-KL states
+    :param n_ref: Number of reference states
+    :param reference: Description of the reference group
+    :param high_kl: KL of the high-KL states
+    :param ref_kl: KL of the reference states (may be empty)
+    :param updates: Update indices of the high-KL states (may be empty)
+    """
+
+    dims: list[DimensionComparison]
+    n_high: int
+    n_ref: int
+    reference: str
+    high_kl: np.ndarray
+    ref_kl: np.ndarray
+    updates: np.ndarray
+
+
+def _auc(high: np.ndarray, ref: np.ndarray) -> float:
+    """Mann-Whitney probability P(high > ref) + P(high == ref) / 2."""
+    greater = (high[:, None] > ref[None, :]).mean()
+    equal = (high[:, None] == ref[None, :]).mean()
+    return float(greater + 0.5 * equal)
+
+
+def _dimension_names(obs_shape: tuple[int, ...]) -> list[str]:
+    return ["obs[" + ",".join(str(i) for i in index) + "]" for index in np.ndindex(*obs_shape)]
+
+
+def compare(high: np.ndarray, ref: np.ndarray) -> list[DimensionComparison]:
+    """
+    Compare high-KL observations with reference observations dimension by dimension.
+
+    :param high: ``(k, *obs_shape)``
+    :param ref: ``(m, *obs_shape)``
+    :return: One comparison per dimension, sorted by ``|std_diff|`` then ``|auc - 0.5|``, largest first
+    """
+    names = _dimension_names(high.shape[1:])
+    high2 = high.reshape(len(high), -1).astype(np.float64)
+    ref2 = ref.reshape(len(ref), -1).astype(np.float64)
+    quantiles = (0.1, 0.5, 0.9)
+    dims = []
+    for i, name in enumerate(names):
+        h, r = high2[:, i], ref2[:, i]
+        pooled = np.sqrt(0.5 * (h.var(ddof=1) + r.var(ddof=1)))
+        difference = h.mean() - r.mean()
+        if pooled > 0:
+            std_diff = float(difference / pooled)
+        else:
+            std_diff = 0.0 if difference == 0 else float(np.sign(difference) * np.inf)
+        dims.append(
+            DimensionComparison(
+                name, float(h.mean()), float(r.mean()), np.quantile(h, quantiles), np.quantile(r, quantiles), std_diff, _auc(h, r)
+            )
+        )
+    return sorted(dims, key=lambda d: (abs(d.std_diff), abs(d.auc - 0.5)), reverse=True)
+
+
+def load_states(path: str) -> StatesReport:
+    """
+    Read a monitor's ``.npz`` file and compare its high-KL states with the background (or, without one, with the
+    lower-KL half of the saved states).
+
+    :param path: The ``.npz`` file
+    :return: The comparison
+    """
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+    except FileNotFoundError:
+        raise DiagnosticsError(f"{path} does not exist") from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+        raise DiagnosticsError(f"cannot read {path} as .npz: {error}") from None
+    for key in ("observations", "kl"):
+        if key not in arrays:
+            raise DiagnosticsError(f"{path} has no '{key}' array (found: {', '.join(sorted(arrays)) or 'none'})")
+    observations, kl = arrays["observations"], np.asarray(arrays["kl"], dtype=np.float64).ravel()
+    if observations.ndim < 1 or len(observations) != len(kl):
+        raise DiagnosticsError(f"{path}: 'observations' has {observations.shape[:1]} rows but 'kl' has {len(kl)}")
+    if observations.ndim == 1:
+        observations = observations[:, None]
+    updates = np.asarray(arrays.get("update", np.zeros(0))).ravel()
+
+    background = arrays.get("background_observations")
+    if background is not None and len(background) >= MIN_GROUP:
+        if background.shape[1:] != observations.shape[1:] and background.ndim > 1:
+            raise DiagnosticsError(
+                f"{path}: background observations have shape {background.shape[1:]}, high-KL ones {observations.shape[1:]}"
+            )
+        background = background.reshape(len(background), *observations.shape[1:])
+        ref_kl = np.asarray(arrays.get("background_kl", np.zeros(0)), dtype=np.float64).ravel()
+        high, ref, high_kl, reference = observations, background, kl, "random background states"
+    else:
+        if len(observations) < 2 * MIN_GROUP:
+            raise DiagnosticsError(
+                f"{path} has no background states and only {len(observations)} high-KL states: nothing to compare with"
+            )
+        order = np.argsort(kl)[::-1]
+        half = len(order) // 2
+        high, ref = observations[order[:half]], observations[order[half:]]
+        high_kl, ref_kl = kl[order[:half]], kl[order[half:]]
+        reference = "no background saved: the lower-KL half of the saved top states (a weaker contrast)"
+    return StatesReport(compare(high, ref), len(high), len(ref), reference, high_kl, ref_kl, updates)
+
+
+def format_states(report: StatesReport, top: int = 20) -> str:
+    """
+    :param report: The comparison
+    :param top: Number of dimensions printed
+    :return: A text table, most separated dimension first
+    """
+
+    def q(values: np.ndarray) -> str:
+        return "/".join(f"{v:.3g}" for v in values)
+
+    lines = [
+        f"high-KL states: {report.n_high} (KL {report.high_kl.min():.3g}..{report.high_kl.max():.3g}"
+        + (f", updates {int(report.updates.min())}..{int(report.updates.max())}" if len(report.updates) else "")
+        + ")",
+        f"reference: {report.n_ref} {report.reference}"
+        + (f" (KL median {np.median(report.ref_kl):.3g})" if len(report.ref_kl) else ""),
+        "dimensions sorted by separation; d = (mean_high - mean_ref) / pooled std, "
+        "AUC = P(high-KL value > reference value), quantiles are 10%/50%/90%",
+        f"{'dim':<12}{'d':>8}{'AUC':>7}{'mean high':>12}{'mean ref':>12}{'q high':>26}{'q ref':>26}",
+    ]
+    for dim in report.dims[:top]:
+        lines.append(
+            f"{dim.name:<12}{dim.std_diff:>8.2f}{dim.auc:>7.2f}{dim.high_mean:>12.3g}{dim.ref_mean:>12.3g}"
+            f"{q(dim.high_quantiles):>26}{q(dim.ref_quantiles):>26}"
+        )
+    if len(report.dims) > top:
+        lines.append(f"... {len(report.dims) - top} more dimensions (use --top)")
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""
+The KL/return timeline: the episode return on top and, on the same axis of environment steps, the KL (mean and
+99th percentile, log scale, target band shaded), the KL coefficient beta and the learning rate, with alarm markers.
+
+``python -m sb3_kl.plot LOGDIR [--out FILE.png]`` is the same as ``sb3-kl plot LOGDIR [--out FILE.png]``.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+from sb3_kl.diagnostics.logs import RunLog
+from sb3_kl.diagnostics.report import DEFAULT_BAND, alarm_events
+
+DEFAULT_SIZE = (10.0, 8.0)  # inches
+DEFAULT_DPI = 100
+
+
+def _panels(runs: list[RunLog]) -> list[str]:
+    """Rows of the figure: those at least one run has data for (KL always)."""
+    panels = []
+    if any(run.get("ep_rew_mean") is not None for run in runs):
+        panels.append("return")
+    panels.append("kl")
+    if any(run.get("kl_coef") is not None for run in runs):
+        panels.append("coef")
+    if any(run.get("learning_rate") is not None for run in runs):
+        panels.append("lr")
+    return panels
+
+
+def _positive(values: np.ndarray) -> np.ndarray:
+    """Non-positive values (possible with sample estimators) cannot be drawn on a log scale."""
+    return np.where(values > 0, values, np.nan)
+
+
+def _draw_run(axes: dict, run: RunLog, color: str, band: tuple[float, float], label: str | None, overlay: bool) -> None:
+    returns = run.get("ep_rew_mean")
+    if returns is not None and "return" in axes:
+        axes["return"].plot(returns.steps, returns.values, color=color, label=label)
+
+    ax = axes["kl"]
+    target = run.get("target_kl")
+    if target is not None:
+        lo, hi = band
+        ax.fill_between(
+            target.steps,
+            lo * target.values,
+            hi * target.values,
+            color=color if overlay else "tab:green",
+            alpha=0.12,
+            step="post",
+            label=None if overlay else f"target band [{lo:g}, {hi:g}] x target",
+            linewidth=0,
+        )
+        ax.plot(target.steps, target.values, color=color if overlay else "tab:green", lw=0.8, ls=":", drawstyle="steps-post")
+    kl = run.get("kl_mean")
+    assert kl is not None
+    ax.plot(kl.steps, _positive(kl.values), color=color, lw=1.5, label=label if overlay else "KL mean")
+    p99 = run.get("kl_p99")
+    if p99 is not None:
+        ax.plot(p99.steps, _positive(p99.values), color=color, lw=0.9, ls="--", alpha=0.8, label=None if overlay else "KL p99")
+
+    coef = run.get("kl_coef")
+    if coef is not None and "coef" in axes:
+        axes["coef"].plot(coef.steps, _positive(coef.values), color=color, drawstyle="steps-post")
+    lr = run.get("learning_rate")
+    if lr is not None and "lr" in axes:
+        axes["lr"].plot(lr.steps, lr.values, color=color)
+
+    alarms = run.get("alarms")
+    if alarms is not None:
+        steps, _ = alarm_events(alarms)
+        for step in steps:
+            for panel_ax in axes.values():
+                panel_ax.axvline(step, color="tab:red", lw=0.8, alpha=0.5)
+        if len(steps):
+            at = np.searchsorted(kl.steps, steps).clip(0, len(kl) - 1)
+            ax.scatter(steps, _positive(kl.values[at]), marker="v", color="tab:red", zorder=5, s=40, label="alarm")
+
+
+def _decades(ax) -> float:
+    """Number of decades spanned by a log-scaled y-axis."""
+    low, high = ax.get_ylim()
+    return float(np.log10(high / low)) if low > 0 else np.inf
+
+
+def draw_timeline(
+    runs: list[RunLog],
+    out: str,
+    band: tuple[float, float] = DEFAULT_BAND,
+    size: tuple[float, float] = DEFAULT_SIZE,
+    dpi: int = DEFAULT_DPI,
+    title: str | None = None,
+) -> str:
+    """
+    Draw one figure with the given runs (one run, or several overlaid) and save it.
+
+    :param runs: Runs that logged a mean KL
+    :param out: Output image path (the format follows the extension, e.g. ``.png``)
+    :param band: Target band as multiples of the logged target KL
+    :param size: Figure size in inches; the image is ``size * dpi`` pixels
+    :param dpi: Resolution
+    :param title: Figure title (default: the run name, or the number of runs)
+    :return: ``out``
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    overlay = len(runs) > 1
+    panels = _panels(runs)
+    ratios = {"return": 2.0, "kl": 2.5, "coef": 1.0, "lr": 1.0}
+    fig, ax_list = plt.subplots(
+        len(panels), 1, sharex=True, figsize=size, dpi=dpi, gridspec_kw={"height_ratios": [ratios[p] for p in panels]}
+    )
+    ax_list = np.atleast_1d(ax_list)
+    axes = dict(zip(panels, ax_list, strict=True))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        _draw_run(axes, run, colors[i % len(colors)], band, run.name if overlay else None, overlay)
+
+    labels = {
+        "return": "episode return\n(rollout/ep_rew_mean)",
+        "kl": "KL per update\n(log scale)",
+        "coef": "KL coef β",
+        "lr": "learning rate",
+    }
+    for panel, ax in axes.items():
+        ax.set_ylabel(labels[panel], fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes["kl"].set_yscale("log")
+    if "coef" in axes:
+        axes["coef"].set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:g}")
+        axes["coef"].yaxis.set_major_formatter(plain)
+        axes["coef"].yaxis.set_minor_formatter(plain if _decades(axes["coef"]) < 1 else NullFormatter())
+    if "lr" in axes:
+        axes["lr"].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    ax_list[-1].set_xlabel("environment steps")
+    legend_ax = axes["return"] if overlay and "return" in axes else axes["kl"]
+    handles, names = legend_ax.get_legend_handles_labels()
+    if handles:
+        unique = dict(zip(names, handles, strict=True))
+        legend_ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
+    fig.suptitle(title or (runs[0].name if not overlay else f"{len(runs)} runs"), fontsize=11)
+    fig.tight_layout()
+    # no bbox_inches="tight": the image keeps the requested pixel size
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
+def output_paths(out: str, runs: list[RunLog], overlay: bool) -> list[str]:
+    """
+    :param out: The ``--out`` path
+    :param runs: The runs to draw
+    :param overlay: Whether all runs go in one figure
+    :return: One path per figure: ``out`` itself for one figure, else ``<stem>-<run name><ext>`` per run
+    """
+    if overlay or len(runs) == 1:
+        return [out]
+    stem, ext = os.path.splitext(out)
+    return [f"{stem}-{run.name.replace(os.sep, '_')}{ext or '.png'}" for run in runs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m sb3_kl.plot``: the ``plot`` subcommand of ``sb3-kl``."""
+    from sb3_kl.cli import main as cli_main
+
+    return cli_main(["plot", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
