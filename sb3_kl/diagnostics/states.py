@@ -29,6 +29,9 @@ class DimensionComparison:
     :param ref_quantiles: Same over the reference states
     :param std_diff: Standardized difference ``(high_mean - ref_mean) / pooled std`` (Cohen's d)
     :param auc: Probability that a high-KL state has the larger value than a reference state (0.5 = no separation)
+    :param ks: Two-sample Kolmogorov-Smirnov distance (largest gap between the two empirical CDFs, 0..1): catches
+        a difference of spread (e.g. high-KL states at both extremes of a dimension) that ``std_diff`` misses
+    :param std_ratio: Standard deviation over the high-KL states / over the reference states
     """
 
     name: str
@@ -38,6 +41,8 @@ class DimensionComparison:
     ref_quantiles: np.ndarray
     std_diff: float
     auc: float
+    ks: float
+    std_ratio: float
 
 
 @dataclass
@@ -68,19 +73,51 @@ def _auc(high: np.ndarray, ref: np.ndarray) -> float:
     return float(greater + 0.5 * equal)
 
 
-def _dimension_names(obs_shape: tuple[int, ...]) -> list[str]:
-    return ["obs[" + ",".join(str(i) for i in index) + "]" for index in np.ndindex(*obs_shape)]
+def _ks(high: np.ndarray, ref: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov distance."""
+    grid = np.concatenate([high, ref])
+    cdf_high = np.searchsorted(np.sort(high), grid, side="right") / len(high)
+    cdf_ref = np.searchsorted(np.sort(ref), grid, side="right") / len(ref)
+    return float(np.max(np.abs(cdf_high - cdf_ref)))
 
 
-def compare(high: np.ndarray, ref: np.ndarray) -> list[DimensionComparison]:
+def _dimension_names(obs_shape: tuple[int, ...], prefix: str = "obs") -> list[str]:
+    return [f"{prefix}[" + ",".join(str(i) for i in index) + "]" for index in np.ndindex(*obs_shape)]
+
+
+def _flatten(arrays: dict[str, np.ndarray], name: str, path: str) -> tuple[np.ndarray, list[str]] | None:
+    """
+    The observations stored under ``name`` (a plain array, or ``name/<key>`` arrays for Dict observation spaces),
+    flattened to ``(n, n_dims)`` with a name per dimension.
+    """
+    if name in arrays:
+        obs = arrays[name]
+        obs = obs[:, None] if obs.ndim == 1 else obs
+        return obs.reshape(len(obs), -1).astype(np.float64), _dimension_names(obs.shape[1:])
+    keys = sorted(key for key in arrays if key.startswith(f"{name}/"))
+    if not keys:
+        return None
+    parts, names = [], []
+    for key in keys:
+        obs = arrays[key]
+        obs = obs[:, None] if obs.ndim == 1 else obs
+        parts.append(obs.reshape(len(obs), -1).astype(np.float64))
+        names += _dimension_names(obs.shape[1:], prefix=key.split("/", 1)[1])
+    if len({len(part) for part in parts}) != 1:
+        raise DiagnosticsError(f"{path}: the '{name}/<key>' arrays have different numbers of rows")
+    return np.concatenate(parts, axis=1), names
+
+
+def compare(high: np.ndarray, ref: np.ndarray, names: list[str] | None = None) -> list[DimensionComparison]:
     """
     Compare high-KL observations with reference observations dimension by dimension.
 
     :param high: ``(k, *obs_shape)``
     :param ref: ``(m, *obs_shape)``
-    :return: One comparison per dimension, sorted by ``|std_diff|`` then ``|auc - 0.5|``, largest first
+    :param names: One name per flattened dimension (default ``obs[i]``)
+    :return: One comparison per dimension, sorted by the KS distance then ``|std_diff|``, largest first
     """
-    names = _dimension_names(high.shape[1:])
+    names = names or _dimension_names(high.shape[1:])
     high2 = high.reshape(len(high), -1).astype(np.float64)
     ref2 = ref.reshape(len(ref), -1).astype(np.float64)
     quantiles = (0.1, 0.5, 0.9)
@@ -93,12 +130,22 @@ def compare(high: np.ndarray, ref: np.ndarray) -> list[DimensionComparison]:
             std_diff = float(difference / pooled)
         else:
             std_diff = 0.0 if difference == 0 else float(np.sign(difference) * np.inf)
+        ref_std = r.std(ddof=1)
+        std_ratio = float(h.std(ddof=1) / ref_std) if ref_std > 0 else float("nan")
         dims.append(
             DimensionComparison(
-                name, float(h.mean()), float(r.mean()), np.quantile(h, quantiles), np.quantile(r, quantiles), std_diff, _auc(h, r)
+                name,
+                float(h.mean()),
+                float(r.mean()),
+                np.quantile(h, quantiles),
+                np.quantile(r, quantiles),
+                std_diff,
+                _auc(h, r),
+                _ks(h, r),
+                std_ratio,
             )
         )
-    return sorted(dims, key=lambda d: (abs(d.std_diff), abs(d.auc - 0.5)), reverse=True)
+    return sorted(dims, key=lambda d: (d.ks, abs(d.std_diff)), reverse=True)
 
 
 def load_states(path: str) -> StatesReport:
@@ -110,31 +157,31 @@ def load_states(path: str) -> StatesReport:
     :return: The comparison
     """
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise DiagnosticsError(f"{path} is a single array, not an .npz archive of the KL monitor")
+        with data:
             arrays = {key: data[key] for key in data.files}
     except FileNotFoundError:
         raise DiagnosticsError(f"{path} does not exist") from None
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
         raise DiagnosticsError(f"cannot read {path} as .npz: {error}") from None
-    for key in ("observations", "kl"):
-        if key not in arrays:
-            raise DiagnosticsError(f"{path} has no '{key}' array (found: {', '.join(sorted(arrays)) or 'none'})")
-    observations, kl = arrays["observations"], np.asarray(arrays["kl"], dtype=np.float64).ravel()
-    if observations.ndim < 1 or len(observations) != len(kl):
-        raise DiagnosticsError(f"{path}: 'observations' has {observations.shape[:1]} rows but 'kl' has {len(kl)}")
-    if observations.ndim == 1:
-        observations = observations[:, None]
+    top = _flatten(arrays, "observations", path)
+    if top is None or "kl" not in arrays:
+        missing = "observations" if top is None else "kl"
+        raise DiagnosticsError(f"{path} has no '{missing}' array (found: {', '.join(sorted(arrays)) or 'none'})")
+    observations, names = top
+    kl = np.asarray(arrays["kl"], dtype=np.float64).ravel()
+    if len(observations) != len(kl):
+        raise DiagnosticsError(f"{path}: 'observations' has {len(observations)} rows but 'kl' has {len(kl)}")
     updates = np.asarray(arrays.get("update", np.zeros(0))).ravel()
 
-    background = arrays.get("background_observations")
-    if background is not None and len(background) >= MIN_GROUP:
-        if background.shape[1:] != observations.shape[1:] and background.ndim > 1:
-            raise DiagnosticsError(
-                f"{path}: background observations have shape {background.shape[1:]}, high-KL ones {observations.shape[1:]}"
-            )
-        background = background.reshape(len(background), *observations.shape[1:])
+    background = _flatten(arrays, "background_observations", path)
+    if background is not None and len(background[0]) >= MIN_GROUP:
+        if background[1] != names:
+            raise DiagnosticsError(f"{path}: background observations do not have the shape of the high-KL ones")
         ref_kl = np.asarray(arrays.get("background_kl", np.zeros(0)), dtype=np.float64).ravel()
-        high, ref, high_kl, reference = observations, background, kl, "random background states"
+        high, ref, high_kl, reference = observations, background[0], kl, "random background states"
     else:
         if len(observations) < 2 * MIN_GROUP:
             raise DiagnosticsError(
@@ -145,7 +192,7 @@ def load_states(path: str) -> StatesReport:
         high, ref = observations[order[:half]], observations[order[half:]]
         high_kl, ref_kl = kl[order[:half]], kl[order[half:]]
         reference = "no background saved: the lower-KL half of the saved top states (a weaker contrast)"
-    return StatesReport(compare(high, ref), len(high), len(ref), reference, high_kl, ref_kl, updates)
+    return StatesReport(compare(high, ref, names), len(high), len(ref), reference, high_kl, ref_kl, updates)
 
 
 def format_states(report: StatesReport, top: int = 20) -> str:
@@ -164,13 +211,15 @@ def format_states(report: StatesReport, top: int = 20) -> str:
         + ")",
         f"reference: {report.n_ref} {report.reference}"
         + (f" (KL median {np.median(report.ref_kl):.3g})" if len(report.ref_kl) else ""),
-        "dimensions sorted by separation; d = (mean_high - mean_ref) / pooled std, "
-        "AUC = P(high-KL value > reference value), quantiles are 10%/50%/90%",
-        f"{'dim':<12}{'d':>8}{'AUC':>7}{'mean high':>12}{'mean ref':>12}{'q high':>26}{'q ref':>26}",
+        "dimensions sorted by separation (KS = largest gap between the two empirical CDFs); "
+        "d = (mean_high - mean_ref) / pooled std; AUC = P(high-KL value > reference value); "
+        "sd ratio = std_high / std_ref; quantiles are 10%/50%/90%",
+        f"{'dim':<12}{'KS':>6}{'d':>8}{'AUC':>7}{'sd ratio':>9}{'mean high':>12}{'mean ref':>12}{'q high':>26}{'q ref':>26}",
     ]
     for dim in report.dims[:top]:
         lines.append(
-            f"{dim.name:<12}{dim.std_diff:>8.2f}{dim.auc:>7.2f}{dim.high_mean:>12.3g}{dim.ref_mean:>12.3g}"
+            f"{dim.name:<12}{dim.ks:>6.2f}{dim.std_diff:>8.2f}{dim.auc:>7.2f}{dim.std_ratio:>9.2f}{dim.high_mean:>12.3g}"
+            f"{dim.ref_mean:>12.3g}"
             f"{q(dim.high_quantiles):>26}{q(dim.ref_quantiles):>26}"
         )
     if len(report.dims) > top:
