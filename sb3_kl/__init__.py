@@ -1,5 +1,6 @@
 import os
 
+from sb3_kl.callbacks import KLAdaptiveLRCallback, KLAlarmCallback, KLMonitorCallback, VarianceFloorCallback
 from sb3_kl.clip_klppo import ClipKLPPO
 from sb3_kl.common.controllers import AdaptiveKLController, FixedKLController, KLController, ProportionalKLController
 from sb3_kl.common.kl import KLSettings
@@ -20,4 +21,8 @@ __all__ = [
     "KLController",
     "KLSettings",
     "ProportionalKLController",
+    "KLAdaptiveLRCallback",
+    "KLAlarmCallback",
+    "KLMonitorCallback",
+    "VarianceFloorCallback",
 ]
