@@ -205,7 +205,7 @@ def load_run(name: str, path: str, source: str) -> RunLog:
     else:
         run = read_csv(path, name)
     if not run.scalars:
-        raise DiagnosticsError(f"run {name} ({path}) holds no scalar values")
+        raise DiagnosticsError(f"no scalar could be read from run {name} ({path}): empty, corrupt or not an SB3 log")
     return run
 
 

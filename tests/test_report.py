@@ -1,0 +1,152 @@
+import warnings
+
+import numpy as np
+import pytest
+import torch as th
+from stable_baselines3 import PPO
+from stable_baselines3.common.logger import configure
+
+from sb3_kl import KLPPO
+from sb3_kl.cli import main
+from sb3_kl.diagnostics.leadlag import lead_lag
+from sb3_kl.diagnostics.logs import find_runs, load_run
+from sb3_kl.diagnostics.report import summarize_run
+from sb3_kl.diagnostics.states import load_states
+
+N_UPDATES = 150
+LAG = 3
+
+
+def planted_log(n: int = N_UPDATES, lag: int = LAG, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """KL with a spike now and then; the return drops ``lag`` updates after each spike, otherwise climbs."""
+    rng = np.random.default_rng(seed)
+    kl = np.exp(rng.normal(np.log(0.01), 0.3, n))
+    spikes = rng.choice(np.arange(5, n - lag - 1), size=n // 12, replace=False)
+    kl[spikes] *= 10
+    change = rng.normal(1.0, 1.0, n)
+    change[spikes + lag] -= 15
+    return kl, np.cumsum(change), spikes
+
+
+def write_log(folder: str, kl: np.ndarray, returns: np.ndarray, formats: list[str]) -> None:
+    """Write a log the way SB3 does (its own logger), one dump per update of 2048 steps."""
+    logger = configure(folder, formats)
+    for t, (kl_t, return_t) in enumerate(zip(kl, returns, strict=True)):
+        logger.record("time/total_timesteps", 2048 * (t + 1))  # the CSV's x-axis, as OnPolicyAlgorithm.dump_logs writes it
+        logger.record("rollout/ep_rew_mean", float(return_t))
+        logger.record("train/kl", float(kl_t))
+        logger.record("train/target_kl", 0.01)
+        logger.record("train/kl_coef", 10.0 if t % 10 == 0 else 1.0)
+        logger.dump(step=2048 * (t + 1))
+    logger.close()
+
+
+@pytest.mark.parametrize("lag", [0, 1, LAG, 6])
+def test_lead_lag_finds_planted_lag(lag):
+    kl, returns, _ = planted_log(lag=lag)
+    result = lead_lag(kl, returns, steps=2048 * np.arange(1, N_UPDATES + 1))
+    assert result.found and result.best_lag == lag
+    assert result.best_r > 0.8 and result.p_value < 0.01
+    assert result.steps_per_update == 2048
+
+
+def test_lead_lag_false_positive_rate():
+    # independent series (i.i.d. log-normal KL, random-walk return): a 95 % test should rarely fire
+    found = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        found += lead_lag(rng.lognormal(size=120), np.cumsum(rng.normal(size=120)), n_null=199).found
+    assert found <= 6  # expected 2; P(>6) < 1 % for a correct 5 % test
+
+
+def test_lead_lag_short_log():
+    result = lead_lag(np.ones(10) * 0.01, np.arange(10.0))
+    assert not result.found and "at least 20" in result.summary()
+
+
+def test_report_finds_planted_lead(tmp_path, capsys):
+    kl, returns, _ = planted_log()
+    write_log(str(tmp_path / "planted"), kl, returns, ["tensorboard"])
+    markdown = tmp_path / "report.md"
+    assert main(["report", str(tmp_path / "planted"), "--markdown", str(markdown)]) == 0
+    out = capsys.readouterr().out
+    assert f"KL spikes lead return drops by {LAG} updates, ~{LAG * 2048} steps" in out
+    assert "Lead-lag method" in out
+    text = markdown.read_text()
+    assert f"KL spikes lead return drops by {LAG} updates" in text and "## Method" in text
+    # 15 of 150 logged coefficients sit at the known upper bound 10
+    assert "upper 10: 15/150 updates" in out
+
+
+def test_report_no_lead_on_shuffled_data(tmp_path, capsys):
+    kl, returns, _ = planted_log()
+    shuffled = np.random.default_rng(1).permutation(kl)
+    write_log(str(tmp_path / "shuffled"), shuffled, returns, ["csv"])
+    assert main(["report", str(tmp_path / "shuffled")]) == 0
+    out = capsys.readouterr().out
+    assert "no lead found" in out and "KL spikes lead" not in out
+
+
+def test_report_real_klppo_run(tmp_path, capsys):
+    th.set_num_threads(1)
+    model = KLPPO(
+        "MlpPolicy", "CartPole-v1", n_steps=64, n_epochs=2, policy_kwargs=dict(net_arch=[16]), seed=0, tensorboard_log=str(tmp_path)
+    )
+    model.learn(64 * 25)
+    run = load_run(*find_runs(str(tmp_path))[0])
+    report = summarize_run(run)
+    assert [p.name for p in report.phases] == ["early", "middle", "late"]
+    assert sum(p.n_updates for p in report.phases) == report.n_updates == 24
+    kl = run.get("kl_mean").values
+    assert report.phases[0].kl_mean == pytest.approx(np.mean(kl[:8]))
+    target = run.get("target_kl").values
+    expected_outside = np.mean((kl > 2 * target) | (kl < 0.5 * target))
+    assert report.above + report.below == pytest.approx(expected_outside)
+    assert report.coef["min"] <= model.kl_coef <= report.coef["max"]
+    assert report.lead is not None and report.lead.n_updates == 24
+
+    assert main(["report", str(tmp_path), "--band", "0.5", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "KL keys: mean=train/kl" in out and "outside the band [0.5, 1.5] x target" in out and "beta (kl_coef)" in out
+
+
+def test_states_from_real_monitor(tmp_path, capsys):
+    from sb3_kl.callbacks import KLMonitorCallback
+
+    th.set_num_threads(1)
+    path = str(tmp_path / "top.npz")
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=128, n_epochs=2, policy_kwargs=dict(net_arch=[16]), seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.learn(512, callback=KLMonitorCallback(top_k=4, top_k_path=path))
+    assert main(["states", path]) == 0
+    out = capsys.readouterr().out
+    assert "random background states" in out
+    assert sum(line.startswith("obs[") for line in out.splitlines()) == 4  # CartPole has 4 observation dimensions
+
+
+def test_states_finds_separating_dimension(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    high, background = rng.normal(size=(40, 6)), rng.normal(size=(200, 6))
+    high[:, 4] += 2.0  # high-KL states sit at large values of dimension 4
+    high[:, 1] *= 4.0  # ... and at both extremes of dimension 1 (same mean)
+    path = tmp_path / "top.npz"
+    np.savez(path, observations=high, kl=rng.uniform(1, 2, 40), update=np.arange(40), background_observations=background)
+    report = load_states(str(path))
+    assert [d.name for d in report.dims[:2]] == ["obs[4]", "obs[1]"]
+    assert report.dims[0].std_diff > 1.5 and report.dims[0].auc > 0.85
+    assert abs(report.dims[1].std_diff) < 0.5 and report.dims[1].std_ratio > 2.5
+
+    np.savez(path, observations=high, kl=rng.uniform(1, 2, 40))
+    assert main(["states", str(path), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "no background saved" in out and "3 more dimensions" in out
+
+
+def test_states_errors(tmp_path, capsys):
+    np.savez(tmp_path / "nokl.npz", observations=np.zeros((4, 2)))
+    (tmp_path / "text.npz").write_text("not an archive")
+    for name, message in [("missing.npz", "does not exist"), ("nokl.npz", "no 'kl' array"), ("text.npz", "cannot read")]:
+        assert main(["states", str(tmp_path / name)]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
