@@ -103,8 +103,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param tail_kl: When set, a step is also rejected if the ``tail_quantile`` of the per-state KL exceeds it
     :param tail_quantile: Quantile of the per-state KL bounded by ``tail_kl`` (default 0.99)
-    :param min_std: Variance floor for Gaussian policies: std >= min_std after every accepted step
-        (applied to each candidate of the line search, so the constraints hold for the floored policy). None = no floor
+    :param min_std: Variance floor for Gaussian policies: std >= min_std after every accepted step (``log_std`` of
+        each candidate of the line search is clamped, so the constraints hold for the floored policy; a std that starts
+        below the floor is never lowered further). With gSDE it floors the std of the exploration weights. None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
@@ -260,6 +261,19 @@ class KLTRPO(KLOnPolicyAlgorithm):
             critic.update(id(p) for p in self.policy.vf_features_extractor.parameters())
         return [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic]
 
+    def _candidate_log_std_floor(self) -> th.Tensor | None:
+        """
+        The lower bound of ``log_std`` for the line search's candidates: the base's floor (std >= ``min_std``), except
+        where the rollout policy is already below it (e.g. ``log_std_init`` under the floor), where the bound is the
+        current value: the std may then rise, or stay, but flooring never forces a jump the trust region forbids.
+        Moving ``log_std`` back toward the rollout policy's value never increases a Gaussian's KL, and the line search
+        measures the KL of the floored candidate anyway.
+        """
+        floor = self._min_log_std_parameter()
+        if floor is None:
+            return None
+        return th.clamp(self.policy.log_std.detach(), max=floor).clone()
+
     def train(self) -> None:
         """
         Update policy using the currently gathered rollout buffer.
@@ -316,6 +330,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
 
         with th.no_grad():
             original_flat = nn.utils.parameters_to_vector(actor_params).clone()
+            log_std_floor = self._candidate_log_std_floor()
             old_objective = policy_objective.item()
             backtrack_coeff = 1.0
             success = False
@@ -326,8 +341,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     steps_tried += 1
                     candidate = original_flat + (backtrack_coeff * max_step_size) * search_direction
                     _copy_flat_to_parameters(candidate, actor_params)
-                    # The floor is applied to the candidate, so what is checked is what is kept
-                    self._apply_variance_floor()
+                    # The variance floor is applied to the candidate, so what is checked is what is kept
+                    if log_std_floor is not None:
+                        self.policy.log_std.copy_(th.maximum(self.policy.log_std, log_std_floor))
                     distribution = self.policy.get_distribution(observations)
                     log_prob = distribution.log_prob(actions)
                     new_objective = (advantages * th.exp(log_prob - old_log_prob)).mean().item()

@@ -1,0 +1,294 @@
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import TRPO
+from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+from stable_baselines3.common.envs import IdentityEnvBox, IdentityEnvMultiBinary, IdentityEnvMultiDiscrete
+
+from sb3_kl import KLTRPO
+
+TINY = dict(policy_kwargs=dict(net_arch=[16]), batch_size=64, n_critic_updates=2)
+
+
+def snapshot(model) -> th.nn.Module:
+    """An independent copy of the model's policy, in eval mode (deepcopy fails on gSDE's exploration matrices)."""
+    policy = model.policy_class(
+        model.observation_space, model.action_space, model.lr_schedule, use_sde=model.use_sde, **model.policy_kwargs
+    )
+    policy.load_state_dict(model.policy.state_dict())
+    policy.set_training_mode(False)
+    return policy
+
+
+def reference_kl(old_policy, new_policy, obs: np.ndarray, direction: str = "forward") -> np.ndarray:
+    """Per-state joint KL between two policies from torch.distributions.kl_divergence (independent of sb3_kl)."""
+    with th.no_grad():
+        obs_tensor = th.as_tensor(obs)
+        old = old_policy.get_distribution(obs_tensor).distribution
+        new = new_policy.get_distribution(obs_tensor).distribution
+        if not isinstance(old, list):
+            old, new = [old], [new]
+        if direction == "reverse":
+            old, new = new, old
+        total = 0
+        for p, q in zip(old, new, strict=True):
+            kl = th.distributions.kl_divergence(p, q)
+            total = total + (kl.sum(dim=-1) if kl.dim() > 1 else kl)
+    return total.numpy()
+
+
+class UpdateKLCallback(BaseCallback):
+    """
+    Measures every update from outside: snapshot of the policy and the rollout's states before ``train()``
+    (at ``_on_rollout_end``), comparison with the policy after it (at the next ``_on_rollout_start``, or at the end).
+    """
+
+    def __init__(self, direction: str = "forward"):
+        super().__init__()
+        self.direction = direction
+        self.pending = None
+        self.updates: list[np.ndarray] = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        observations = self.model.rollout_buffer.observations
+        self.pending = (snapshot(self.model), observations.reshape(-1, *observations.shape[2:]).copy())
+
+    def _measure(self) -> None:
+        if self.pending is not None:
+            old_policy, obs = self.pending
+            self.updates.append(reference_kl(old_policy, self.model.policy, obs, self.direction))
+            self.pending = None
+
+    def _on_rollout_start(self) -> None:
+        self._measure()
+
+    def _on_training_end(self) -> None:
+        self._measure()
+
+
+# Tolerance for float32 round-off between the line search's forward pass and the reference's
+REL_TOL = 1e-4
+
+
+@pytest.mark.parametrize(
+    "env_id,kwargs",
+    [
+        ("CartPole-v1", dict(n_steps=256)),
+        ("Pendulum-v1", dict(n_steps=256)),
+        ("Pendulum-v1", dict(n_steps=256, use_sde=True, sde_sample_freq=4)),
+    ],
+)
+def test_mean_kl_within_target_on_every_update(env_id, kwargs):
+    """Measured from outside, every update's mean KL(old||new) is <= target_kl, and the steps are real."""
+    target_kl = 0.01
+    callback = UpdateKLCallback()
+    model = KLTRPO("MlpPolicy", gym.make(env_id), target_kl=target_kl, seed=1, **kwargs, **TINY)
+    model.learn(8 * kwargs["n_steps"], callback=callback)
+    means = np.array([kl.mean() for kl in callback.updates])
+    assert len(means) == 8
+    assert np.all(means <= target_kl * (1 + REL_TOL)), means
+    # Real steps: most updates use a good part of the trust region
+    assert np.median(means) > 0.2 * target_kl, means
+    # The logged KL is the one measured from outside (last update)
+    assert model.logger.name_to_value["train/kl"] == pytest.approx(means[-1], rel=1e-3, abs=1e-8)
+    assert model.logger.name_to_value["train/kl_convention"] == "forward/analytic/sum"
+
+
+def test_tail_bound_holds_and_binds():
+    """With tail_kl set, the 0.99 quantile of the per-state KL stays under it; without, the same run exceeds it."""
+    target_kl, tail_kl = 0.05, 0.05
+    results = {}
+    for tail in (None, tail_kl):
+        callback = UpdateKLCallback()
+        model = KLTRPO("MlpPolicy", "CartPole-v1", n_steps=256, target_kl=target_kl, tail_kl=tail, seed=0, **TINY)
+        model.learn(6 * 256, callback=callback)
+        results[tail] = (callback.updates, model.logger.name_to_value)
+    free, _ = results[None]
+    bounded, logs = results[tail_kl]
+    assert max(np.quantile(kl, 0.99) for kl in free) > tail_kl, "the test needs a run whose tail exceeds the bound"
+    tails = np.array([np.quantile(kl, 0.99) for kl in bounded])
+    assert np.all(tails <= tail_kl * (1 + REL_TOL)), tails
+    assert np.all([kl.mean() <= target_kl * (1 + REL_TOL) for kl in bounded])
+    assert np.median([kl.mean() for kl in bounded]) > 1e-3, "steps must still be taken"
+    assert logs["train/kl_tail"] == pytest.approx(tails[-1], rel=1e-3, abs=1e-8)
+    assert logs["train/tail_kl"] == tail_kl
+
+
+def test_reverse_mean_convention_is_the_constrained_one():
+    """kl_direction='reverse', kl_reduction='mean' constrains KL(new||old) / action_dim (sb3-contrib TRPO's KL)."""
+    target_kl = 0.01
+    callback = UpdateKLCallback(direction="reverse")
+    env = IdentityEnvMultiDiscrete(3)
+    model = KLTRPO("MlpPolicy", env, n_steps=128, target_kl=target_kl, kl_direction="reverse", kl_reduction="mean", seed=0, **TINY)
+    model.learn(4 * 128, callback=callback)
+    means = np.array([kl.mean() / 2 for kl in callback.updates])  # MultiDiscrete([3, 3]): 2 action dimensions
+    assert np.all(means <= target_kl * (1 + REL_TOL)), means
+    assert means.max() > 0.2 * target_kl
+    assert model.logger.name_to_value["train/kl_convention"] == "reverse/analytic/mean"
+
+
+def test_failed_line_search_leaves_policy_unchanged():
+    """An unreachable tail bound rejects every step: the actor is exactly restored; the critic still learns."""
+    model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=128, tail_kl=1e-12, seed=0, **TINY)
+    actor_before = [p.detach().clone() for n, p in model.policy.named_parameters() if "value" not in n]
+    critic_before = [p.detach().clone() for n, p in model.policy.named_parameters() if "value" in n]
+    model.learn(128)
+    actor_after = [p.detach() for n, p in model.policy.named_parameters() if "value" not in n]
+    critic_after = [p.detach() for n, p in model.policy.named_parameters() if "value" in n]
+    assert all(th.equal(a, b) for a, b in zip(actor_before, actor_after, strict=True))
+    assert not all(th.equal(a, b) for a, b in zip(critic_before, critic_after, strict=True))
+    logs = model.logger.name_to_value
+    assert logs["train/line_search_success"] == 0.0
+    assert logs["train/is_line_search_success"] == 0.0
+    assert logs["train/line_search_steps"] == model.line_search_max_iter
+    assert logs["train/step_size"] == 0.0
+    assert logs["train/kl"] == 0.0
+
+
+def test_logged_keys_and_no_penalty_coefficient():
+    model = KLTRPO("MlpPolicy", IdentityEnvMultiBinary(3), n_steps=64, seed=0, **TINY)
+    model.learn(128)
+    logs = model.logger.name_to_value
+    for key in (
+        "train/policy_objective",
+        "train/value_loss",
+        "train/kl_divergence_loss",
+        "train/explained_variance",
+        "train/is_line_search_success",
+        "train/n_updates",
+        "train/line_search_success",
+        "train/line_search_steps",
+        "train/step_size",
+        "train/kl",
+        "train/kl_p99",
+        "train/kl_max",
+        "train/target_kl",
+    ):
+        assert key in logs, key
+    assert "train/kl_coef" not in logs, "KLTRPO has no KL penalty coefficient"
+    assert "train/kl_tail" not in logs
+    assert logs["train/line_search_success"] == 1.0 and logs["train/step_size"] > 0
+    assert 1 <= logs["train/line_search_steps"] <= model.line_search_max_iter
+
+
+class StdCallback(BaseCallback):
+    """Records the Gaussian's std after every update."""
+
+    def __init__(self):
+        super().__init__()
+        self.stds: list[float] = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_start(self) -> None:
+        if self.model.num_timesteps > 0:
+            self.stds.append(th.exp(self.model.policy.log_std).min().item())
+
+    def _on_training_end(self) -> None:
+        self._on_rollout_start()
+
+
+@pytest.mark.parametrize("log_std_init,min_std", [(0.0, 0.9), (math.log(0.5), 0.8)])
+def test_variance_floor_after_accepted_step(log_std_init, min_std):
+    """
+    On an env that rewards precision the std shrinks; with min_std it stops at the floor, and the KL constraint
+    holds for the floored policy. A std that starts under the floor is never lowered and steps are still taken.
+    """
+    kwargs = dict(n_steps=128, target_kl=0.1, seed=0, batch_size=64, n_critic_updates=2)
+    policy_kwargs = dict(net_arch=[16], log_std_init=log_std_init)
+    free = StdCallback()
+    KLTRPO("MlpPolicy", IdentityEnvBox(eps=0.5), policy_kwargs=policy_kwargs, **kwargs).learn(8 * 128, callback=free)
+    std_cb, kl_cb = StdCallback(), UpdateKLCallback()
+    model = KLTRPO("MlpPolicy", IdentityEnvBox(eps=0.5), min_std=min_std, policy_kwargs=policy_kwargs, **kwargs)
+    model.learn(8 * 128, callback=CallbackList([std_cb, kl_cb]))
+    initial_std = math.exp(log_std_init)
+    assert min(free.stds) < min(min_std, initial_std), "the test needs a run whose std falls under the floor"
+    assert all(std >= min(min_std, initial_std) * (1 - 1e-6) for std in std_cb.stds), std_cb.stds
+    assert all(kl.mean() <= 0.1 * (1 + REL_TOL) for kl in kl_cb.updates)
+    assert np.median([kl.mean() for kl in kl_cb.updates]) > 0.01
+
+
+def test_same_signature_as_sb3_contrib_trpo():
+    """A TRPO user can swap the class name: every TRPO argument is accepted, and the defaults agree."""
+    import inspect
+
+    trpo = inspect.signature(TRPO.__init__).parameters
+    ours = inspect.signature(KLTRPO.__init__).parameters
+    for name, parameter in trpo.items():
+        assert name in ours, name
+        assert ours[name].default == parameter.default, name
+
+
+def test_save_load_round_trip(tmp_path):
+    model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=128, target_kl=0.02, tail_kl=0.2, tail_quantile=0.9, seed=0, **TINY)
+    model.learn(256)
+    obs = np.stack([model.observation_space.sample() for _ in range(8)])
+    actions, _ = model.predict(obs, deterministic=True)
+    model.save(tmp_path / "kltrpo.zip")
+    loaded = KLTRPO.load(tmp_path / "kltrpo.zip", env=gym.make("Pendulum-v1"))
+    np.testing.assert_allclose(loaded.predict(obs, deterministic=True)[0], actions)
+    assert loaded.tail_kl == 0.2 and loaded.tail_quantile == 0.9
+    assert loaded.target_kl(1.0) == 0.02
+    assert loaded.kl_settings.convention == "forward/analytic/sum"
+    assert loaded.cg_max_steps == model.cg_max_steps and loaded.n_critic_updates == 2
+    callback = UpdateKLCallback()
+    loaded.learn(256, reset_num_timesteps=False, callback=callback)
+    assert all(np.quantile(kl, 0.9) <= 0.2 * (1 + REL_TOL) for kl in callback.updates)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(target_kl=0.0), "target_kl"),
+        (dict(target_kl=-0.01), "target_kl"),
+        (dict(target_kl=float("nan")), "target_kl"),
+        (dict(target_kl=None), "target_kl"),
+        (dict(tail_kl=0.0), "tail_kl"),
+        (dict(tail_kl=-1.0), "tail_kl"),
+        (dict(tail_kl=float("inf")), "tail_kl"),
+        (dict(tail_quantile=0.0), "tail_quantile"),
+        (dict(tail_quantile=1.0), "tail_quantile"),
+        (dict(tail_quantile=1.5), "tail_quantile"),
+        (dict(cg_max_steps=0), "cg_max_steps"),
+        (dict(cg_max_steps=2.5), "cg_max_steps"),
+        (dict(cg_damping=-0.1), "cg_damping"),
+        (dict(line_search_shrinking_factor=0.0), "line_search_shrinking_factor"),
+        (dict(line_search_shrinking_factor=1.0), "line_search_shrinking_factor"),
+        (dict(line_search_shrinking_factor=1.5), "line_search_shrinking_factor"),
+        (dict(line_search_max_iter=0), "line_search_max_iter"),
+        (dict(n_critic_updates=-1), "n_critic_updates"),
+        (dict(sub_sampling_factor=0), "sub_sampling_factor"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(kl_estimator="k3"), "kl_estimator"),
+        (dict(kl_estimator="k1"), "kl_estimator"),
+        (dict(kl_direction="sideways"), "kl_direction"),
+        (dict(kl_reduction="max"), "kl_reduction"),
+        (dict(min_std=-1.0), "min_std"),
+        (dict(kl_quantiles=(0.5, 1.0)), "kl_quantiles"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, **kwargs)
+
+
+def test_min_std_needs_box_actions():
+    with pytest.raises(ValueError, match="min_std"):
+        KLTRPO("MlpPolicy", "CartPole-v1", n_steps=64, min_std=0.1)
+
+
+def test_sub_sampling_runs_and_holds_on_the_subset():
+    callback = UpdateKLCallback()
+    model = KLTRPO("MlpPolicy", "CartPole-v1", n_steps=256, sub_sampling_factor=4, seed=0, **TINY)
+    model.learn(3 * 256, callback=callback)
+    assert len(callback.updates) == 3
+    # the constraint is checked on every 4th state of the shuffled buffer only: the full-buffer KL is close, not bound
+    assert all(kl.mean() < 3 * model.target_kl(1.0) for kl in callback.updates)
+    assert model.logger.name_to_value["train/line_search_success"] in (0.0, 1.0)
