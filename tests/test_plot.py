@@ -20,7 +20,15 @@ def klppo_logdir(tmp_path_factory):
     """A real KLPPO run on CartPole logged to TensorBoard (16 updates)."""
     th.set_num_threads(1)
     logdir = tmp_path_factory.mktemp("tb")
-    model = KLPPO("MlpPolicy", "CartPole-v1", n_steps=128, n_epochs=2, policy_kwargs=dict(net_arch=[16]), seed=0, tensorboard_log=str(logdir))
+    model = KLPPO(
+        "MlpPolicy",
+        "CartPole-v1",
+        n_steps=128,
+        n_epochs=2,
+        policy_kwargs=dict(net_arch=[16]),
+        seed=0,
+        tensorboard_log=str(logdir),
+    )
     model.learn(2048)
     return logdir
 
@@ -32,7 +40,9 @@ def stock_csv_logdir(tmp_path_factory):
 
     th.set_num_threads(1)
     logdir = tmp_path_factory.mktemp("csv")
-    model = PPO("MlpPolicy", "CartPole-v1", n_steps=128, n_epochs=2, learning_rate=3e-3, policy_kwargs=dict(net_arch=[16]), seed=0)
+    model = PPO(
+        "MlpPolicy", "CartPole-v1", n_steps=128, n_epochs=2, learning_rate=3e-3, policy_kwargs=dict(net_arch=[16]), seed=0
+    )
     model.set_logger(configure(str(logdir / "ppo_csv"), ["csv"]))
     monitor = KLMonitorCallback(top_k=4, top_k_path=str(logdir / "top.npz"))
     # a tiny target so that alarms are raised and drawn

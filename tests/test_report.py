@@ -90,7 +90,13 @@ def test_report_no_lead_on_shuffled_data(tmp_path, capsys):
 def test_report_real_klppo_run(tmp_path, capsys):
     th.set_num_threads(1)
     model = KLPPO(
-        "MlpPolicy", "CartPole-v1", n_steps=64, n_epochs=2, policy_kwargs=dict(net_arch=[16]), seed=0, tensorboard_log=str(tmp_path)
+        "MlpPolicy",
+        "CartPole-v1",
+        n_steps=64,
+        n_epochs=2,
+        policy_kwargs=dict(net_arch=[16]),
+        seed=0,
+        tensorboard_log=str(tmp_path),
     )
     model.learn(64 * 25)
     run = load_run(*find_runs(str(tmp_path))[0])

@@ -225,7 +225,9 @@ def load_runs(logdir: str) -> tuple[list[RunLog], list[str]]:
             continue
         if not run.has_kl:
             expected = " or ".join(KL_KEYS["kl_mean"])
-            problems.append(f"run {name} ({path}) has no KL keys ({expected}); log with an sb3_kl algorithm or KLMonitorCallback")
+            problems.append(
+                f"run {name} ({path}) has no KL keys ({expected}); log with an sb3_kl algorithm or KLMonitorCallback"
+            )
             continue
         runs.append(run)
     return runs, problems

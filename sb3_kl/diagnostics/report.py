@@ -90,7 +90,7 @@ def alarm_events(alarms: Series) -> tuple[np.ndarray, int]:
         increments = np.diff(values, prepend=0.0)
     else:
         increments = values
-    return alarms.steps[increments > 0], int(round(increments[increments > 0].sum()))
+    return alarms.steps[increments > 0], int(np.rint(increments[increments > 0].sum()))
 
 
 def _band_shares(kl: np.ndarray, target: np.ndarray, band: tuple[float, float]) -> tuple[float, float]:
@@ -140,7 +140,9 @@ def summarize_run(
         if len(indices) == 0:
             continue
         values, first, last = kl.values[indices], int(kl.steps[indices[0]]), int(kl.steps[indices[-1]])
-        phase = PhaseStats(name, first, last, len(indices), float(np.mean(values)), float(np.median(values)), float(np.max(values)))
+        phase = PhaseStats(
+            name, first, last, len(indices), float(np.mean(values)), float(np.median(values)), float(np.max(values))
+        )
         if p99 is not None:
             in_phase = p99.values[(p99.steps >= first) & (p99.steps <= last)]
             phase.kl_p99_max = float(np.max(in_phase)) if len(in_phase) else float("nan")
