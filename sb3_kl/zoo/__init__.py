@@ -11,10 +11,10 @@ try:
     import optuna  # noqa: F401
     import rl_zoo3
     import rl_zoo3.exp_manager
-    import rl_zoo3.hyperparams_opt
+    import rl_zoo3.hyperparams_opt  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        f"sb3_kl.zoo needs the RL Baselines3 Zoo and Optuna ({e}). Install them with: pip install \"sb3-kl[zoo]\""
+        f'sb3_kl.zoo needs the RL Baselines3 Zoo and Optuna ({e}). Install them with: pip install "sb3-kl[zoo]"'
     ) from e
 
 from sb3_kl.zoo.registry import (

@@ -19,7 +19,7 @@ def enjoy(argv: Sequence[str] | None = None) -> None:
     try:
         from rl_zoo3.enjoy import enjoy as zoo_enjoy
     except ImportError as e:  # rl_zoo3.enjoy imports ``requests`` through its Hugging Face download helper
-        raise ImportError(f"`enjoy` needs a dependency rl_zoo3 does not declare ({e}): pip install \"sb3-kl[zoo]\"") from e
+        raise ImportError(f'`enjoy` needs a dependency rl_zoo3 does not declare ({e}): pip install "sb3-kl[zoo]"') from e
 
     register()
     with patched_argv(["sb3_kl.zoo enjoy", *(sys.argv[1:] if argv is None else argv)]):

@@ -1,0 +1,275 @@
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ALGOS = ("klppo", "clip_klppo", "kltrpo")
+# Small and fast: tiny network, short rollouts (overrides the shipped configs through the zoo's -params)
+FAST_PARAMS = ["-params", "n_envs:2", "n_steps:256", "batch_size:128", "policy_kwargs:dict(net_arch=[16])"]
+# Optuna parameters fixed in the tuning tests so that trials stay cheap (64 steps x 2 envs, 1 epoch, [64] network)
+CHEAP_TRIAL = {"n_steps_pow": 6, "batch_size_pow": 6, "n_epochs": 1, "net_arch": "tiny"}
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    pytest.importorskip("rl_zoo3")
+    pytest.importorskip("optuna")
+    import sb3_kl.zoo
+
+    return sb3_kl.zoo
+
+
+def zoo_main(*args: str) -> None:
+    from sb3_kl.zoo.__main__ import main
+
+    main(list(args))
+
+
+def test_import_error_without_rl_zoo3():
+    result = run_python("""
+        import sys
+        sys.modules["rl_zoo3"] = None  # simulate a missing rl_zoo3
+        try:
+            import sb3_kl.zoo
+        except ImportError as e:
+            print("MESSAGE:", e)
+        """)
+    assert result.returncode == 0, result.stderr
+    assert 'pip install "sb3-kl[zoo]"' in result.stdout
+
+
+def test_enjoy_import_error_without_requests(zoo):
+    result = run_python("""
+        import sys
+        import sb3_kl.zoo
+        sys.modules["requests"] = None  # rl_zoo3 does not declare it, but rl_zoo3.enjoy imports it
+        sys.modules.pop("rl_zoo3.enjoy", None)
+        sys.modules.pop("rl_zoo3.load_from_hub", None)
+        from sb3_kl.zoo.enjoy import enjoy
+        try:
+            enjoy(["--algo", "klppo"])
+        except ImportError as e:
+            print("MESSAGE:", e)
+        """)
+    assert result.returncode == 0, result.stderr
+    assert 'pip install "sb3-kl[zoo]"' in result.stdout
+
+
+def test_registration(zoo):
+    import rl_zoo3
+    import rl_zoo3.exp_manager
+    import rl_zoo3.hyperparams_opt
+    import rl_zoo3.train
+
+    from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
+
+    expected = {"klppo": KLPPO, "clip_klppo": ClipKLPPO, "kltrpo": KLTRPO}
+    for name, cls in expected.items():
+        assert rl_zoo3.ALGOS[name] is cls
+        # the zoo's scripts read these (same dict object)
+        assert rl_zoo3.train.ALGOS[name] is cls
+        assert rl_zoo3.exp_manager.ALGOS[name] is cls
+        assert rl_zoo3.hyperparams_opt.HYPERPARAMS_SAMPLER[name] is zoo.hyperparams_opt.HYPERPARAMS_SAMPLER[name]
+        assert rl_zoo3.hyperparams_opt.HYPERPARAMS_CONVERTER[name] is zoo.hyperparams_opt.HYPERPARAMS_CONVERTER[name]
+        assert Path(zoo.default_config(name)).is_file()
+    # the zoo's own algorithms are untouched, and registering twice changes nothing
+    assert rl_zoo3.ALGOS["ppo"].__name__ == "PPO"
+    preprocess = rl_zoo3.exp_manager.ExperimentManager._preprocess_hyperparams
+    zoo.register()
+    assert rl_zoo3.exp_manager.ExperimentManager._preprocess_hyperparams is preprocess
+    with pytest.raises(ValueError, match="not an sb3_kl algorithm"):
+        zoo.default_config("ppo")
+
+
+def test_default_config_inserted_only_when_missing(zoo):
+    from sb3_kl.zoo.train import with_default_config
+
+    argv = ["--algo", "kltrpo", "--env", "Pendulum-v1", "-n", "100"]
+    assert with_default_config(argv) == [*argv, "-conf", zoo.default_config("kltrpo")]
+    for given in (["-conf", "my.yml"], ["--conf-file", "my.yml"], ["--conf", "my.yml"], ["--conf-file=my.yml"]):
+        assert with_default_config(["--algo", "klppo", *given]) == ["--algo", "klppo", *given]
+    # zoo algorithms keep the zoo's own configs
+    assert with_default_config(["--algo", "ppo"]) == ["--algo", "ppo"]
+    assert with_default_config([]) == []
+
+
+def test_shipped_configs_parse(zoo):
+    for algo in ALGOS:
+        with open(zoo.default_config(algo)) as file:
+            configs = yaml.safe_load(file)
+        assert {"CartPole-v1", "Acrobot-v1", "Pendulum-v1"} <= set(configs)
+        for env_id, config in configs.items():
+            assert isinstance(config["n_timesteps"], float), (algo, env_id)
+            processed = zoo.preprocess_schedules(config)
+            for key in zoo.SCHEDULE_KEYS:
+                assert not isinstance(processed.get(key), str), (algo, env_id, key)
+
+
+def test_linear_schedule_syntax(zoo):
+    from stable_baselines3.common.utils import LinearSchedule
+
+    schedule = zoo.registry.parse_linear_schedule("learning_rate", "lin_3e-4")
+    assert isinstance(schedule, LinearSchedule)
+    assert schedule(1.0) == pytest.approx(3e-4) and schedule(0.5) == pytest.approx(1.5e-4) and schedule(0.0) == 0.0
+    schedule = zoo.registry.parse_linear_schedule("target_kl", "lin_0.02_0.005")
+    assert schedule(1.0) == pytest.approx(0.02) and schedule(0.0) == pytest.approx(0.005)
+    with pytest.raises(ValueError, match=re.escape("lin_0.02_0.005")):
+        zoo.registry.parse_linear_schedule("target_kl", "lin_0.02")  # a KL target may not reach 0
+    for bad in ("exp_0.1", "lin_", "lin_abc", "lin_1_2_3"):
+        with pytest.raises(ValueError, match="lin_<start>"):
+            zoo.registry.parse_linear_schedule("clip_range", bad)
+    processed = zoo.preprocess_schedules({"target_kl": "lin_0.03_0.01", "clip_range": 0.2, "n_steps": 64})
+    assert isinstance(processed["target_kl"], LinearSchedule)
+    assert processed["clip_range"] == 0.2 and processed["n_steps"] == 64
+
+
+@pytest.mark.filterwarnings("ignore:You have specified a mini-batch size")
+@pytest.mark.parametrize("algo", ALGOS)
+def test_samplers_and_converters(zoo, algo):
+    import optuna
+
+    from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), direction="maximize")
+    for _ in range(3):
+        trial = study.ask()
+        hyperparams = HYPERPARAMS_SAMPLER[algo](trial, 1, 2, {})
+        # --trial-id reloads go through the converter: it must give back exactly what was trained
+        assert HYPERPARAMS_CONVERTER[algo](trial.params) == hyperparams
+        assert "target_kl" in hyperparams and "policy_kwargs" in hyperparams
+        if algo == "kltrpo":
+            assert {"cg_max_steps", "cg_damping", "n_critic_updates"} <= set(hyperparams)
+        else:
+            assert {"kl_coef", "kl_adapt_factor", "kl_estimator"} <= set(hyperparams)
+        assert ("clip_range" in hyperparams) == (algo == "clip_klppo")
+        model = zoo.SB3_KL_ALGOS[algo]("MlpPolicy", "CartPole-v1", **hyperparams)  # every key is a valid argument
+        assert model.target_kl(1.0) == pytest.approx(hyperparams["target_kl"])
+        study.tell(trial, 0.0)
+
+
+@pytest.mark.parametrize("algo, env_id", [("klppo", "Pendulum-v1"), ("clip_klppo", "CartPole-v1"), ("kltrpo", "Pendulum-v1")])
+def test_train_and_enjoy_through_module(zoo, algo, env_id, tmp_path, capsys):
+    zoo_main(
+        "train", "--algo", algo, "--env", env_id, "-n", "1024", "--seed", "3", "-f", str(tmp_path),
+        "--eval-freq", "-1", "--verbose", "0", *FAST_PARAMS,
+    )  # fmt: skip
+    run_dir = tmp_path / algo / f"{env_id}_1"
+    assert (run_dir / f"{env_id}.zip").is_file()
+    config = yaml.load((run_dir / env_id / "config.yml").read_text(), Loader=yaml.UnsafeLoader)
+    args = yaml.load((run_dir / env_id / "args.yml").read_text(), Loader=yaml.UnsafeLoader)
+    # the shipped config was used, with the command-line overrides on top
+    assert args["algo"] == algo and args["conf_file"] == zoo.default_config(algo)
+    assert config["n_steps"] == 256 and config["policy"] == "MlpPolicy"
+    if env_id == "Pendulum-v1":
+        assert config["use_sde"] is True
+    model = zoo.SB3_KL_ALGOS[algo].load(run_dir / f"{env_id}.zip")
+    assert model.num_timesteps >= 1024
+    assert model.policy_kwargs["net_arch"] == [16]
+
+    capsys.readouterr()
+    zoo_main("enjoy", "--algo", algo, "--env", env_id, "-f", str(tmp_path), "--no-render", "-n", "250")
+    out = capsys.readouterr().out
+    assert f"Loading {run_dir / env_id}.zip" in out.replace("//", "/")
+    assert "Mean reward:" in out  # at least one full episode was played
+
+
+def test_target_kl_schedule_loads_without_rl_zoo3(zoo, tmp_path):
+    zoo_main(
+        "train", "--algo", "klppo", "--env", "CartPole-v1", "-n", "512", "--seed", "0", "-f", str(tmp_path),
+        "--eval-freq", "-1", "--verbose", "0", *FAST_PARAMS, "target_kl:'lin_0.02_0.005'", "learning_rate:'lin_1e-3'",
+    )  # fmt: skip
+    model_path = tmp_path / "klppo" / "CartPole-v1_1" / "CartPole-v1.zip"
+    result = run_python(f"""
+        import sys
+        sys.modules["rl_zoo3"] = None  # loading must not need the zoo
+        from sb3_kl import KLPPO
+        model = KLPPO.load({str(model_path)!r})
+        print(model.target_kl(1.0), model.target_kl(0.0), model.lr_schedule(0.5))
+        """)
+    assert result.returncode == 0, result.stderr
+    target_start, target_end, learning_rate = map(float, result.stdout.split())
+    assert target_start == pytest.approx(0.02) and target_end == pytest.approx(0.005)
+    assert learning_rate == pytest.approx(5e-4)
+
+
+def test_bad_schedule_string_fails_before_training(zoo, tmp_path):
+    with pytest.raises(ValueError, match="target_kl"):
+        zoo_main(
+            "train", "--algo", "klppo", "--env", "CartPole-v1", "-n", "256", "-f", str(tmp_path), "--verbose", "0",
+            *FAST_PARAMS, "target_kl:'lin_0.02'",
+        )  # fmt: skip
+    assert not list(tmp_path.rglob("*.zip"))
+
+
+def test_optimize_two_trials_and_reload_trial(zoo, tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    # Fix the expensive dimensions of the 2 trials (Optuna's enqueue), the rest is sampled by our sampler
+    study = optuna.create_study(study_name="klppo-test", storage=storage, direction="maximize")
+    for _ in range(2):
+        study.enqueue_trial(CHEAP_TRIAL)
+    common = ["--env", "CartPole-v1", "-f", str(tmp_path), "--verbose", "0", "--seed", "0", *FAST_PARAMS]
+    zoo_main(
+        "train", "--algo", "klppo", *common, "-n", "512", "-optimize", "--n-trials", "2", "--n-evaluations", "1",
+        "--eval-episodes", "2", "--sampler", "random", "--pruner", "none", "--no-optim-plots",
+        "--storage", storage, "--study-name", "klppo-test",
+    )  # fmt: skip
+    study = optuna.load_study(study_name="klppo-test", storage=storage)
+    complete = [trial for trial in study.trials if trial.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 2
+    assert {"target_kl", "kl_coef", "kl_adapt_factor", "kl_estimator"} <= set(complete[0].params)
+    assert list((tmp_path / "klppo").glob("report_CartPole-v1_2-trials-512-random-none_*.csv"))
+
+    # Train with a trial's hyperparameters (the zoo converts them back with our converter)
+    zoo_main(
+        "train", "--algo", "klppo", *common[:-len(FAST_PARAMS)], "-n", "256", "--eval-freq", "-1",
+        "--storage", storage, "--study-name", "klppo-test", "--trial-id", "1",
+    )  # fmt: skip
+    run_dir = max((tmp_path / "klppo").glob("CartPole-v1_*"), key=lambda path: path.stat().st_mtime)
+    model = zoo.SB3_KL_ALGOS["klppo"].load(run_dir / "CartPole-v1.zip")
+    params = study.trials[1].params
+    assert model.target_kl(1.0) == pytest.approx(params["target_kl"])
+    assert model.n_steps == 2 ** params["n_steps_pow"] and model.kl_settings.estimator == params["kl_estimator"]
+
+
+@pytest.mark.slow
+def test_distributed_optimization_two_workers_share_sqlite_storage(zoo, tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    study = optuna.create_study(study_name="shared", storage=storage, direction="maximize")
+    for _ in range(4):
+        study.enqueue_trial(CHEAP_TRIAL)
+    command = [
+        sys.executable, "-m", "sb3_kl.zoo", "train", "--algo", "clip_klppo", "--env", "CartPole-v1", "-n", "512",
+        "-optimize", "--n-trials", "2", "--n-evaluations", "1", "--eval-episodes", "2", "--pruner", "none",
+        "--no-optim-plots", "--storage", storage, "--study-name", "shared", "--verbose", "0", "--num-threads", "1",
+        *FAST_PARAMS,
+    ]  # fmt: skip
+    workers = [
+        subprocess.Popen([*command, "--seed", str(seed), "-f", str(tmp_path / f"worker{seed}")], env=SUBPROCESS_ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for seed in (1, 2)
+    ]  # fmt: skip
+    outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+    assert all(worker.returncode == 0 for worker in workers), outputs
+    study = optuna.load_study(study_name="shared", storage=storage)
+    complete = [trial for trial in study.trials if trial.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 4  # 2 trials per worker, in one study
+    assert all("clip_range" in trial.params for trial in complete)
+    # each worker wrote its own report of the shared study
+    assert all(list((tmp_path / f"worker{seed}" / "clip_klppo").glob("report_CartPole-v1_*.csv")) for seed in (1, 2))
