@@ -588,7 +588,7 @@ class _MonitorUser(BaseCallback):
     def _on_training_start(self) -> None:
         if self._own_monitor:
             self.monitor.on_training_start(self.locals, self.globals)
-        elif self.monitor.model is not self.model:
+        elif getattr(self.monitor, "model", None) is not self.model:
             raise ValueError(
                 f"The KLMonitorCallback passed to {type(self).__name__} is not attached to this model: pass it to "
                 "learn() as well, e.g. callback=[monitor, this_callback]."
@@ -607,6 +607,9 @@ class _MonitorUser(BaseCallback):
     def _on_training_end(self) -> None:
         if self._own_monitor:
             self.monitor.on_training_end()
+        else:
+            # Measure the last update now if the shared monitor has not yet (it may come later in the callback list)
+            self.monitor._measure_pending()
         self._active = False
 
 

@@ -1,0 +1,366 @@
+import copy
+import os
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import TRPO, MaskablePPO, RecurrentPPO
+from sb3_contrib.common.envs import InvalidActionEnvDiscrete
+from stable_baselines3 import A2C, PPO
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import configure
+from torch.distributions import kl_divergence
+
+from sb3_kl import KLPPO
+from sb3_kl.callbacks import (
+    AdaptiveLRSchedule,
+    KLAdaptiveLRCallback,
+    KLAlarm,
+    KLAlarmCallback,
+    KLMonitorCallback,
+    VarianceFloorCallback,
+)
+
+os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
+
+TINY = dict(policy_kwargs=dict(net_arch=[16]), seed=0)
+ALGO_KWARGS = {
+    PPO: dict(n_steps=64, batch_size=32, n_epochs=4),
+    A2C: dict(n_steps=32),
+    TRPO: dict(n_steps=64, batch_size=64),
+}
+
+
+class IndependentKL(BaseCallback):
+    """
+    Reference measurement: deep copies of the whole policy before (end of rollout) and after (next rollout start /
+    training end) each update, and torch.distributions.kl_divergence on the same states.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.results = []
+        self._pending = None
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        obs = self.model.rollout_buffer.observations
+        self._pending = (copy.deepcopy(self.model.policy), obs.reshape(-1, *obs.shape[2:]).copy())
+
+    def _measure(self) -> None:
+        if self._pending is None:
+            return
+        old_policy, obs = self._pending
+        self._pending = None
+        new_policy = copy.deepcopy(self.model.policy)
+        obs_t = th.as_tensor(obs)
+        with th.no_grad():
+            old_policy.set_training_mode(False)
+            new_policy.set_training_mode(False)
+            p = old_policy.get_distribution(obs_t).distribution
+            q = new_policy.get_distribution(obs_t).distribution
+            kl = kl_divergence(p, q)
+            if kl.ndim == 2:  # independent Gaussian dimensions: joint KL is the sum
+                kl = kl.sum(dim=1)
+        self.results.append(kl.numpy().astype(np.float64))
+
+    def _on_rollout_start(self) -> None:
+        self._measure()
+
+    def _on_training_end(self) -> None:
+        self._measure()
+
+
+def _model(algo, env_id, n_envs=1, **kwargs):
+    env = make_vec_env(env_id, n_envs=n_envs, seed=0)
+    return algo("MlpPolicy", env, **{**TINY, **ALGO_KWARGS.get(algo, {}), **kwargs})
+
+
+@pytest.mark.parametrize("algo", [PPO, A2C, TRPO])
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_monitor_matches_independent_kl(algo, env_id):
+    # a large learning rate makes the KLs large compared with float32 rounding (~1e-7 per state)
+    model = _model(algo, env_id, n_envs=2, learning_rate=1e-2)
+    monitor = KLMonitorCallback(quantiles=(0.5, 0.9, 0.99), per_env=True)
+    reference = IndependentKL()
+    n_per_rollout = model.n_steps * 2
+    model.learn(4 * n_per_rollout, callback=[monitor, reference])
+
+    assert len(monitor.history) == len(reference.results) == 4
+    for record, kl in zip(monitor.history, reference.results, strict=True):
+        assert record["mean"] == pytest.approx(kl.mean(), rel=1e-3, abs=1e-6)
+        for q, name in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+            assert record[name] == pytest.approx(np.quantile(kl, q), rel=1e-3, abs=1e-6)
+        assert record["max"] == pytest.approx(kl.max(), rel=1e-3, abs=1e-6)
+        assert record["min"] >= -1e-6
+        # step-major order: the mean per environment uses every second state
+        assert record["env_means"] == pytest.approx([kl[0::2].mean(), kl[1::2].mean()], rel=1e-3, abs=1e-6)
+    # the policy did change, so the comparison is not between zeros
+    assert max(r["mean"] for r in monitor.history) > 1e-4
+    assert [r["update"] for r in monitor.history] == [0, 1, 2, 3]
+    assert monitor.history[-1]["num_timesteps"] == model.num_timesteps
+
+    # the last update is readable from the logger (like SB3's last train/ values)
+    values = model.logger.name_to_value
+    assert values["kl/mean"] == pytest.approx(monitor.history[-1]["mean"])
+    for key in ("kl/p50", "kl/p90", "kl/p99", "kl/max", "kl/tail_ratio", "kl/entropy", "kl/env_0", "kl/env_1"):
+        assert key in values
+    assert values["kl/tail_ratio"] == pytest.approx(monitor.history[-1]["p99"] / monitor.history[-1]["mean"])
+    if env_id == "CartPole-v1":
+        # KL to uniform = log 2 - entropy
+        assert values["kl/to_uniform"] == pytest.approx(np.log(2) - values["kl/entropy"], abs=1e-5)
+        assert values["kl/to_uniform"] >= -1e-6
+    else:
+        assert "kl/to_uniform" not in values
+
+
+def test_monitor_values_reach_the_next_dump(tmp_path):
+    """Recorded after train(), the KL of an update is written at the next dump, and kl/hist only goes to TensorBoard."""
+    model = _model(PPO, "CartPole-v1")
+    model.set_logger(configure(str(tmp_path), ["csv", "tensorboard"]))
+    monitor = KLMonitorCallback()
+    model.learn(4 * 64, callback=monitor)
+    import csv
+
+    with open(tmp_path / "progress.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert "kl/mean" in rows[-1] and "kl/hist" not in rows[0]
+    written = [float(row["kl/mean"]) for row in rows if row["kl/mean"]]
+    # dumps 2, 3, 4 carry updates 0, 1, 2; update 3 is in history and name_to_value only
+    assert written == pytest.approx([r["mean"] for r in monitor.history[:3]])
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
+
+
+def test_monitor_every_and_sample_estimator():
+    model = _model(PPO, "Pendulum-v1")
+    exact = KLMonitorCallback()
+    k3 = KLMonitorCallback(estimator="k3", every=2)
+    model.learn(5 * 64, callback=[exact, k3])
+    assert [r["update"] for r in k3.history] == [0, 2, 4]
+    for record in k3.history:
+        assert record["min"] >= 0.0  # k3 is never negative
+        # an unbiased-ish estimate of the same KL: same order of magnitude
+        assert 0.1 < record["mean"] / exact.history[record["update"]]["mean"] < 10
+    with pytest.raises(ValueError, match="every"):
+        KLMonitorCallback(every=0)
+    with pytest.raises(ValueError, match="quantiles"):
+        KLMonitorCallback(quantiles=(0.5, 1.0))
+    with pytest.raises(ValueError, match="kl_direction"):
+        KLMonitorCallback(direction="backward")
+
+
+def test_monitor_top_k_npz(tmp_path):
+    path = str(tmp_path / "states.npz")
+    model = _model(PPO, "CartPole-v1", n_envs=2)
+    monitor = KLMonitorCallback(top_k=5, top_k_path=path)
+    model.learn(3 * 128, callback=monitor)
+    data = np.load(path)
+    assert data["observations"].shape == (15, 4)
+    assert data["background_observations"].shape == (60, 4)
+    assert sorted(set(data["update"].tolist())) == [0, 1, 2]
+    assert str(data["convention"]) == "forward/analytic/sum"
+    for update in range(3):
+        top = data["kl"][data["update"] == update]
+        background = data["background_kl"][data["background_update"] == update]
+        assert top.min() >= background.max()
+        # the highest state of the update is its max
+        assert top.max() == pytest.approx(monitor.history[update]["max"])
+    assert set(data["env_index"].tolist()) <= {0, 1}
+    assert data["step_index"].max() < 64
+
+
+def test_monitor_maskable_ppo():
+    env = InvalidActionEnvDiscrete(dim=8, n_invalid_actions=5)
+    model = MaskablePPO("MlpPolicy", env, n_steps=64, batch_size=32, n_epochs=2, **TINY)
+    monitor = KLMonitorCallback()
+    model.learn(3 * 64, callback=monitor)
+    assert len(monitor.history) == 3
+    for record in monitor.history:
+        assert np.isfinite(record["mean"]) and record["min"] >= -1e-6
+        # only 3 valid actions: the entropy is at most log 3 and KL to uniform over the valid actions is >= 0
+        assert record["entropy"] <= np.log(3) + 1e-5
+        assert record["to_uniform"] >= -1e-5
+
+
+def test_monitor_rejects_recurrent_policy():
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=32, batch_size=32, **TINY)
+    with pytest.raises(ValueError, match="recurrent"):
+        model.learn(32, callback=KLMonitorCallback())
+
+
+class StdAfterEachStep(BaseCallback):
+    """Registers (after the floor's hook) an optimizer hook recording the smallest std after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.std_mins = []
+
+    def _on_training_start(self) -> None:
+        def hook(optimizer, args, kwargs):
+            log_std = self.model.policy.log_std.detach()
+            std = self.model.policy.action_dist.get_std(log_std) if self.model.use_sde else th.exp(log_std)
+            self.std_mins.append(float(std.min()))
+
+        self.handle = self.model.policy.optimizer.register_step_post_hook(hook)
+
+    def _on_training_end(self) -> None:
+        self.handle.remove()
+
+    def _on_step(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("use_sde", [False, True])
+def test_variance_floor_holds(use_sde):
+    # a negative entropy coefficient rewards low entropy: the std collapses without the floor
+    kwargs = dict(ent_coef=-0.5, learning_rate=3e-2, use_sde=use_sde)
+    free = _model(PPO, "Pendulum-v1", **kwargs)
+    free_steps = StdAfterEachStep()
+    free.learn(4 * 64, callback=free_steps)
+    assert min(free_steps.std_mins) < 0.5
+
+    model = _model(PPO, "Pendulum-v1", **kwargs)
+    floor = VarianceFloorCallback(min_std=0.5)
+    steps = StdAfterEachStep()
+    model.learn(4 * 64, callback=[floor, steps])
+    assert len(steps.std_mins) == 4 * 4 * 2  # every optimizer step was checked
+    assert min(steps.std_mins) >= 0.5 - 1e-6
+    assert model.logger.name_to_value["variance/std_min"] >= 0.5 - 1e-6
+    assert model.logger.name_to_value["variance/floored_dims"] >= 1
+    assert floor.n_clamps > 0
+    assert len(model.policy.optimizer._optimizer_step_post_hooks) == 0  # hook removed at training end
+
+
+def test_variance_floor_expln_and_errors():
+    model = _model(PPO, "Pendulum-v1", use_sde=True, policy_kwargs=dict(net_arch=[16], use_expln=True, log_std_init=0.0))
+    floor = VarianceFloorCallback(min_std=1.5)
+    model.learn(64, callback=floor)
+    std = model.policy.action_dist.get_std(model.policy.log_std.detach())
+    assert float(std.min()) >= 1.5 - 1e-5
+    with pytest.raises(ValueError, match="Gaussian"):
+        _model(PPO, "CartPole-v1").learn(64, callback=VarianceFloorCallback(min_std=0.1))
+    with pytest.raises(ValueError, match="min_std"):
+        VarianceFloorCallback(min_std=0.0)
+
+
+def test_adaptive_lr_lowers_kl():
+    kwargs = dict(learning_rate=0.1, n_steps=64, batch_size=32, n_epochs=10)
+    fixed = _model(PPO, "Pendulum-v1", **kwargs)
+    fixed_monitor = KLMonitorCallback()
+    fixed.learn(12 * 64, callback=fixed_monitor)
+
+    model = _model(PPO, "Pendulum-v1", **kwargs)
+    monitor = KLMonitorCallback()
+    adaptive = KLAdaptiveLRCallback(target_kl=0.01, factor=2.0, monitor=monitor)
+    original_schedule = model.lr_schedule
+    model.learn(12 * 64, callback=[monitor, adaptive])
+
+    fixed_kl = np.median([r["mean"] for r in fixed_monitor.history[6:]])
+    adaptive_kl = np.median([r["mean"] for r in monitor.history[6:]])
+    assert adaptive_kl < fixed_kl / 2
+    assert adaptive_kl < 3 * 0.01
+    assert adaptive.learning_rate <= 0.1 / 2**3
+    assert model.logger.name_to_value["kl/learning_rate"] == adaptive.learning_rate
+    assert model.policy.optimizer.param_groups[0]["lr"] == pytest.approx(adaptive.learning_rate)
+    assert model.lr_schedule is original_schedule  # restored at training end
+    # the schedule installed while attached survives pickling (model.save during training)
+    assert pickle.loads(pickle.dumps(AdaptiveLRSchedule(1e-3)))(0.5) == 1e-3
+
+
+def test_adaptive_lr_raises_small_lr_and_respects_bounds():
+    model = _model(PPO, "CartPole-v1", learning_rate=1e-6)
+    adaptive = KLAdaptiveLRCallback(target_kl=0.01, factor=10.0, lr_bounds=(1e-6, 1e-4))
+    model.learn(4 * 64, callback=adaptive)
+    assert adaptive.learning_rate == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="factor"):
+        KLAdaptiveLRCallback(target_kl=0.01, factor=0.9)
+    with pytest.raises(ValueError, match="band"):
+        KLAdaptiveLRCallback(target_kl=0.01, band=(2.0, 0.5))
+
+
+@pytest.mark.slow
+def test_adaptive_lr_pendulum_high_lr():
+    """Stock PPO with learning_rate=3e-2 on Pendulum-v1: the late-training median KL comes within 3x the target."""
+    th.set_num_threads(1)
+    target = 0.01
+    model = PPO("MlpPolicy", "Pendulum-v1", learning_rate=3e-2, seed=0)
+    monitor = KLMonitorCallback()
+    model.learn(40_960, callback=[monitor, KLAdaptiveLRCallback(target_kl=target, monitor=monitor)])
+    late = [r["mean"] for r in monitor.history[len(monitor.history) // 2 :]]
+    assert np.median(late) < 3 * target
+
+
+def test_alarm_stops_runaway_run():
+    # a Gaussian policy cannot saturate like a softmax (whose KL drops to 0 once it is deterministic)
+    model = _model(PPO, "Pendulum-v1", learning_rate=0.1, clip_range=100.0, n_epochs=10)
+    alarm = KLAlarmCallback(target_kl=0.01, spike_factor=5, patience=3, stop_training=True)
+    with pytest.warns(UserWarning, match="kl_spike"):
+        model.learn(20 * 64, callback=alarm)
+    assert model.num_timesteps < 20 * 64
+    kinds = [a.kind for a in alarm.alarms]
+    assert "kl_spike" in kinds
+    first = alarm.alarms[0]
+    assert isinstance(first, KLAlarm) and first.value > 0.05 and first.update >= 1
+    # stopped right after the first alarm: one rollout later at most
+    assert model.num_timesteps <= (first.update + 2) * 64
+    assert model.logger.name_to_value["kl/alarms"] == len(alarm.alarms)
+
+
+def test_alarm_kinds_and_warn_once():
+    model = _model(PPO, "CartPole-v1")
+    alarm = KLAlarmCallback(patience=1, tail_ratio=10.0)
+    model.learn(64, callback=alarm)  # attaches the callback (and its private monitor)
+    alarm._active = True
+    alarm.alarms.clear()
+    alarm._warned.clear()
+    record = dict(update=7, num_timesteps=1000, mean=0.01, min=-0.5, tail_ratio=60.0)
+    with pytest.warns(UserWarning) as caught:
+        alarm._on_kl_measured(record, np.array([-0.5, 0.02]))
+        alarm._on_kl_measured(dict(record, update=8), np.array([-0.5, 0.02]))
+    kinds = [a.kind for a in alarm.alarms]
+    assert kinds == ["negative_kl", "heavy_tail", "negative_kl", "heavy_tail"]
+    assert len(caught) == 2  # warned once per kind
+    assert "implementation bug" in str(caught[0].message)
+    alarm._on_kl_measured(dict(record, min=0.0, mean=float("nan")), np.array([np.nan, 0.0]))
+    assert alarm.alarms[-1].kind == "nonfinite_kl"
+
+
+def test_alarm_shares_monitor():
+    model = _model(PPO, "CartPole-v1")
+    monitor = KLMonitorCallback()
+    alarm = KLAlarmCallback(target_kl=0.01, monitor=monitor)
+    adaptive = KLAdaptiveLRCallback(target_kl=0.01, monitor=monitor)
+    calls = []
+    monitor.add_listener(lambda record, per_state: calls.append(record["update"]))
+    model.learn(3 * 64, callback=[alarm, adaptive, monitor])
+    assert calls == [0, 1, 2]  # measured once per update
+    assert not alarm._own_monitor and alarm.monitor is monitor
+    assert monitor.history[-1]["alarms"] == len(alarm.alarms)
+    assert "learning_rate" in monitor.history[-1]
+    # a monitor that is not given to learn() is an error
+    with pytest.raises(ValueError, match="pass it to learn"):
+        _model(PPO, "CartPole-v1").learn(64, callback=KLAlarmCallback(monitor=KLMonitorCallback()))
+
+
+def test_callbacks_on_klppo():
+    model = KLPPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=3, **TINY)
+    monitor = KLMonitorCallback()
+    alarm = KLAlarmCallback(monitor=monitor)
+    floor = VarianceFloorCallback(min_std=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.learn(3 * 64, callback=[monitor, alarm, floor])
+    values = model.logger.name_to_value
+    # same convention as KLPPO's own post-update measurement, on the same states and parameters
+    assert values["kl/mean"] == pytest.approx(values["train/kl"], rel=1e-3, abs=1e-6)
+    assert values["kl/p99"] == pytest.approx(values["train/kl_p99"], rel=1e-3, abs=1e-6)
+    assert values["kl/coef"] == pytest.approx(model.kl_coef)
+    assert values["kl/target"] == pytest.approx(0.03)
+    assert "kl/grad_ratio" in values
+    assert float(th.exp(model.policy.log_std.detach()).min()) >= 0.3 - 1e-6
+    assert len(monitor.history) == 3
