@@ -125,7 +125,9 @@ def test_reverse_mean_convention_is_the_constrained_one():
     target_kl = 0.01
     callback = UpdateKLCallback(direction="reverse")
     env = IdentityEnvMultiDiscrete(3)
-    model = KLTRPO("MlpPolicy", env, n_steps=128, target_kl=target_kl, kl_direction="reverse", kl_reduction="mean", seed=0, **TINY)
+    model = KLTRPO(
+        "MlpPolicy", env, n_steps=128, target_kl=target_kl, kl_direction="reverse", kl_reduction="mean", seed=0, **TINY
+    )
     model.learn(4 * 128, callback=callback)
     means = np.array([kl.mean() / 2 for kl in callback.updates])  # MultiDiscrete([3, 3]): 2 action dimensions
     assert np.all(means <= target_kl * (1 + REL_TOL)), means

@@ -314,7 +314,10 @@ class KLTRPO(KLOnPolicyAlgorithm):
         grad_kl = th.cat([g.reshape(-1) for g in kl_grads if g is not None])
         objective_grads = th.autograd.grad(policy_objective, actor_params, retain_graph=True, allow_unused=True)
         policy_objective_gradient = th.cat(
-            [th.zeros_like(p).reshape(-1) if g is None else g.reshape(-1) for p, g in zip(actor_params, objective_grads, strict=True)]
+            [
+                th.zeros_like(p).reshape(-1) if g is None else g.reshape(-1)
+                for p, g in zip(actor_params, objective_grads, strict=True)
+            ]
         )
 
         def fisher_vector_product(vector: th.Tensor, retain_graph: bool = True) -> th.Tensor:
@@ -323,7 +326,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
             return th.cat([g.reshape(-1) for g in grads]) + self.cg_damping * vector
 
         # Natural-gradient direction: solve (F + damping) d = g
-        search_direction = conjugate_gradient_solver(fisher_vector_product, policy_objective_gradient, max_iter=self.cg_max_steps)
+        search_direction = conjugate_gradient_solver(
+            fisher_vector_product, policy_objective_gradient, max_iter=self.cg_max_steps
+        )
         # Largest step meeting the quadratic model of the KL: 1/2 (beta d)^T F (beta d) = target_kl
         curvature = float(th.dot(search_direction, fisher_vector_product(search_direction, retain_graph=False)))
         max_step_size = math.sqrt(2.0 * target_kl / curvature) if curvature > 0 and math.isfinite(curvature) else 0.0

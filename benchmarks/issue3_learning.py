@@ -1,0 +1,218 @@
+"""
+Issue 3 learning benchmark: ClipKLPPO beside PPO and KLTRPO beside sb3-contrib's TRPO, on CartPole-v1 and
+Pendulum-v1 with rl-zoo3's tuned hyperparameters (rl_zoo3/hyperparams/{ppo,trpo}.yml, copied below; ``lin_x``
+becomes SB3's ``LinearSchedule(x, 0, 1)``, i.e. ``x * progress_remaining``), 3 seeds, 10 deterministic
+evaluation episodes after training.
+
+Each (env, algorithm, seed) run appends one JSON line to ``benchmarks/results/issue3_learning_runs.jsonl``
+(runs already there are skipped, so the script can be restarted or split across processes with ``--env``/``--algo``);
+``--report`` writes the markdown table ``benchmarks/results/issue3_learning.md`` from those lines.
+
+    nice -n 10 python benchmarks/issue3_learning.py --env CartPole-v1
+    nice -n 10 python benchmarks/issue3_learning.py --env Pendulum-v1
+    python benchmarks/issue3_learning.py --report
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import sb3_contrib
+import stable_baselines3
+import torch as th
+from sb3_contrib import TRPO
+from stable_baselines3 import PPO
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.utils import LinearSchedule
+
+from sb3_kl import KLTRPO, ClipKLPPO
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS_FILE = RESULTS / "issue3_learning_runs.jsonl"
+REPORT_FILE = RESULTS / "issue3_learning.md"
+SEEDS = (0, 1, 2)
+N_EVAL_EPISODES = 10
+
+
+def lin(value: float) -> LinearSchedule:
+    """rl-zoo's ``lin_<value>``: ``value * progress_remaining``."""
+    return LinearSchedule(value, 0.0, 1.0)
+
+
+# rl_zoo3 2.9.2 hyperparams/ppo.yml and trpo.yml (CartPole-v1, Pendulum-v1); n_envs and n_timesteps split out
+ZOO: dict[str, dict[str, dict[str, Any]]] = {
+    "ppo": {
+        "CartPole-v1": dict(
+            n_envs=8,
+            n_timesteps=100_000,
+            kwargs=dict(
+                n_steps=32,
+                batch_size=256,
+                gae_lambda=0.8,
+                gamma=0.98,
+                n_epochs=20,
+                ent_coef=0.0,
+                learning_rate=lin(1e-3),
+                clip_range=lin(0.2),
+            ),
+        ),
+        "Pendulum-v1": dict(
+            n_envs=4,
+            n_timesteps=100_000,
+            kwargs=dict(
+                n_steps=1024,
+                gae_lambda=0.95,
+                gamma=0.9,
+                n_epochs=10,
+                ent_coef=0.0,
+                learning_rate=1e-3,
+                clip_range=0.2,
+                use_sde=True,
+                sde_sample_freq=4,
+            ),
+        ),
+    },
+    "trpo": {
+        "CartPole-v1": dict(
+            n_envs=2,
+            n_timesteps=100_000,
+            kwargs=dict(
+                n_steps=512,
+                batch_size=512,
+                cg_damping=1e-3,
+                gae_lambda=0.98,
+                gamma=0.99,
+                learning_rate=1e-3,
+                n_critic_updates=20,
+            ),
+        ),
+        "Pendulum-v1": dict(
+            n_envs=2,
+            n_timesteps=100_000,
+            kwargs=dict(n_steps=1024, gamma=0.9, n_critic_updates=15, use_sde=True, sde_sample_freq=4),
+        ),
+    },
+}
+
+# name -> (class, zoo family); the sb3_kl classes run with their own defaults for the KL options
+ALGOS = {
+    "PPO": (PPO, "ppo"),
+    "ClipKLPPO": (ClipKLPPO, "ppo"),
+    "TRPO": (TRPO, "trpo"),
+    "KLTRPO": (KLTRPO, "trpo"),
+}
+PAIRS = (("PPO", "ClipKLPPO"), ("TRPO", "KLTRPO"))
+
+
+def run_one(env_id: str, algo: str, seed: int) -> dict[str, Any]:
+    algo_class, family = ALGOS[algo]
+    config = ZOO[family][env_id]
+    env = make_vec_env(env_id, n_envs=config["n_envs"], seed=seed)
+    model = algo_class("MlpPolicy", env, seed=seed, verbose=0, **config["kwargs"])
+    start = time.perf_counter()
+    model.learn(config["n_timesteps"])
+    elapsed = time.perf_counter() - start
+    eval_env = make_vec_env(env_id, n_envs=1, seed=10_000 + seed)
+    returns, _ = evaluate_policy(
+        model, eval_env, n_eval_episodes=N_EVAL_EPISODES, deterministic=True, return_episode_rewards=True
+    )
+    return {
+        "env": env_id,
+        "algo": algo,
+        "seed": seed,
+        "n_timesteps": config["n_timesteps"],
+        "eval_mean": float(np.mean(returns)),
+        "eval_std": float(np.std(returns)),
+        "train_seconds": elapsed,
+        "env_steps_per_second": config["n_timesteps"] / elapsed,
+    }
+
+
+def load_runs() -> list[dict[str, Any]]:
+    if not RUNS_FILE.exists():
+        return []
+    return [json.loads(line) for line in RUNS_FILE.read_text().splitlines() if line.strip()]
+
+
+def write_report() -> None:
+    runs = load_runs()
+    lines = [
+        "# Issue 3 learning benchmark: ClipKLPPO vs PPO, KLTRPO vs sb3-contrib TRPO",
+        "",
+        "rl-zoo3 2.9.2 tuned hyperparameters for each family (ppo.yml for PPO/ClipKLPPO, trpo.yml for TRPO/KLTRPO;",
+        "`lin_x` as `LinearSchedule(x, 0, 1)`); sb3_kl options at their defaults (ClipKLPPO: target_kl 0.02 discrete /",
+        "0.03 Box, kl_stop_factor 2; KLTRPO: target_kl 0.01 on forward KL summed over action dims, no tail bound).",
+        f"Score: mean return of {N_EVAL_EPISODES} deterministic evaluation episodes after training, per seed.",
+        f"Produced by `python benchmarks/issue3_learning.py` (Python {platform.python_version()},",
+        f"SB3 {stable_baselines3.__version__}, "
+        f"sb3-contrib {sb3_contrib.__version__}, torch {th.__version__}, 1 torch thread, CPU shared with other jobs:",
+        "the steps/s column is indicative only; see issue3_speed.md for paired speed ratios).",
+        "",
+        "| env | algorithm | steps | seeds | score per seed | seed mean | min seed | steps/s (mean) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for env_id in ("CartPole-v1", "Pendulum-v1"):
+        for pair in PAIRS:
+            for algo in pair:
+                rows = sorted((r for r in runs if r["env"] == env_id and r["algo"] == algo), key=lambda r: r["seed"])
+                if not rows:
+                    continue
+                scores = [r["eval_mean"] for r in rows]
+                lines.append(
+                    f"| {env_id} | {algo} | {rows[0]['n_timesteps']} | {', '.join(str(r['seed']) for r in rows)} | "
+                    f"{', '.join(f'{s:.1f}' for s in scores)} | {np.mean(scores):.1f} | {np.min(scores):.1f} | "
+                    f"{np.mean([r['env_steps_per_second'] for r in rows]):.0f} |"
+                )
+    lines += ["", "Checks (issue 3):", ""]
+    for env_id in ("CartPole-v1", "Pendulum-v1"):
+        for stock, ours in PAIRS:
+            ours_scores = [r["eval_mean"] for r in runs if r["env"] == env_id and r["algo"] == ours]
+            stock_scores = [r["eval_mean"] for r in runs if r["env"] == env_id and r["algo"] == stock]
+            if len(ours_scores) < len(SEEDS) or len(stock_scores) < len(SEEDS):
+                lines.append(f"- {env_id} {ours} vs {stock}: incomplete ({len(ours_scores)} / {len(stock_scores)} seeds)")
+                continue
+            if env_id == "CartPole-v1":
+                ok = min(ours_scores) >= 475
+                lines.append(f"- {env_id} {ours}: every seed >= 475: {'yes' if ok else 'NO'} (min {min(ours_scores):.1f})")
+            else:
+                ok = np.mean(ours_scores) >= np.mean(stock_scores)
+                lines.append(
+                    f"- {env_id} {ours} seed mean {np.mean(ours_scores):.1f} >= "
+                    f"{stock} seed mean {np.mean(stock_scores):.1f}: {'yes' if ok else 'NO'}"
+                )
+    REPORT_FILE.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", nargs="*", default=["CartPole-v1", "Pendulum-v1"])
+    parser.add_argument("--algo", nargs="*", default=list(ALGOS))
+    parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
+    parser.add_argument("--report", action="store_true", help="only write the markdown table from the runs file")
+    args = parser.parse_args()
+    if not args.report:
+        th.set_num_threads(1)
+        os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for seed in args.seeds:
+            for env_id in args.env:
+                for algo in args.algo:
+                    done = {(r["env"], r["algo"], r["seed"]) for r in load_runs()}
+                    if (env_id, algo, seed) in done:
+                        continue
+                    result = run_one(env_id, algo, seed)
+                    print(json.dumps(result), flush=True)
+                    with RUNS_FILE.open("a") as handle:
+                        handle.write(json.dumps(result) + "\n")
+    write_report()
+
+
+if __name__ == "__main__":
+    main()
