@@ -13,6 +13,7 @@ from stable_baselines3.common.utils import explained_variance
 from torch import nn
 from torch.nn import functional as F
 
+from sb3_kl.common.kl import per_state_kl
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
@@ -261,6 +262,17 @@ class KLTRPO(KLOnPolicyAlgorithm):
             critic.update(id(p) for p in self.policy.vf_features_extractor.parameters())
         return [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic]
 
+    def _constrained_kl(self, old_params: th.Tensor, distribution: Any) -> th.Tensor:
+        """
+        Per-state analytic KL between the rollout policy and ``distribution``, in the algorithm's convention, built
+        from plain differentiable tensor operations: the Fisher-vector products differentiate it twice.
+
+        :param old_params: Rollout-policy parameters from the buffer
+        :param distribution: The current policy's distribution on the same states
+        :return: ``(batch,)``
+        """
+        return per_state_kl(self.kl_settings, self.dist_params, old_params, self.dist_params.extract(distribution))
+
     def _candidate_log_std_floor(self) -> th.Tensor | None:
         """
         The lower bound of ``log_std`` for the line search's candidates: the base's floor (std >= ``min_std``), except
@@ -305,7 +317,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         distribution = self.policy.get_distribution(observations)
         log_prob = distribution.log_prob(actions)
         policy_objective = (advantages * th.exp(log_prob - old_log_prob)).mean()
-        kl_div = self._per_state_kl(old_params, distribution, None).mean()
+        kl_div = self._constrained_kl(old_params, distribution).mean()
 
         # One autograd call over all the actor's parameters (no per-parameter loop); keep those the KL depends on
         candidates = self._actor_parameters()
@@ -352,7 +364,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     distribution = self.policy.get_distribution(observations)
                     log_prob = distribution.log_prob(actions)
                     new_objective = (advantages * th.exp(log_prob - old_log_prob)).mean().item()
-                    per_state = self._per_state_kl(old_params, distribution, None)
+                    per_state = self._constrained_kl(old_params, distribution)
                     mean_kl = per_state.mean().item()
                     within_tail = self.tail_kl is None or th.quantile(per_state, self.tail_quantile).item() <= self.tail_kl
                     # Accept only if the surrogate improves and the measured KL meets every constraint
