@@ -1,64 +1,93 @@
 """
-Train KLPPO briefly with TensorBoard logging, then draw its KL/return timeline and print the KL report.
+Train KLPPO (or stock PPO watched by the KL monitor) briefly with TensorBoard logging, then draw the KL/return
+timeline, print the KL report and the drill-down into the highest-KL states.
 
-This is how ``docs/img/kl_timeline.png`` was produced::
+This is how the figures of ``docs/diagnostics.md`` were produced (about a minute each on one CPU core)::
 
-    python examples/plot_kl_timeline.py --env Pendulum-v1 --timesteps 60000 --logdir /tmp/sb3kl_timeline \
-        --out docs/img/kl_timeline.png
+    python examples/plot_kl_timeline.py --logdir /tmp/sb3kl_timeline --out docs/img/kl_timeline.png
+    python examples/plot_kl_timeline.py --algo ppo --learning-rate 3e-3 --n-epochs 30 --logdir /tmp/sb3kl_compare
+    python examples/plot_kl_timeline.py --learning-rate 3e-3 --n-epochs 30 --logdir /tmp/sb3kl_compare --overlay
+    sb3-kl plot /tmp/sb3kl_compare --overlay --target 0.02 --out docs/img/kl_timeline_overlay.png
+
+(``--target``: stock PPO logs no target KL, so its band is drawn from the one given.)
 
 The same figure from any existing log directory: ``sb3-kl plot LOGDIR --out FILE.png`` (or ``python -m sb3_kl.plot``).
 """
 
 import argparse
+import os
 
 import torch as th
+from stable_baselines3 import PPO
 from stable_baselines3.common.env_util import make_vec_env
 
 from sb3_kl import KLPPO
+from sb3_kl.callbacks import KLAlarmCallback, KLMonitorCallback
 from sb3_kl.cli import main as sb3_kl_main
 
+TARGET_KL = 0.02
 
-def train(env_id: str, timesteps: int, logdir: str, seed: int) -> None:
+
+def train(
+    algo: str, env_id: str, timesteps: int, logdir: str, seed: int, learning_rate: float = 1e-3, n_epochs: int = 10
+) -> str:
     """
-    Train KLPPO on ``env_id`` with TensorBoard logging into ``logdir``.
+    Train on ``env_id`` with TensorBoard logging into ``logdir``. A KL monitor and an alarm callback run alongside
+    (the ``kl/alarms`` count becomes the red markers of the figure); the monitor saves the 8 highest-KL states
+    of every update, with a background sample, for ``sb3-kl states``.
 
+    :param algo: ``"klppo"`` or ``"ppo"`` (stock SB3 PPO with its clipped surrogate, clip range 0.2)
     :param env_id: Gymnasium environment id
     :param timesteps: Total environment steps
-    :param logdir: TensorBoard log directory (a ``KLPPO_<n>`` run folder is created inside)
+    :param logdir: TensorBoard log directory (a ``KLPPO_<n>`` / ``PPO_<n>`` run folder is created inside)
     :param seed: Random seed
+    :param learning_rate: Adam step size
+    :param n_epochs: Passes over each rollout
+    :return: Path of the saved high-KL states (``.npz``)
     """
     env = make_vec_env(env_id, n_envs=4, seed=seed)
-    model = KLPPO(
-        "MlpPolicy",
-        env,
+    kwargs = dict(
         n_steps=256,
         batch_size=64,
-        n_epochs=10,
+        n_epochs=n_epochs,
         gamma=0.9,
         gae_lambda=0.95,
-        learning_rate=1e-3,
-        target_kl=0.02,
+        learning_rate=learning_rate,
         policy_kwargs=dict(net_arch=[64, 64]),
         tensorboard_log=logdir,
         seed=seed,
         verbose=0,
     )
-    model.learn(total_timesteps=timesteps)
+    if algo == "klppo":
+        model = KLPPO("MlpPolicy", env, target_kl=TARGET_KL, **kwargs)
+    else:
+        model = PPO("MlpPolicy", env, **kwargs)  # PPO's own target_kl stays None: no early stopping
+    states_path = os.path.join(logdir, f"{algo}_top_states.npz")
+    monitor = KLMonitorCallback(top_k=8, top_k_path=states_path)
+    alarms = KLAlarmCallback(target_kl=TARGET_KL, monitor=monitor)
+    model.learn(total_timesteps=timesteps, callback=[monitor, alarms])
+    return states_path
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algo", choices=["klppo", "ppo"], default="klppo")
     parser.add_argument("--env", default="Pendulum-v1")
     parser.add_argument("--timesteps", type=int, default=60_000)
     parser.add_argument("--logdir", default="/tmp/sb3kl_timeline")
     parser.add_argument("--out", default="kl_timeline.png")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-training", action="store_true", help="only plot an existing --logdir")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--n-epochs", type=int, default=10)
+    parser.add_argument("--overlay", action="store_true", help="draw every run of --logdir in one figure")
+    parser.add_argument("--skip-training", action="store_true", help="only plot and report an existing --logdir")
     args = parser.parse_args()
 
     th.set_num_threads(1)
+    states = os.path.join(args.logdir, f"{args.algo}_top_states.npz")
     if not args.skip_training:
-        train(args.env, args.timesteps, args.logdir, args.seed)
-    status = sb3_kl_main(["plot", args.logdir, "--out", args.out])
+        states = train(args.algo, args.env, args.timesteps, args.logdir, args.seed, args.learning_rate, args.n_epochs)
+    status = sb3_kl_main(["plot", args.logdir, "--out", args.out, *(["--overlay"] if args.overlay else [])])
     status = status or sb3_kl_main(["report", args.logdir])
+    status = status or sb3_kl_main(["states", states, "--top", "3"])
     raise SystemExit(status)

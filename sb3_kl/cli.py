@@ -54,7 +54,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     groups = [runs] if args.overlay else [[run] for run in runs]
     for group, path in zip(groups, output_paths(args.out, runs, args.overlay), strict=True):
         try:
-            draw_timeline(group, path, band=band, size=size, dpi=args.dpi)
+            draw_timeline(group, path, band=band, size=size, dpi=args.dpi, target_kl=args.target)
         except OSError as error:
             raise DiagnosticsError(f"cannot write {path}: {error.strerror or error}") from None
         print(f"wrote {path} ({', '.join(run.name for run in group)})")
@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default="kl_timeline.png", help="image file (several runs: one file per run, suffixed)")
     plot.add_argument("--overlay", action="store_true", help="draw all runs in one figure")
     plot.add_argument("--band", nargs=2, type=float, default=list(DEFAULT_BAND), metavar=("LOW", "HIGH"), help=band_help)
+    plot.add_argument("--target", type=float, help="target KL for runs that did not log one (draws their band)")
     plot.add_argument("--size", nargs=2, type=float, default=[10.0, 8.0], metavar=("W", "H"), help="inches (default 10 8)")
     plot.add_argument("--dpi", type=int, default=100, help="pixels per inch (default 100: a 1000x800 image)")
     plot.set_defaults(func=_cmd_plot)

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from sb3_kl.diagnostics.logs import RunLog
+from sb3_kl.diagnostics.logs import RunLog, Series
 from sb3_kl.diagnostics.report import DEFAULT_BAND, alarm_events
 
 DEFAULT_SIZE = (10.0, 8.0)  # inches
@@ -25,9 +25,24 @@ def _panels(runs: list[RunLog]) -> list[str]:
     panels.append("kl")
     if any(run.get("kl_coef") is not None for run in runs):
         panels.append("coef")
-    if any(run.get("learning_rate") is not None for run in runs):
+    if any(_varies(run.get("learning_rate")) for run in runs):
         panels.append("lr")
     return panels
+
+
+def _varies(series) -> bool:
+    """Whether a series exists and is not constant (a constant learning rate gets no panel, only a note in the title)."""
+    if series is None or len(series) == 0:
+        return False
+    values = series.values[np.isfinite(series.values)]
+    return bool(len(values) and values.max() > values.min())
+
+
+def _constant_lr_note(runs: list[RunLog]) -> str:
+    values = {float(run.get("learning_rate").values[0]) for run in runs if run.get("learning_rate") is not None}
+    if not values or any(_varies(run.get("learning_rate")) for run in runs):
+        return ""
+    return " (learning rate " + ", ".join(f"{value:g}" for value in sorted(values)) + ", constant)"
 
 
 def _positive(values: np.ndarray) -> np.ndarray:
@@ -35,13 +50,25 @@ def _positive(values: np.ndarray) -> np.ndarray:
     return np.where(values > 0, values, np.nan)
 
 
-def _draw_run(axes: dict, run: RunLog, color: str, band: tuple[float, float], label: str | None, overlay: bool) -> None:
+def _draw_run(
+    axes: dict,
+    run: RunLog,
+    color: str,
+    band: tuple[float, float],
+    label: str | None,
+    overlay: bool,
+    target_kl: float | None = None,
+) -> None:
     returns = run.get("ep_rew_mean")
     if returns is not None and "return" in axes:
         axes["return"].plot(returns.steps, returns.values, color=color, label=label)
 
     ax = axes["kl"]
     target = run.get("target_kl")
+    kl = run.get("kl_mean")
+    assert kl is not None
+    if target is None and target_kl is not None:
+        target = Series(kl.steps, np.full(len(kl), float(target_kl)))
     if target is not None:
         lo, hi = band
         ax.fill_between(
@@ -55,8 +82,6 @@ def _draw_run(axes: dict, run: RunLog, color: str, band: tuple[float, float], la
             linewidth=0,
         )
         ax.plot(target.steps, target.values, color=color if overlay else "tab:green", lw=0.8, ls=":", drawstyle="steps-post")
-    kl = run.get("kl_mean")
-    assert kl is not None
     ax.plot(kl.steps, _positive(kl.values), color=color, lw=1.5, label=label if overlay else "KL mean")
     p99 = run.get("kl_p99")
     if p99 is not None:
@@ -93,6 +118,7 @@ def draw_timeline(
     size: tuple[float, float] = DEFAULT_SIZE,
     dpi: int = DEFAULT_DPI,
     title: str | None = None,
+    target_kl: float | None = None,
 ) -> str:
     """
     Draw one figure with the given runs (one run, or several overlaid) and save it.
@@ -103,13 +129,14 @@ def draw_timeline(
     :param size: Figure size in inches; the image is ``size * dpi`` pixels
     :param dpi: Resolution
     :param title: Figure title (default: the run name, or the number of runs)
+    :param target_kl: Target KL drawn (with its band) for runs that did not log one
     :return: ``out``
     """
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display needed
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     overlay = len(runs) > 1
     panels = _panels(runs)
@@ -121,7 +148,7 @@ def draw_timeline(
     axes = dict(zip(panels, ax_list, strict=True))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
-        _draw_run(axes, run, colors[i % len(colors)], band, run.name if overlay else None, overlay)
+        _draw_run(axes, run, colors[i % len(colors)], band, run.name if overlay else None, overlay, target_kl)
 
     labels = {
         "return": "episode return\n(rollout/ep_rew_mean)",
@@ -135,9 +162,10 @@ def draw_timeline(
     axes["kl"].set_yscale("log")
     if "coef" in axes:
         axes["coef"].set_yscale("log")
-        plain = FuncFormatter(lambda value, _: f"{value:g}")
-        axes["coef"].yaxis.set_major_formatter(plain)
-        axes["coef"].yaxis.set_minor_formatter(plain if _decades(axes["coef"]) < 1 else NullFormatter())
+        if _decades(axes["coef"]) < 2:  # few decades: ticks at 1, 2, 5 x 10^n in plain numbers
+            axes["coef"].yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axes["coef"].yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axes["coef"].yaxis.set_minor_formatter(NullFormatter())
     if "lr" in axes:
         axes["lr"].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax_list[-1].set_xlabel("environment steps")
@@ -146,7 +174,7 @@ def draw_timeline(
     if handles:
         unique = dict(zip(names, handles, strict=True))
         legend_ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
-    fig.suptitle(title or (runs[0].name if not overlay else f"{len(runs)} runs"), fontsize=11)
+    fig.suptitle((title or (runs[0].name if not overlay else f"{len(runs)} runs")) + _constant_lr_note(runs), fontsize=11)
     fig.tight_layout()
     # no bbox_inches="tight": the image keeps the requested pixel size
     fig.savefig(out, dpi=dpi)
