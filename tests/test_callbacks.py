@@ -364,3 +364,17 @@ def test_callbacks_on_klppo():
     assert "kl/grad_ratio" in values
     assert float(th.exp(model.policy.log_std.detach()).min()) >= 0.3 - 1e-6
     assert len(monitor.history) == 3
+
+
+def test_monitor_dict_observations(tmp_path):
+    from stable_baselines3.common.envs import SimpleMultiObsEnv
+
+    path = str(tmp_path / "dict_states.npz")
+    model = PPO("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), n_steps=32, batch_size=32, n_epochs=2, **TINY)
+    monitor = KLMonitorCallback(top_k=3, top_k_path=path)
+    model.learn(2 * 32, callback=monitor)
+    assert len(monitor.history) == 2 and all(np.isfinite(r["mean"]) for r in monitor.history)
+    data = np.load(path)
+    assert sorted(data["obs_keys"].tolist()) == ["img", "vec"]
+    assert data["observations/vec"].shape == (6, 5)
+    assert data["background_observations/img"].shape[0] == 24

@@ -1,0 +1,587 @@
+"""
+KLMonitorCallback: the exact per-state KL of every update of an SB3 on-policy agent, and the base of the callbacks
+that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its docstring for the timing).
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.distributions import Distribution
+from stable_baselines3.common.logger import TensorBoardOutputFormat
+
+from sb3_kl.common.kl import (
+    BernoulliParams,
+    CategoricalParams,
+    DistributionParams,
+    GaussianParams,
+    KLSettings,
+    MultiCategoricalParams,
+    kl_quantiles,
+    make_distribution_params,
+    per_state_kl,
+    quantile_name,
+)
+
+try:  # sb3-contrib is optional: only needed to recognise MaskablePPO's distributions
+    from sb3_contrib.common.maskable.distributions import (
+        MaskableBernoulliDistribution,
+        MaskableCategoricalDistribution,
+        MaskableMultiCategoricalDistribution,
+    )
+except ImportError:  # pragma: no cover
+    MaskableBernoulliDistribution = MaskableCategoricalDistribution = MaskableMultiCategoricalDistribution = None  # type: ignore[assignment,misc]
+
+#: Keys every ``KLMonitorCallback.history`` record has (besides the quantiles, named ``p50``, ``p90``, ...)
+HISTORY_KEYS = ("update", "num_timesteps", "n_updates", "mean", "max", "min", "tail_ratio", "entropy")
+
+# Logger formats that must not receive the per-state KL histogram (a tensor)
+_HISTOGRAM_EXCLUDE = ("stdout", "log", "json", "csv")
+
+
+class _MaskableMultiCategoricalParams(MultiCategoricalParams):
+    """MultiCategorical layout for sb3-contrib's maskable distribution, which keeps its categoricals in ``distributions``."""
+
+    def extract(self, distribution: Distribution) -> th.Tensor:
+        return th.cat([categorical.logits for categorical in distribution.distributions], dim=-1)  # type: ignore[attr-defined]
+
+
+def distribution_params_for_policy(action_dist: Distribution) -> DistributionParams:
+    """
+    The KL core's parameter layout for a policy's action distribution, including sb3-contrib's maskable ones
+    (masked logits are ``-1e8``, so masked actions have probability 0 in both policies and add nothing to the KL).
+
+    :param action_dist: The policy's ``action_dist``
+    :return: the matching :class:`~sb3_kl.common.kl.DistributionParams`
+    """
+    if MaskableCategoricalDistribution is not None:
+        if isinstance(action_dist, MaskableBernoulliDistribution):
+            return _MaskableMultiCategoricalParams(list(action_dist.action_dims))
+        if isinstance(action_dist, MaskableMultiCategoricalDistribution):
+            return _MaskableMultiCategoricalParams(list(action_dist.action_dims))
+        if isinstance(action_dist, MaskableCategoricalDistribution):
+            return CategoricalParams(action_dist.action_dim)
+    return make_distribution_params(action_dist)
+
+
+def model_target_kl(model: Any) -> float | None:
+    """
+    The KL target an algorithm currently uses, if it has one: sb3_kl algorithms (``_current_target_kl()``),
+    stock PPO/TRPO with a number or schedule as ``target_kl``; otherwise None.
+    """
+    if hasattr(model, "_current_target_kl"):
+        return float(model._current_target_kl())
+    target = getattr(model, "target_kl", None)
+    if target is None:
+        return None
+    if callable(target):
+        target = target(model._current_progress_remaining)
+    if isinstance(target, (int, float, np.floating)) and not isinstance(target, bool):
+        return float(target)
+    return None
+
+
+def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+
+def check_band(name: str, band: Any) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in band)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a pair (low, high) of numbers, got {band!r}.") from None
+    if not (0 < low < high and math.isfinite(high)):
+        raise ValueError(f"`{name}` must satisfy 0 < low < high < inf, got {band!r}.")
+    return low, high
+
+
+class KLMonitorCallback(BaseCallback):
+    """
+    Measure the exact per-state KL between the rollout policy and the updated policy after every update.
+
+    At the end of each rollout the rollout policy's distribution parameters are computed on the buffer's
+    observations (parameters only, no copy of the network; a no-grad forward pass in eval mode, by chunks). After
+    ``train()`` the updated policy is evaluated on the same states and the per-state KL is logged through the model's
+    logger:
+
+    - ``kl/mean``, ``kl/p50``, ``kl/p90``, ``kl/p99`` (configurable ``quantiles``), ``kl/max``;
+    - ``kl/tail_ratio``: p99 / mean (how much of the KL sits in a few states; the last quantile is used
+      when 0.99 is not among ``quantiles``);
+    - ``kl/env_<i>``: mean KL over the states of environment ``i`` of the VecEnv (``per_env=True``);
+    - ``kl/entropy``: mean entropy of the updated policy on those states;
+    - ``kl/to_uniform``: discrete actions only, the mean KL(pi_updated || uniform) = log(#actions) - entropy
+      (only the valid actions count with action masks): how far the policy is from uniform exploration;
+    - ``kl/hist``: a TensorBoard histogram of the per-state KL (only when a TensorBoard output is configured);
+    - ``kl/convention``: e.g. ``forward/analytic/sum`` (not sent to TensorBoard);
+    - with an sb3_kl algorithm: ``kl/coef`` (beta), ``kl/target`` and ``kl/grad_ratio`` (from ``train/kl_grad_ratio``);
+      with a stock algorithm whose ``target_kl`` is set: ``kl/target``.
+
+    The values of an update are recorded right after it (in the next ``_on_rollout_start``), so they are written
+    at the next ``dump_logs``; the last update of ``learn()`` is measured in ``_on_training_end`` and, like SB3's own
+    last ``train/`` values, is only readable from ``model.logger.name_to_value`` and :attr:`history`.
+
+    Every measured update appends a dict to :attr:`history`: ``update`` (0-based count of updates seen by this
+    callback), ``num_timesteps``, ``n_updates`` (the model's counter), ``mean``, the quantiles (``p50``...),
+    ``max``, ``min``, ``tail_ratio``, ``entropy``, ``to_uniform`` (discrete), ``coef``/``target``/``grad_ratio``
+    (when available) and ``env_means`` (a list, with ``per_env``). :attr:`last_per_state` holds the per-state KL of
+    the last measured update (numpy array, states ordered step-major: ``index = step * n_envs + env``).
+
+    Top-k drill-down: with ``top_k > 0`` the ``top_k`` highest-KL states of every measured update are kept in
+    :attr:`top_states`, together with a random background sample of ``background_size`` other states of the same
+    update. With ``top_k_path`` they are saved to a ``.npz`` at the end of training (:meth:`save_top_states`), with keys:
+
+    - ``observations`` ``(n, *obs_shape)``, ``kl`` ``(n,)``, ``update`` ``(n,)``, ``num_timesteps`` ``(n,)``,
+      ``env_index`` ``(n,)``, ``step_index`` ``(n,)``: the high-KL states;
+    - ``background_observations``, ``background_kl``, ``background_update``: ordinary states for comparison;
+    - ``convention``: the KL convention string, ``obs_keys``: the observation keys (Dict observation spaces, whose
+      observations are stored as ``observations/<key>`` and ``background_observations/<key>``; empty otherwise).
+
+    Action masks of ``MaskablePPO`` are applied to both policies (taken from the rollout buffer). Recurrent policies
+    are rejected (their distribution depends on the LSTM state, which the buffer does not give back per state).
+
+    :param direction: ``"forward"`` = KL(pi_rollout || pi_updated) (default) or ``"reverse"``
+    :param estimator: ``"analytic"`` (exact, default), or ``"k1"`` / ``"k3"`` sample estimators from the rollout's actions
+    :param reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
+    :param quantiles: Quantiles of the per-state KL to log, strictly between 0 and 1
+    :param every: Measure every ``every``-th update only (the others cost nothing)
+    :param per_env: Log the mean KL of each environment of the VecEnv as ``kl/env_<i>``
+    :param top_k: Number of highest-KL states kept per measured update (0: none)
+    :param top_k_path: Where to save the kept states (``.npz``) at the end of training; None: keep them in memory only
+    :param background_size: Number of other states sampled per measured update for comparison (default: ``4 * top_k``)
+    :param chunk_size: Number of states per forward pass
+    :param seed: Seed of the background sampling
+    :param verbose: Verbosity level: 0 no output, 1 info (saved files), 2 one line per measured update
+    """
+
+    def __init__(
+        self,
+        direction: str = "forward",
+        estimator: str = "analytic",
+        reduction: str = "sum",
+        quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        every: int = 1,
+        per_env: bool = False,
+        top_k: int = 0,
+        top_k_path: str | None = None,
+        background_size: int | None = None,
+        chunk_size: int = 4096,
+        seed: int = 0,
+        verbose: int = 0,
+    ):
+        super().__init__(verbose)
+        self.settings = KLSettings(estimator=estimator, direction=direction, reduction=reduction)
+        quantiles = tuple(float(q) for q in quantiles)
+        for q in quantiles:
+            if not 0.0 < q < 1.0:
+                raise ValueError(f"`quantiles` must lie strictly between 0 and 1, got {q!r}.")
+        check_int("every", every, 1)
+        check_int("top_k", top_k, 0)
+        check_int("chunk_size", chunk_size, 1)
+        if top_k_path is not None and top_k == 0:
+            raise ValueError("`top_k_path` is set but `top_k`=0 keeps no state: pass top_k > 0 or top_k_path=None.")
+        if background_size is None:
+            background_size = 4 * top_k
+        check_int("background_size", background_size, 0)
+        self.quantiles = quantiles
+        self.every = every
+        self.per_env = per_env
+        self.top_k = top_k
+        self.top_k_path = top_k_path
+        self.background_size = background_size
+        self.chunk_size = chunk_size
+        self.history: list[dict[str, Any]] = []
+        self.last_per_state: np.ndarray | None = None
+        self.top_states: list[dict[str, Any]] = []
+        self._listeners: list[Callable[[dict[str, Any], np.ndarray], None]] = []
+        self._rng = np.random.default_rng(seed)
+        self._updates_seen = 0
+        self._snapshot: dict[str, Any] | None = None
+        self._dist_params: DistributionParams | None = None
+        self._masked = False
+        self._has_tensorboard = False
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Public helpers
+
+    def add_listener(self, listener: Callable[[dict[str, Any], np.ndarray], None]) -> None:
+        """
+        Call ``listener(record, per_state_kl)`` after every measurement (used by the other KL callbacks so that
+        one monitor measures for all of them).
+
+        :param listener: A callable taking the history record and the per-state KL array
+        """
+        self._listeners.append(listener)
+
+    @property
+    def convention(self) -> str:
+        """The KL convention, e.g. ``"forward/analytic/sum"``."""
+        return self.settings.convention
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Hooks
+
+    def _init_callback(self) -> None:
+        policy = self.model.policy
+        if getattr(policy, "lstm_actor", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support recurrent policies ({type(policy).__name__}): their action "
+                "distribution depends on the LSTM state, so it cannot be re-evaluated per stored state."
+            )
+        if not hasattr(policy, "get_distribution"):
+            raise ValueError(
+                f"{type(self).__name__} needs an actor-critic policy with `get_distribution`, got {type(policy).__name__}."
+            )
+        self._dist_params = distribution_params_for_policy(policy.action_dist)
+        self._masked = MaskableCategoricalDistribution is not None and isinstance(
+            policy.action_dist, (MaskableCategoricalDistribution, MaskableMultiCategoricalDistribution)
+        )
+        if self._masked and not hasattr(self.model.rollout_buffer, "action_masks"):
+            raise ValueError(
+                f"The policy uses action masks but the rollout buffer {type(self.model.rollout_buffer).__name__} stores "
+                "none: use sb3-contrib's MaskableRolloutBuffer (MaskablePPO's default)."
+            )
+        self._has_tensorboard = any(isinstance(f, TensorBoardOutputFormat) for f in self.logger.output_formats)
+
+    def _on_training_start(self) -> None:
+        # A snapshot from a previous learn() call does not belong to this run
+        self._snapshot = None
+
+    def _on_rollout_end(self) -> None:
+        if self._updates_seen % self.every == 0:
+            self._snapshot = self._take_snapshot()
+        else:
+            self._snapshot = None
+        self._updates_seen += 1
+
+    def _on_rollout_start(self) -> None:
+        # First hook after train(): the buffer was reset but the snapshot holds its states
+        self._measure_pending()
+
+    def _on_training_end(self) -> None:
+        self._measure_pending()
+        if self.top_k_path is not None and self.top_states:
+            self.save_top_states(self.top_k_path)
+
+    def _on_step(self) -> bool:
+        return True
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Measuring
+
+    def _buffer_arrays(self) -> tuple[Any, np.ndarray, np.ndarray | None, int, int]:
+        """
+        The rollout buffer's observations, actions and masks as flat arrays of ``n_steps * n_envs`` states in
+        step-major order, whether or not ``get()`` already flattened them (it swaps to env-major in place).
+
+        :return: observations (array or dict of arrays), actions, masks or None, n_steps, n_envs
+        """
+        buffer = self.model.rollout_buffer
+        n_steps, n_envs = buffer.buffer_size, buffer.n_envs
+        if not buffer.full:
+            raise RuntimeError(f"{type(self).__name__}: the rollout buffer is not full at the end of the rollout.")
+
+        def flat(array: np.ndarray) -> np.ndarray:
+            if buffer.generator_ready:  # (n_envs * n_steps, ...) env-major -> (n_steps * n_envs, ...) step-major
+                array = array.reshape(n_envs, n_steps, *array.shape[1:]).swapaxes(0, 1)
+            return array.reshape(n_steps * n_envs, *array.shape[2:])
+
+        if isinstance(buffer.observations, dict):
+            observations: Any = {key: flat(value) for key, value in buffer.observations.items()}
+        else:
+            observations = flat(buffer.observations)
+        masks = flat(buffer.action_masks) if self._masked else None
+        return observations, flat(buffer.actions), masks, n_steps, n_envs
+
+    def _to_tensor(self, array: np.ndarray) -> th.Tensor:
+        # th.tensor always copies: the snapshot must not share memory with the buffer
+        return th.tensor(np.ascontiguousarray(array), device=self.model.device)
+
+    def _chunks(self, n: int) -> list[slice]:
+        return [slice(start, min(start + self.chunk_size, n)) for start in range(0, n, self.chunk_size)]
+
+    @staticmethod
+    def _index(observations: th.Tensor | dict[str, th.Tensor], chunk: slice) -> Any:
+        if isinstance(observations, dict):
+            return {key: value[chunk] for key, value in observations.items()}
+        return observations[chunk]
+
+    def _distribution(self, observations: Any, masks: th.Tensor | None) -> Distribution:
+        distribution = self.model.policy.get_distribution(observations)
+        if masks is not None:
+            distribution.apply_masking(masks)
+        return distribution
+
+    def _actions_for_log_prob(self, actions: th.Tensor) -> th.Tensor:
+        if isinstance(self.model.action_space, spaces.Discrete):
+            return actions.long().flatten()
+        return actions
+
+    @th.no_grad()
+    def _evaluate(self, snapshot: dict[str, Any]) -> tuple[th.Tensor, th.Tensor | None]:
+        """
+        Distribution parameters of the current policy on the snapshot's states (eval mode, no grad, by chunks),
+        and the log-probability of the stored actions when a sample estimator needs it.
+        """
+        assert self._dist_params is not None
+        policy = self.model.policy
+        was_training = policy.training
+        policy.set_training_mode(False)
+        params, log_probs = [], []
+        try:
+            for chunk in self._chunks(snapshot["n"]):
+                masks = snapshot["masks"][chunk] if snapshot["masks"] is not None else None
+                distribution = self._distribution(self._index(snapshot["observations"], chunk), masks)
+                params.append(self._dist_params.extract(distribution))
+                if self.settings.estimator != "analytic":
+                    log_probs.append(distribution.log_prob(self._actions_for_log_prob(snapshot["actions"][chunk])))
+        finally:
+            policy.set_training_mode(was_training)
+        return th.cat(params), (th.cat(log_probs) if log_probs else None)
+
+    def _take_snapshot(self) -> dict[str, Any]:
+        observations, actions, masks, n_steps, n_envs = self._buffer_arrays()
+        if isinstance(observations, dict):
+            obs_tensor: Any = {key: self._to_tensor(value) for key, value in observations.items()}
+        else:
+            obs_tensor = self._to_tensor(observations)
+        snapshot = {
+            "observations": obs_tensor,
+            "actions": self._to_tensor(actions) if self.settings.estimator != "analytic" else None,
+            "masks": self._to_tensor(masks) if masks is not None else None,
+            "n": n_steps * n_envs,
+            "n_envs": n_envs,
+            "update": self._updates_seen,
+        }
+        snapshot["old_params"], snapshot["old_log_prob"] = self._evaluate(snapshot)
+        return snapshot
+
+    def _measure_pending(self) -> None:
+        if self._snapshot is None:
+            return
+        snapshot, self._snapshot = self._snapshot, None
+        assert self._dist_params is not None
+        new_params, new_log_prob = self._evaluate(snapshot)
+        log_ratio = None
+        if new_log_prob is not None:
+            log_ratio = new_log_prob - snapshot["old_log_prob"]
+        per_state_t = per_state_kl(self.settings, self._dist_params, snapshot["old_params"], new_params, log_ratio)
+        per_state = per_state_t.cpu().numpy().astype(np.float64)
+        record = self._statistics(snapshot, per_state, new_params)
+        self.history.append(record)
+        self.last_per_state = per_state
+        self._log(record, per_state_t)
+        if self.top_k > 0:
+            self._keep_top_states(snapshot, per_state, record)
+        if self.verbose >= 2:
+            print(
+                f"{type(self).__name__}: update {record['update']} at {record['num_timesteps']} steps: "
+                f"KL mean {record['mean']:.4g}, max {record['max']:.4g}"
+            )
+        for listener in self._listeners:
+            listener(record, per_state)
+
+    @th.no_grad()
+    def _statistics(self, snapshot: dict[str, Any], per_state: np.ndarray, new_params: th.Tensor) -> dict[str, Any]:
+        assert self._dist_params is not None
+        record: dict[str, Any] = {
+            "update": snapshot["update"],
+            "num_timesteps": int(self.model.num_timesteps),
+            "n_updates": int(getattr(self.model, "_n_updates", 0)),
+        }
+        finite = bool(np.all(np.isfinite(per_state)))
+        if finite:
+            record.update(kl_quantiles(per_state, self.quantiles))
+        else:  # reported as NaN/inf (an alarm), quantiles of non-finite data are meaningless
+            record["mean"] = float(np.mean(per_state))
+            record.update({quantile_name(q): float("nan") for q in self.quantiles})
+            record["max"] = float(np.max(per_state))
+        record["min"] = float(np.min(per_state))
+        tail_q = 0.99 if 0.99 in self.quantiles else (self.quantiles[-1] if self.quantiles else None)
+        tail = record.get(quantile_name(tail_q)) if tail_q is not None else record["max"]
+        record["tail_ratio"] = float(tail / record["mean"]) if record["mean"] > 0 and tail is not None else float("nan")
+        entropy = self._dist_params.entropy(new_params)
+        record["entropy"] = float(entropy.mean())
+        to_uniform = self._kl_to_uniform(entropy, snapshot["masks"])
+        if to_uniform is not None:
+            record["to_uniform"] = to_uniform
+        if self.per_env:
+            n_envs = snapshot["n_envs"]
+            record["env_means"] = [float(x) for x in per_state.reshape(-1, n_envs).mean(axis=0)]
+        model = self.model
+        if hasattr(model, "kl_coef") and hasattr(model, "kl_controller"):
+            record["coef"] = float(model.kl_coef)
+        target = model_target_kl(model)
+        if target is not None:
+            record["target"] = target
+        grad_ratio = model.logger.name_to_value.get("train/kl_grad_ratio")
+        if grad_ratio is not None:
+            record["grad_ratio"] = float(grad_ratio)
+        return record
+
+    def _kl_to_uniform(self, entropy: th.Tensor, masks: th.Tensor | None) -> float | None:
+        """Mean KL(pi || uniform over the valid actions) = log(#valid actions) - entropy, for discrete actions."""
+        dist_params = self._dist_params
+        if isinstance(dist_params, GaussianParams) or dist_params is None:
+            return None
+        if isinstance(dist_params, CategoricalParams):
+            sizes = [dist_params.n_params]
+        elif isinstance(dist_params, MultiCategoricalParams):
+            sizes = dist_params.nvec
+        elif isinstance(dist_params, BernoulliParams):
+            sizes = [2] * dist_params.n_dims
+        else:
+            return None
+        if masks is None:
+            log_n = th.full_like(entropy, float(sum(math.log(n) for n in sizes)))
+        else:
+            valid = [part.sum(dim=-1).clamp(min=1.0) for part in th.split(masks.float(), sizes, dim=-1)]
+            log_n = th.stack([th.log(v) for v in valid], dim=-1).sum(dim=-1)
+        kl = log_n - entropy
+        if self.settings.reduction == "mean":
+            kl = kl / dist_params.n_dims
+        return float(kl.mean())
+
+    def _log(self, record: dict[str, Any], per_state: th.Tensor) -> None:
+        logger = self.model.logger
+        logger.record("kl/mean", record["mean"])
+        for q in self.quantiles:
+            name = quantile_name(q)
+            logger.record(f"kl/{name}", record[name])
+        for key in ("max", "tail_ratio", "entropy", "to_uniform", "coef", "target", "grad_ratio"):
+            if key in record:
+                logger.record(f"kl/{key}", record[key])
+        for i, value in enumerate(record.get("env_means", [])):
+            logger.record(f"kl/env_{i}", value)
+        logger.record("kl/convention", self.settings.convention, exclude="tensorboard")
+        if self._has_tensorboard and bool(th.isfinite(per_state).all()):
+            logger.record("kl/hist", per_state.detach().cpu(), exclude=_HISTOGRAM_EXCLUDE)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Top-k drill-down
+
+    def _keep_top_states(self, snapshot: dict[str, Any], per_state: np.ndarray, record: dict[str, Any]) -> None:
+        n, n_envs = snapshot["n"], snapshot["n_envs"]
+        k = min(self.top_k, n)
+        order = np.argsort(np.nan_to_num(per_state, nan=-np.inf))
+        top = order[::-1][:k].copy()
+        rest = order[: n - k]
+        background = self._rng.choice(rest, size=min(self.background_size, len(rest)), replace=False)
+
+        def take(indices: np.ndarray) -> Any:
+            index = th.as_tensor(indices, device=self.model.device, dtype=th.long)
+            obs = snapshot["observations"]
+            if isinstance(obs, dict):
+                return {key: value[index].cpu().numpy() for key, value in obs.items()}
+            return obs[index].cpu().numpy()
+
+        self.top_states.append(
+            {
+                "update": record["update"],
+                "num_timesteps": record["num_timesteps"],
+                "observations": take(top),
+                "kl": per_state[top],
+                "env_index": top % n_envs,
+                "step_index": top // n_envs,
+                "background_observations": take(background),
+                "background_kl": per_state[background],
+            }
+        )
+
+    def save_top_states(self, path: str) -> None:
+        """
+        Save the kept high-KL states and the background sample to a ``.npz`` (keys in the class docstring).
+
+        :param path: Destination file
+        """
+        if not self.top_states:
+            raise ValueError("No top-k state was kept: set top_k > 0 and train for at least one update.")
+
+        def stack_obs(name: str) -> dict[str, np.ndarray]:
+            first = self.top_states[0][name]
+            if isinstance(first, dict):
+                return {f"{name}/{key}": np.concatenate([entry[name][key] for entry in self.top_states]) for key in first}
+            return {name: np.concatenate([entry[name] for entry in self.top_states])}
+
+        def repeat(key: str, name: str) -> np.ndarray:
+            return np.concatenate([np.full(len(entry[name]), entry[key], dtype=np.int64) for entry in self.top_states])
+
+        first_obs = self.top_states[0]["observations"]
+        np.savez_compressed(
+            path,
+            **stack_obs("observations"),
+            kl=np.concatenate([entry["kl"] for entry in self.top_states]),
+            update=repeat("update", "kl"),
+            num_timesteps=repeat("num_timesteps", "kl"),
+            env_index=np.concatenate([entry["env_index"] for entry in self.top_states]).astype(np.int64),
+            step_index=np.concatenate([entry["step_index"] for entry in self.top_states]).astype(np.int64),
+            **stack_obs("background_observations"),
+            background_kl=np.concatenate([entry["background_kl"] for entry in self.top_states]),
+            background_update=repeat("update", "background_kl"),
+            convention=np.array(self.settings.convention),
+            obs_keys=np.array(sorted(first_obs) if isinstance(first_obs, dict) else [], dtype=str),
+        )
+        if self.verbose >= 1:
+            print(f"{type(self).__name__}: saved {sum(len(e['kl']) for e in self.top_states)} high-KL states to {path}")
+
+
+class MonitorUser(BaseCallback):
+    """
+    Base of the callbacks that act on the measured KL: they listen to a :class:`KLMonitorCallback`, either the one
+    passed as ``monitor`` (which must also be given to ``learn()``, so the KL is measured once) or a private one
+    they drive themselves.
+    """
+
+    def __init__(self, monitor: KLMonitorCallback | None, verbose: int = 0):
+        super().__init__(verbose)
+        if monitor is not None and not isinstance(monitor, KLMonitorCallback):
+            raise TypeError(f"`monitor` must be a KLMonitorCallback or None, got {type(monitor).__name__}.")
+        self._own_monitor = monitor is None
+        self.monitor = monitor if monitor is not None else KLMonitorCallback()
+        self.monitor.add_listener(self._on_kl_measured)
+        self._active = False
+
+    def _on_kl_measured(self, record: dict[str, Any], per_state: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _init_callback(self) -> None:
+        if self._own_monitor:
+            self.monitor.init_callback(self.model)
+
+    def _on_training_start(self) -> None:
+        if self._own_monitor:
+            self.monitor.on_training_start(self.locals, self.globals)
+        elif getattr(self.monitor, "model", None) is not self.model:
+            raise ValueError(
+                f"The KLMonitorCallback passed to {type(self).__name__} is not attached to this model: pass it to "
+                "learn() as well, e.g. callback=[monitor, this_callback]."
+            )
+        self._active = True
+
+    def _on_rollout_start(self) -> None:
+        if self._own_monitor:
+            self.monitor.on_rollout_start()
+
+    def _on_rollout_end(self) -> None:
+        if self._own_monitor:
+            self.monitor.update_locals(self.locals)
+            self.monitor.on_rollout_end()
+
+    def _on_training_end(self) -> None:
+        if self._own_monitor:
+            self.monitor.on_training_end()
+        else:
+            # Measure the last update now if the shared monitor has not yet (it may come later in the callback list)
+            self.monitor._measure_pending()
+        self._active = False
