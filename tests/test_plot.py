@@ -145,3 +145,16 @@ def test_module_entry_point_error_has_no_traceback(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"sb3-kl: error: {tmp_path / 'missing'} does not exist"]
+
+
+def test_partial_exit_status(klppo_logdir, tmp_path, capsys):
+    # one good run and one without KL keys: the good one is drawn, the other gets its line, exit status 2
+    shutil.copytree(klppo_logdir, tmp_path / "runs" / "tb")
+    logger = configure(str(tmp_path / "runs" / "nokl"), ["csv"])
+    logger.record("time/total_timesteps", 64)
+    logger.record("rollout/ep_rew_mean", 10.0)
+    logger.dump(64)
+    logger.close()
+    assert main(["plot", str(tmp_path / "runs"), "--out", str(tmp_path / "p.png"), "--dpi", "30"]) == 2
+    assert "nokl" in _one_error_line(capsys)
+    assert _pixels(tmp_path / "p.png") == (300, 240)
