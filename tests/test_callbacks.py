@@ -34,9 +34,16 @@ ALGO_KWARGS = {
 }
 
 
+def _copy_policy(policy):
+    """An independent copy of the whole policy (network and log_std), built the way SB3's policy.save/load does."""
+    clone = type(policy)(**policy._get_constructor_parameters())
+    clone.load_state_dict(copy.deepcopy(policy.state_dict()))
+    return clone
+
+
 class IndependentKL(BaseCallback):
     """
-    Reference measurement: deep copies of the whole policy before (end of rollout) and after (next rollout start /
+    Reference measurement: copies of the whole policy before (end of rollout) and after (next rollout start /
     training end) each update, and torch.distributions.kl_divergence on the same states.
     """
 
@@ -50,14 +57,14 @@ class IndependentKL(BaseCallback):
 
     def _on_rollout_end(self) -> None:
         obs = self.model.rollout_buffer.observations
-        self._pending = (copy.deepcopy(self.model.policy), obs.reshape(-1, *obs.shape[2:]).copy())
+        self._pending = (_copy_policy(self.model.policy), obs.reshape(-1, *obs.shape[2:]).copy())
 
     def _measure(self) -> None:
         if self._pending is None:
             return
         old_policy, obs = self._pending
         self._pending = None
-        new_policy = copy.deepcopy(self.model.policy)
+        new_policy = _copy_policy(self.model.policy)
         obs_t = th.as_tensor(obs)
         with th.no_grad():
             old_policy.set_training_mode(False)
@@ -378,3 +385,25 @@ def test_monitor_dict_observations(tmp_path):
     assert sorted(data["obs_keys"].tolist()) == ["img", "vec"]
     assert data["observations/vec"].shape == (6, 5)
     assert data["background_observations/img"].shape[0] == 24
+
+
+class FlattenBuffer(BaseCallback):
+    """Calls rollout_buffer.get() at the end of the rollout, which flattens the buffer in place (env-major order)."""
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        for _ in self.model.rollout_buffer.get(batch_size=None):
+            pass
+        assert self.model.rollout_buffer.generator_ready
+
+
+def test_monitor_reads_a_flattened_buffer():
+    model = _model(PPO, "CartPole-v1", n_envs=2, learning_rate=1e-2)
+    reference, monitor = IndependentKL(), KLMonitorCallback(per_env=True)
+    model.learn(2 * 128, callback=[reference, FlattenBuffer(), monitor])
+    assert len(monitor.history) == len(reference.results) == 2
+    for record, kl in zip(monitor.history, reference.results, strict=True):
+        assert record["mean"] == pytest.approx(kl.mean(), rel=1e-3, abs=1e-6)
+        assert record["env_means"] == pytest.approx([kl[0::2].mean(), kl[1::2].mean()], rel=1e-3, abs=1e-6)
