@@ -335,6 +335,13 @@ def test_alarm_kinds_and_warn_once():
     assert "implementation bug" in str(caught[0].message)
     alarm._on_kl_measured(dict(record, min=0.0, mean=float("nan")), np.array([np.nan, 0.0]))
     assert alarm.alarms[-1].kind == "nonfinite_kl"
+    # gradient ratio: too high always alarms; too low only while the KL is above target (no target here)
+    n = len(alarm.alarms)
+    alarm._on_kl_measured(dict(record, min=0.0, tail_ratio=2.0, grad_ratio=1e-5), np.array([0.0, 0.02]))
+    assert len(alarm.alarms) == n
+    with pytest.warns(UserWarning, match="grad_ratio"):
+        alarm._on_kl_measured(dict(record, min=0.0, tail_ratio=2.0, grad_ratio=100.0), np.array([0.0, 0.02]))
+    assert alarm.alarms[-1].kind == "grad_ratio" and alarm.alarms[-1].value == 100.0
 
 
 def test_alarm_shares_monitor():

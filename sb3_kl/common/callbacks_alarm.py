@@ -60,7 +60,9 @@ class KLAlarmCallback(MonitorUser):
     - ``heavy_tail``: p99 / mean of the per-state KL > ``tail_ratio`` (a few states carry the update's KL);
       only checked when the mean KL exceeds ``min_kl`` (tiny updates have meaningless ratios);
     - ``grad_ratio``: the sb3_kl algorithm's ``train/kl_grad_ratio`` (|grad of the KL term| / |grad of the
-      surrogate|) outside ``grad_ratio_band`` for ``patience`` consecutive updates.
+      surrogate|) outside ``grad_ratio_band`` for ``patience`` consecutive updates: above the band the penalty
+      drowns the surrogate (the policy stops learning); below it while the KL is above target, the penalty has no
+      grip. (A small ratio with a KL below target is normal: the KL's gradient vanishes with the KL itself.)
 
     Each alarm is appended to :attr:`alarms` (:class:`KLAlarm` records), warned once per kind with ``warnings.warn``
     (what to check), counted in ``kl/alarms`` (cumulative count, logged after every measured update) and printed when
@@ -86,7 +88,7 @@ class KLAlarmCallback(MonitorUser):
         spike_factor: float = 5.0,
         patience: int = 3,
         tail_ratio: float | None = 50.0,
-        grad_ratio_band: tuple[float, float] | None = (1e-3, 1e3),
+        grad_ratio_band: tuple[float, float] | None = (0.01, 10.0),
         negative_tol: float = 1e-5,
         min_kl: float = 1e-6,
         stop_training: bool = False,
@@ -186,13 +188,15 @@ class KLAlarmCallback(MonitorUser):
         grad_ratio = record.get("grad_ratio")
         if self.grad_ratio_band is not None and grad_ratio is not None and math.isfinite(grad_ratio):
             low, high = self.grad_ratio_band
-            if self._streak("grad_ratio", not low <= grad_ratio <= high):
+            too_weak = grad_ratio < low and target is not None and mean > target
+            if self._streak("grad_ratio", too_weak or grad_ratio > high):
                 raised.append(
                     (
                         "grad_ratio",
                         grad_ratio,
                         f"the gradient ratio |grad KL term| / |grad surrogate| = {grad_ratio:.3g} stayed outside "
-                        f"[{low:g}, {high:g}] for {self.patience} updates: one term of the loss dominates. "
+                        f"[{low:g}, {high:g}] for {self.patience} updates (above: the KL penalty drowns the surrogate and "
+                        "the policy stops learning; below with the KL above target: the penalty has no grip). "
                         "Check kl_coef and its bounds, the advantage scale and normalisation.",
                     )
                 )
