@@ -414,3 +414,19 @@ def test_monitor_reads_a_flattened_buffer():
     for record, kl in zip(monitor.history, reference.results, strict=True):
         assert record["mean"] == pytest.approx(kl.mean(), rel=1e-3, abs=1e-6)
         assert record["env_means"] == pytest.approx([kl[0::2].mean(), kl[1::2].mean()], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.parametrize("env_name", ["multidiscrete", "multibinary"])
+def test_monitor_multi_discrete_actions(env_name):
+    from stable_baselines3.common.envs import IdentityEnvMultiBinary, IdentityEnvMultiDiscrete
+
+    env = IdentityEnvMultiDiscrete(dim=3) if env_name == "multidiscrete" else IdentityEnvMultiBinary(dim=3)
+    model = A2C("MlpPolicy", env, n_steps=32, learning_rate=1e-2, **TINY)
+    monitor = KLMonitorCallback(reduction="mean")
+    model.learn(2 * 32, callback=monitor)
+    log_n = 2 * np.log(3) if env_name == "multidiscrete" else 3 * np.log(2)
+    for record in monitor.history:
+        assert np.isfinite(record["mean"]) and record["min"] >= -1e-6
+        # "mean" reduction divides the joint KL (and the KL to uniform) by the number of sub-actions (2 or 3)
+        n_dims = 2 if env_name == "multidiscrete" else 3
+        assert record["to_uniform"] == pytest.approx((log_n - record["entropy"]) / n_dims, abs=1e-5)
