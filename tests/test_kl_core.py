@@ -16,6 +16,7 @@ from sb3_kl.common.kl import (
     kl_quantiles,
     make_distribution_params,
     per_state_kl,
+    per_state_kl_to,
     quantile_name,
     sample_kl,
 )
@@ -183,3 +184,30 @@ def test_settings_validation(kwargs, match):
 def test_convention_labels():
     assert KLSettings().convention == "forward/analytic/sum"
     assert KLSettings("k3", "reverse", "mean").description == "KL(new||old), k3, averaged over action dimensions"
+
+
+@pytest.mark.parametrize("use_sde", [False, True])
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_loss_path_matches_parameter_path_in_value_and_gradient(direction, use_sde):
+    """per_state_kl_to (the loss path, straight from the live distribution) equals per_state_kl in value and gradient."""
+    action_space = spaces.Box(-1, 1, (3,))
+    dist = make_proba_distribution(action_space, use_sde=use_sde)
+    layout = make_distribution_params(dist)
+    mean_net, log_std = dist.proba_distribution_net(latent_dim=8)
+    latent = th.randn(16, 8)
+    old = layout.extract(dist.proba_distribution(mean_net(latent), log_std, latent) if use_sde else dist.proba_distribution(mean_net(latent), log_std)).detach()
+    with th.no_grad():
+        log_std.add_(0.3 * th.randn_like(log_std))
+        mean_net.weight.add_(0.3 * th.randn_like(mean_net.weight))
+    settings_ = KLSettings(direction=direction)
+
+    def fresh():
+        return dist.proba_distribution(mean_net(latent), log_std, latent) if use_sde else dist.proba_distribution(mean_net(latent), log_std)
+
+    fused = per_state_kl_to(settings_, layout, old, fresh()).mean()
+    grads_fused = th.autograd.grad(fused, [mean_net.weight, log_std])
+    reference = per_state_kl(settings_, layout, old, layout.extract(fresh())).mean()
+    grads_reference = th.autograd.grad(reference, [mean_net.weight, log_std])
+    th.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-7)
+    for a, b in zip(grads_fused, grads_reference, strict=True):
+        th.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -76,6 +76,19 @@ class DistributionParams(ABC):
         :return: ``(batch, n_dims)``
         """
 
+    def kl_per_dim_to(self, old_params: th.Tensor, distribution: Distribution, reverse: bool = False) -> th.Tensor:
+        """
+        Exact per-dimension KL between stored parameters and a live distribution (the loss path: gradients flow
+        into ``distribution``).
+
+        :param old_params: Parameters of the rollout policy, ``(batch, n_params)``
+        :param distribution: The current policy's distribution on the same states
+        :param reverse: ``False``: KL(old || new); ``True``: KL(new || old)
+        :return: ``(batch, n_dims)``
+        """
+        new_params = self.extract(distribution)
+        return self.kl_per_dim(new_params, old_params) if reverse else self.kl_per_dim(old_params, new_params)
+
     @abstractmethod
     def entropy(self, params: th.Tensor) -> th.Tensor:
         """
@@ -119,6 +132,19 @@ class GaussianParams(DistributionParams):
         var_ratio = th.exp(2.0 * (log_std_p - log_std_q))
         mean_term = ((mean_p - mean_q) * th.exp(-log_std_q)) ** 2
         return 0.5 * (var_ratio + mean_term - 1.0) - (log_std_p - log_std_q)
+
+    def kl_per_dim_to(self, old_params: th.Tensor, distribution: Distribution, reverse: bool = False) -> th.Tensor:
+        # Straight from the live distribution's mean and std (no concatenation, fewest ops): this KL sits in
+        # every minibatch of the loss
+        normal = distribution.distribution
+        mean_old, log_std_old = self.split(old_params)
+        var_old = th.exp(2.0 * log_std_old)
+        diff_sq = (normal.loc - mean_old) ** 2  # type: ignore[union-attr]
+        var_new = normal.scale**2  # type: ignore[union-attr]
+        log_std_ratio = th.log(normal.scale) - log_std_old  # type: ignore[union-attr]  # log(s_new / s_old)
+        if reverse:  # KL(new || old)
+            return (var_new + diff_sq) / (2.0 * var_old) - 0.5 - log_std_ratio
+        return (var_old + diff_sq) / (2.0 * var_new) - 0.5 + log_std_ratio
 
     def entropy(self, params: th.Tensor) -> th.Tensor:
         _, log_std = self.split(params)
@@ -329,14 +355,42 @@ def per_state_kl(
             kl = dist_params.kl_per_dim(old_params, new_params)
         else:
             kl = dist_params.kl_per_dim(new_params, old_params)
-        kl = kl.sum(dim=-1)
-    else:
-        if log_ratio is None:
-            raise ValueError(f"The {settings.estimator!r} KL estimator needs the log-ratio of the stored actions.")
-        kl = sample_kl(log_ratio, settings.estimator, settings.direction, settings.log_ratio_clip)
-    if settings.reduction == "mean":
-        kl = kl / dist_params.n_dims
-    return kl
+        return _reduce(settings, dist_params, kl.sum(dim=-1))
+    return _reduce(settings, dist_params, _sample_estimate(settings, log_ratio))
+
+
+def _sample_estimate(settings: KLSettings, log_ratio: th.Tensor | None) -> th.Tensor:
+    if log_ratio is None:
+        raise ValueError(f"The {settings.estimator!r} KL estimator needs the log-ratio of the stored actions.")
+    return sample_kl(log_ratio, settings.estimator, settings.direction, settings.log_ratio_clip)
+
+
+def _reduce(settings: KLSettings, dist_params: DistributionParams, joint_kl: th.Tensor) -> th.Tensor:
+    """Joint KL per state -> the configured reduction over action dimensions."""
+    return joint_kl / dist_params.n_dims if settings.reduction == "mean" else joint_kl
+
+
+def per_state_kl_to(
+    settings: KLSettings,
+    dist_params: DistributionParams,
+    old_params: th.Tensor,
+    distribution: Distribution,
+    log_ratio: th.Tensor | None = None,
+) -> th.Tensor:
+    """
+    :func:`per_state_kl` against a live distribution (gradients flow into it): the form used inside the losses.
+
+    :param settings: Direction, estimator, reduction
+    :param dist_params: Parameter layout of the action distribution
+    :param old_params: Parameters of the rollout policy, ``(batch, n_params)``
+    :param distribution: The current policy's distribution on the same states
+    :param log_ratio: ``log pi_new(a|s) - log pi_old(a|s)`` of the stored actions; required by the sample estimators
+    :return: ``(batch,)``
+    """
+    if settings.estimator == "analytic":
+        kl = dist_params.kl_per_dim_to(old_params, distribution, reverse=settings.direction == "reverse")
+        return _reduce(settings, dist_params, kl.sum(dim=-1))
+    return _reduce(settings, dist_params, _sample_estimate(settings, log_ratio))
 
 
 def kl_quantiles(per_state: np.ndarray, quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float]:

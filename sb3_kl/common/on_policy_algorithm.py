@@ -21,7 +21,15 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.controllers import KLController, make_kl_controller
-from sb3_kl.common.kl import DistributionParams, GaussianParams, KLSettings, kl_quantiles, make_distribution_params, per_state_kl
+from sb3_kl.common.kl import (
+    DistributionParams,
+    GaussianParams,
+    KLSettings,
+    kl_quantiles,
+    make_distribution_params,
+    per_state_kl,
+    per_state_kl_to,
+)
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
 DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
@@ -234,8 +242,7 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
         :param log_ratio: log pi_new(a|s) - log pi_old(a|s) of the stored actions (needed by k1/k3)
         :return: ``(batch,)``
         """
-        new_params = self.dist_params.extract(distribution)
-        return per_state_kl(self.kl_settings, self.dist_params, old_params, new_params, log_ratio)
+        return per_state_kl_to(self.kl_settings, self.dist_params, old_params, distribution, log_ratio)
 
     def _current_target_kl(self) -> float:
         target = float(self.target_kl(self._current_progress_remaining))  # type: ignore[operator]
