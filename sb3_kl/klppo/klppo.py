@@ -265,7 +265,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                 # One forward pass gives the values, the log-probs and the distribution for the KL
                 values, distribution = self._forward(rollout_data.observations)
                 log_prob = distribution.log_prob(actions)
-                entropy = distribution.entropy()
+                # With ent_coef == 0 the entropy is only logged: keep it out of the graph (saves its backward)
+                with th.set_grad_enabled(self.ent_coef != 0):
+                    entropy = distribution.entropy()
                 log_ratio = log_prob - rollout_data.old_log_prob
                 kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
 
@@ -286,14 +288,17 @@ class KLPPO(KLOnPolicyAlgorithm):
                 # Entropy loss favor exploration (approximated by -log_prob when there is no analytical form)
                 entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
 
-                loss = policy_loss + kl_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
+                loss = policy_loss + kl_loss + self.vf_coef * value_loss
+                if self.ent_coef != 0:
+                    loss = loss + self.ent_coef * entropy_loss
 
                 # Diagnostics: SB3's approx_kl (k3 estimate of KL(old||new)), see
                 # https://github.com/DLR-RM/stable-baselines3/issues/417 and http://joschu.net/blog/kl-approx.html
                 with th.no_grad():
                     approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
-                    epoch_kl_sum += kl.item() * len(advantages)
-                    epoch_states += len(advantages)
+                    if self.kl_stop_factor is not None:
+                        epoch_kl_sum += kl.item() * len(advantages)
+                        epoch_states += len(advantages)
                 pg_losses.append(policy_loss.item())
                 value_losses.append(value_loss.item())
                 entropy_losses.append(entropy_loss.item())
@@ -386,11 +391,10 @@ class KLPPO(KLOnPolicyAlgorithm):
         :return: whether the step was applied
         """
         self.policy.optimizer.zero_grad()
-        if not th.isfinite(loss):
-            return False
         loss.backward()
+        # A non-finite loss gives non-finite gradients: one check of the norm covers both
         grad_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-        if not th.isfinite(grad_norm):
+        if not math.isfinite(grad_norm.item()):
             self.policy.optimizer.zero_grad()
             return False
         self.policy.optimizer.step()
