@@ -1,0 +1,151 @@
+"""
+Base hyperparameters of the benchmarks: rl-baselines3-zoo 2.9.2's tuned settings (``hyperparams/ppo.yml`` for the
+PPO family, ``hyperparams/trpo.yml`` for the TRPO family; the MuJoCo v4 entries are used for v5), written as plain
+Python so the benchmarks do not need rl_zoo3. ``lin_x`` in the zoo is a linear decay from x to 0.
+"""
+
+from typing import Any
+
+from stable_baselines3.common.utils import LinearSchedule
+from torch import nn
+
+MUJOCO_POLICY = dict(log_std_init=-2, ortho_init=False, activation_fn=nn.ReLU, net_arch=dict(pi=[256, 256], vf=[256, 256]))
+
+# name -> (zoo n_timesteps, n_envs, normalize, constructor kwargs)
+PPO_SETTINGS: dict[str, dict[str, Any]] = {
+    "CartPole-v1": dict(
+        n_timesteps=100_000,
+        n_envs=8,
+        normalize=False,
+        kwargs=dict(
+            n_steps=32,
+            batch_size=256,
+            gae_lambda=0.8,
+            gamma=0.98,
+            n_epochs=20,
+            ent_coef=0.0,
+            learning_rate=LinearSchedule(1e-3, 0.0, 1.0),
+            clip_range=LinearSchedule(0.2, 0.0, 1.0),
+        ),
+    ),
+    "Acrobot-v1": dict(
+        n_timesteps=1_000_000,
+        n_envs=16,
+        normalize=True,
+        kwargs=dict(n_steps=256, gae_lambda=0.94, gamma=0.99, n_epochs=4, ent_coef=0.0),
+    ),
+    "Pendulum-v1": dict(
+        n_timesteps=100_000,
+        n_envs=4,
+        normalize=False,
+        kwargs=dict(
+            n_steps=1024,
+            gae_lambda=0.95,
+            gamma=0.9,
+            n_epochs=10,
+            ent_coef=0.0,
+            learning_rate=1e-3,
+            clip_range=0.2,
+            use_sde=True,
+            sde_sample_freq=4,
+        ),
+    ),
+    "LunarLanderContinuous-v3": dict(
+        n_timesteps=1_000_000,
+        n_envs=16,
+        normalize=False,
+        kwargs=dict(n_steps=1024, batch_size=64, gae_lambda=0.98, gamma=0.999, n_epochs=4, ent_coef=0.01),
+    ),
+    "HalfCheetah-v5": dict(
+        n_timesteps=1_000_000,
+        n_envs=1,
+        normalize=True,
+        kwargs=dict(
+            batch_size=64,
+            n_steps=512,
+            gamma=0.98,
+            learning_rate=2.0633e-05,
+            ent_coef=0.000401762,
+            clip_range=0.1,
+            n_epochs=20,
+            gae_lambda=0.92,
+            max_grad_norm=0.8,
+            vf_coef=0.58096,
+            policy_kwargs=MUJOCO_POLICY,
+        ),
+    ),
+    "Hopper-v5": dict(
+        n_timesteps=1_000_000,
+        n_envs=1,
+        normalize=True,
+        kwargs=dict(
+            batch_size=32,
+            n_steps=512,
+            gamma=0.999,
+            learning_rate=9.80828e-05,
+            ent_coef=0.00229519,
+            clip_range=0.2,
+            n_epochs=5,
+            gae_lambda=0.99,
+            max_grad_norm=0.7,
+            vf_coef=0.835671,
+            policy_kwargs=MUJOCO_POLICY,
+        ),
+    ),
+}
+
+_TRPO_MUJOCO = dict(
+    n_timesteps=1_000_000,
+    n_envs=2,
+    normalize=True,
+    kwargs=dict(
+        batch_size=128,
+        n_steps=1024,
+        gamma=0.99,
+        gae_lambda=0.95,
+        sub_sampling_factor=1,
+        cg_max_steps=25,
+        cg_damping=0.1,
+        n_critic_updates=20,
+        learning_rate=1e-3,
+    ),
+)
+
+TRPO_SETTINGS: dict[str, dict[str, Any]] = {
+    "CartPole-v1": dict(
+        n_timesteps=100_000,
+        n_envs=2,
+        normalize=False,
+        kwargs=dict(n_steps=512, batch_size=512, cg_damping=1e-3, gae_lambda=0.98, gamma=0.99, learning_rate=1e-3, n_critic_updates=20),
+    ),
+    "Acrobot-v1": dict(n_timesteps=100_000, n_envs=2, normalize=True, kwargs=dict(n_steps=1024)),
+    "Pendulum-v1": dict(
+        n_timesteps=100_000,
+        n_envs=2,
+        normalize=False,
+        kwargs=dict(n_steps=1024, gamma=0.9, n_critic_updates=15, use_sde=True, sde_sample_freq=4),
+    ),
+    "LunarLanderContinuous-v3": dict(n_timesteps=100_000, n_envs=2, normalize=True, kwargs=dict(n_steps=1024, n_critic_updates=20)),
+    "HalfCheetah-v5": {**_TRPO_MUJOCO, "kwargs": {**_TRPO_MUJOCO["kwargs"], "target_kl": 0.04}},
+    "Hopper-v5": _TRPO_MUJOCO,
+}
+
+PPO_FAMILY = ("ppo", "klppo", "clip_klppo")
+TRPO_FAMILY = ("trpo", "kltrpo")
+# Arguments KLPPO drops from PPO's settings by design (it controls the step with the KL penalty, not the ratio clip)
+KLPPO_DROPPED = ("clip_range",)
+
+
+def settings_for(algo: str, env_id: str) -> dict[str, Any]:
+    """
+    :param algo: benchmark name of the algorithm (``ppo``, ``klppo``, ``clip_klppo``, ``trpo``, ``kltrpo``)
+    :param env_id: Gymnasium id
+    :return: ``dict(n_timesteps, n_envs, normalize, kwargs)`` (kwargs copied, safe to modify)
+    """
+    table = PPO_SETTINGS if algo in PPO_FAMILY else TRPO_SETTINGS
+    entry = table[env_id]
+    kwargs = dict(entry["kwargs"])
+    if algo == "klppo":
+        for name in KLPPO_DROPPED:
+            kwargs.pop(name, None)
+    return {**entry, "kwargs": kwargs}

@@ -1,0 +1,60 @@
+"""
+Train KLPPO on CartPole-v1 for a short run and print the KL figures of every update.
+
+    python examples/quickstart.py [--steps 20000] [--env CartPole-v1]
+"""
+
+import argparse
+
+import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.evaluation import evaluate_policy
+
+from sb3_kl import KLPPO
+
+
+class PrintKL(BaseCallback):
+    """Prints one line per update: the exact KL of the update, its tail, beta and the target."""
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_start(self) -> None:
+        # Runs right after train(): its values are still in the logger (they are dumped at the next iteration)
+        values = self.model.logger.name_to_value
+        if "train/kl" in values:
+            print(
+                f"steps={self.num_timesteps:>6}  KL={values['train/kl']:.4f}  KL p99={values['train/kl_p99']:.4f}  "
+                f"target={values['train/target_kl']:.3f}  beta={values['train/kl_coef']:.3f}  "
+                f"({values['train/kl_convention']})"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", default="CartPole-v1")
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    th.set_num_threads(1)
+
+    # rl-zoo's PPO settings for CartPole-v1, without ratio clipping: the KL penalty controls the step
+    model = KLPPO(
+        "MlpPolicy",
+        args.env,
+        n_steps=256,
+        batch_size=256,
+        n_epochs=10,
+        gamma=0.98,
+        gae_lambda=0.8,
+        learning_rate=1e-3,
+        seed=args.seed,
+    )
+    model.learn(args.steps, callback=PrintKL())
+    mean_return, std_return = evaluate_policy(model, model.get_env(), n_eval_episodes=10, deterministic=True)
+    print(f"evaluation over 10 deterministic episodes: {mean_return:.1f} +/- {std_return:.1f}")
+    print(f"final beta={model.kl_coef:.4f} after {model.kl_controller.n_updates} updates")
+
+
+if __name__ == "__main__":
+    main()
