@@ -23,8 +23,8 @@ def _error(message: str) -> None:
     print(f"sb3-kl: error: {message}", file=sys.stderr)
 
 
-def _positive_pair(text: list[str], option: str) -> tuple[float, float]:
-    low, high = (float(value) for value in text)
+def _positive_pair(values: list[float], option: str) -> tuple[float, float]:
+    low, high = (float(value) for value in values)
     if not 0 < low < high:
         raise DiagnosticsError(f"{option} needs 0 < LOW < HIGH, got {low:g} {high:g}")
     return low, high
@@ -46,17 +46,19 @@ class _Reported(Exception):
 def _cmd_plot(args: argparse.Namespace) -> int:
     from sb3_kl.plot import draw_timeline, output_paths
 
-    runs, status = _load(args.logdir)
     band = _positive_pair(args.band, "--band")
     size = (float(args.size[0]), float(args.size[1]))
     if min(size) <= 0 or args.dpi <= 0:
         raise DiagnosticsError("--size and --dpi must be positive")
+    runs, status = _load(args.logdir)
     groups = [runs] if args.overlay else [[run] for run in runs]
     for group, path in zip(groups, output_paths(args.out, runs, args.overlay), strict=True):
         try:
             draw_timeline(group, path, band=band, size=size, dpi=args.dpi, target_kl=args.target)
         except OSError as error:
             raise DiagnosticsError(f"cannot write {path}: {error.strerror or error}") from None
+        except ValueError as error:  # e.g. an image format matplotlib does not know
+            raise DiagnosticsError(f"cannot write {path}: {error}") from None
         print(f"wrote {path} ({', '.join(run.name for run in group)})")
     return status
 
@@ -65,9 +67,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from sb3_kl.diagnostics.leadlag import METHOD
     from sb3_kl.diagnostics.report import format_markdown, format_text, summarize_run
 
-    runs, status = _load(args.logdir)
     band = _positive_pair(args.band, "--band")
     bounds = _positive_pair(args.coef_bounds, "--coef-bounds")
+    runs, status = _load(args.logdir)
     reports = [
         summarize_run(run, band=band, coef_bounds=bounds, target_kl=args.target, max_lag=args.max_lag, seed=args.seed)
         for run in runs

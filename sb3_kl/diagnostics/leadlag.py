@@ -99,7 +99,7 @@ def drop_series(returns: np.ndarray) -> np.ndarray:
 
 def _block_permutations(series: np.ndarray, block: int, n_perm: int, seed: int) -> np.ndarray:
     """
-    Shuffle the order of consecutive blocks of ``series`` (the last, shorter block included).
+    Shuffle the order of consecutive blocks of ``series``.
 
     :param series: The series to shuffle
     :param block: Block length; autocorrelation shorter than this is kept
@@ -108,8 +108,11 @@ def _block_permutations(series: np.ndarray, block: int, n_perm: int, seed: int) 
     :return: ``(n_perm, len(series))``
     """
     rng = np.random.default_rng(seed)
-    blocks = [series[i : i + block] for i in range(0, len(series), block)]
-    return np.stack([np.concatenate([blocks[i] for i in rng.permutation(len(blocks))]) for _ in range(n_perm)])
+    n_blocks = len(series) // block
+    # the incomplete last block stays in place: block orders of equal blocks form a group, which keeps the test exact
+    # for exchangeable blocks (moving a short block would shift the cuts of later shuffles)
+    blocks, tail = series[: n_blocks * block].reshape(n_blocks, block), series[n_blocks * block :]
+    return np.stack([np.concatenate([blocks[rng.permutation(n_blocks)].ravel(), tail]) for _ in range(n_perm)])
 
 
 def _running_median(values: np.ndarray, window: int) -> np.ndarray:
