@@ -130,7 +130,9 @@ def write_table() -> None:
     """Build ``zoo_configs.md`` from every stored run JSON."""
     results = [json.loads(path.read_text()) for path in sorted(RUNS_DIR.glob("*.json"))]
     order = {algo: i for i, algo in enumerate(ALGOS)}
-    results.sort(key=lambda r: (order.get(r["algo"], 99), r["env"], r["seed"]))
+    env_order = {env_id: i for i, env_id in enumerate(REFERENCE_RETURN)}
+    results.sort(key=lambda r: (order.get(r["algo"], 99), env_order.get(r["env"], 99), r["env"], r["seed"]))
+    shipped = {(algo, env_id): config for algo, env_id, config in shipped_entries(list(ALGOS), None)}
     lines = [
         "# Zoo configs shipped in `sb3_kl/hyperparams/`: measured returns",
         "",
@@ -140,9 +142,12 @@ def write_table() -> None:
         "the stated number of deterministic episodes (VecNormalize statistics loaded, rewards not normalised);",
         "*train* is the mean return of the last 100 training episodes (stochastic policy). *Reference* is the usual",
         "'solved' level; one seed per entry, so these figures show that a config works, not its expected spread.",
+        "*Shipped*: whether `sb3_kl/hyperparams/{algo}.yml` contains exactly this config. Wall times are from a machine",
+        "shared with other jobs (load average about 12 on 2 cores), so they overstate the cost of a run.",
         "",
-        "| algo | env | budget (steps) | seed | eval return | train return (last 100 ep) | reference | wall time | command |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| algo | env | budget (steps) | seed | eval return | train return (last 100 ep) | reference | shipped | wall time "
+        "| command |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["returncode"] != 0:
@@ -151,9 +156,11 @@ def write_table() -> None:
             eval_text = f"{r['eval_mean']:.1f} ± {r['eval_std']:.1f} ({r['eval_episodes']} ep)"
             train_text = f"{r['train_return_last100']:.1f}"
         reference = REFERENCE_RETURN.get(r["env"])
+        is_shipped = shipped.get((r["algo"], r["env"])) == r["config"]
         lines.append(
             f"| {r['algo']} | {r['env']} | {r['n_timesteps']:,} | {r['seed']} | {eval_text} | {train_text} | "
-            f"{reference if reference is not None else '-'} | {r['wall_time_s'] / 60:.1f} min | `{r['command']}` |"
+            f"{reference if reference is not None else '-'} | {'yes' if is_shipped else 'no'} | "
+            f"{r['wall_time_s'] / 60:.1f} min | `{r['command']}` |"
         )
     lines.append("")
     TABLE.write_text("\n".join(lines))

@@ -1,3 +1,4 @@
+import json
 import os
 import re
 import subprocess
@@ -6,7 +7,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -107,6 +107,7 @@ def test_default_config_inserted_only_when_missing(zoo):
 
 
 def test_shipped_configs_parse(zoo):
+    yaml = pytest.importorskip("yaml")
     for algo in ALGOS:
         with open(zoo.default_config(algo)) as file:
             configs = yaml.safe_load(file)
@@ -162,6 +163,8 @@ def test_samplers_and_converters(zoo, algo):
 
 @pytest.mark.parametrize("algo, env_id", [("klppo", "Pendulum-v1"), ("clip_klppo", "CartPole-v1"), ("kltrpo", "Pendulum-v1")])
 def test_train_and_enjoy_through_module(zoo, algo, env_id, tmp_path, capsys):
+    import yaml
+
     zoo_main(
         "train", "--algo", algo, "--env", env_id, "-n", "1024", "--seed", "3", "-f", str(tmp_path),
         "--eval-freq", "-1", "--verbose", "0", *FAST_PARAMS,
@@ -273,3 +276,14 @@ def test_distributed_optimization_two_workers_share_sqlite_storage(zoo, tmp_path
     assert all("clip_range" in trial.params for trial in complete)
     # each worker wrote its own report of the shared study
     assert all(list((tmp_path / f"worker{seed}" / "clip_klppo").glob("report_CartPole-v1_*.csv")) for seed in (1, 2))
+
+
+def test_every_shipped_config_entry_was_run():
+    yaml = pytest.importorskip("yaml")
+    # An entry is shipped only with a recorded run of exactly that config (benchmarks/zoo_configs.py)
+    runs_dir = ROOT / "benchmarks" / "results" / "zoo_runs"
+    for algo in ALGOS:
+        configs = yaml.safe_load((ROOT / "sb3_kl" / "hyperparams" / f"{algo}.yml").read_text())
+        for env_id, config in configs.items():
+            runs = [json.loads(path.read_text()) for path in runs_dir.glob(f"{algo}_{env_id}_seed*.json")]
+            assert any(run["returncode"] == 0 and run["config"] == config for run in runs), f"{algo} {env_id}: no run"
