@@ -13,8 +13,10 @@ from stable_baselines3.common.utils import explained_variance
 from torch import nn
 from torch.nn import functional as F
 
+from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
+from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
 SelfKLTRPO = TypeVar("SelfKLTRPO", bound="KLTRPO")
@@ -108,6 +110,24 @@ class KLTRPO(KLOnPolicyAlgorithm):
         each candidate of the line search is clamped, so the constraints hold for the floored policy; a std that starts
         below the floor is never lowered further). With gSDE it floors the std of the exploration weights. None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
+        model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as
+        ``model.ref_policy`` (eval mode, no gradients, never updated) and saved with the model. Must share the action
+        and observation spaces. None (default): no anchor.
+        With a reference, the maximized objective is ``E[r A] - beta_ref * KL_ref`` (mean over the states): it enters
+        the gradient that conjugate gradient turns into the step direction, and the line search accepts a step only
+        if this combined objective improves. The trust region (``target_kl`` on the KL to the rollout policy) still
+        bounds every step; the reference term only changes which direction and length within it are taken
+    :param ref_kl_coef: Coefficient beta_ref of the reference KL: fixed when ``ref_target_kl`` is None, else its
+        initial value. 0 with ``ref_target_kl=None`` only measures and logs the KL to the reference
+    :param ref_target_kl: Target of the mean reference KL (after each update, over the buffer's states); when set,
+        beta_ref is adapted toward it by its own ``ref_kl_controller``. None (default): fixed beta_ref
+    :param ref_kl_controller: Rule adapting beta_ref: ``"adaptive"``, ``"fixed"``, ``"proportional"`` or a
+        ``KLController`` (own instance and state)
+    :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
+    :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default, as in RLHF) or ``"forward"`` = KL(pi_ref || pi)
+    :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
+        the rollout policy)
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
     :param tensorboard_log: the log location for tensorboard (if None, no logging)
@@ -153,6 +173,13 @@ class KLTRPO(KLOnPolicyAlgorithm):
         tail_quantile: float = 0.99,
         min_std: float | None = None,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        ref_policy: ReferenceSource | None = None,
+        ref_kl_coef: float = 1.0,
+        ref_target_kl: float | None = None,
+        ref_kl_controller: str | KLController = "adaptive",
+        ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+        ref_kl_direction: str = "reverse",
+        ref_kl_estimator: str = "analytic",
         stats_window_size: int = 100,
         tensorboard_log: str | None = None,
         policy_kwargs: dict[str, Any] | None = None,
@@ -213,6 +240,13 @@ class KLTRPO(KLOnPolicyAlgorithm):
             kl_reduction=kl_reduction,
             min_std=min_std,
             kl_quantiles=kl_quantiles,
+            ref_policy=ref_policy,
+            ref_kl_coef=ref_kl_coef,
+            ref_target_kl=ref_target_kl,
+            ref_kl_controller=ref_kl_controller,
+            ref_kl_coef_bounds=ref_kl_coef_bounds,
+            ref_kl_direction=ref_kl_direction,
+            ref_kl_estimator=ref_kl_estimator,
         )
 
         self.normalize_advantage = normalize_advantage
@@ -317,6 +351,12 @@ class KLTRPO(KLOnPolicyAlgorithm):
         distribution = self.policy.get_distribution(observations)
         log_prob = distribution.log_prob(actions)
         policy_objective = (advantages * th.exp(log_prob - old_log_prob)).mean()
+        # Anchor to the frozen reference (sb3_kl/common/reference.py): -beta_ref * KL_ref joins the maximized objective
+        ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
+        if ref_kl_coef > 0:
+            ref_params, ref_log_prob = self._reference_distribution(observations, actions)
+            ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean()
+            policy_objective = policy_objective - ref_kl_coef * ref_kl
         kl_div = self._constrained_kl(old_params, distribution).mean()
 
         # One autograd call over all the actor's parameters (no per-parameter loop); keep those the KL depends on
@@ -364,11 +404,13 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     distribution = self.policy.get_distribution(observations)
                     log_prob = distribution.log_prob(actions)
                     new_objective = (advantages * th.exp(log_prob - old_log_prob)).mean().item()
+                    if ref_kl_coef > 0:
+                        new_objective -= ref_kl_coef * self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean().item()
                     per_state = self._constrained_kl(old_params, distribution)
                     mean_kl = per_state.mean().item()
-                    within_tail = self.tail_kl is None or th.quantile(per_state, self.tail_quantile).item() <= self.tail_kl
+                    tail_ok = self.tail_kl is None or th.quantile(per_state, self.tail_quantile).item() <= self.tail_kl
                     # Accept only if the surrogate improves and the measured KL meets every constraint
-                    if new_objective > old_objective and mean_kl <= target_kl and within_tail:
+                    if new_objective > old_objective and mean_kl <= target_kl and tail_ok:
                         success = True
                         accepted_kl, accepted_objective = mean_kl, new_objective
                         step_size = backtrack_coeff * max_step_size
@@ -392,7 +434,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 self.policy.optimizer.step()
 
         self._n_updates += 1
-        per_state_kl, new_params = self._measure_update_kl()
+        update_kl, new_params = self._measure_update_kl()
         self._finish_update()
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
 
@@ -409,9 +451,10 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self.logger.record("train/line_search_steps", steps_tried)
         self.logger.record("train/step_size", step_size)
         if self.tail_kl is not None:
-            self.logger.record("train/kl_tail", float(np.quantile(per_state_kl, self.tail_quantile)))
+            self.logger.record("train/kl_tail", float(np.quantile(update_kl, self.tail_quantile)))
             self.logger.record("train/tail_kl", self.tail_kl)
-        self._record_update_kl(per_state_kl, new_params, target_kl, update_controller=False)
+        self._record_update_kl(update_kl, new_params, target_kl, update_controller=False)
+        self._record_reference_kl()
 
     def learn(
         self: SelfKLTRPO,
