@@ -10,12 +10,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch as th
-from gymnasium import spaces
 from stable_baselines3.common.envs import FakeImageEnv, SimpleMultiObsEnv
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
+from sb3_kl.common.buffers import StalePolicyError
 from sb3_kl.common.on_policy_algorithm import NonFiniteEnvCheck, NonFiniteEnvError, NonFiniteUpdateError
 
 ALGOS = [KLPPO, ClipKLPPO, KLTRPO]
@@ -90,7 +92,7 @@ def policy_snapshot(model: Any) -> np.ndarray:
     ],
 )
 def test_nonfinite_step_output_raises_with_env_and_step(algo: type, where: str, value: float, kind: str, what: str) -> None:
-    # env 1 of 2 goes bad on its 40th step: step 40 - 1 - 16 - 16 = 7 of the third rollout, timestep 2 * 39 = 78
+    # env 1 of 2 goes bad on its 40th step: step 40 - 1 - 16 - 16 = 7 (0-based) of the third rollout, timestep 2 * 39 = 78
     env = DummyVecEnv([make_env(), make_env(where, at_step=40, value=value)])
     model = build(algo, env)
     message = rf"env 1 returned a {kind} {what} at step 7 of the rollout \(timestep 78\)"
@@ -98,13 +100,16 @@ def test_nonfinite_step_output_raises_with_env_and_step(algo: type, where: str, 
         model.learn(10 * N_STEPS * 2)
     assert "VecCheckNan" in str(info.value)
     assert isinstance(info.value, NonFiniteEnvError) and isinstance(info.value, NonFiniteUpdateError)
-    # two full rollouts were trained on; the faulty step is not counted and the third rollout never reached train()
-    assert model.num_timesteps == 78
+    # two full rollouts were trained on; the third one never reached train()
     assert model.policy_version == 2
     assert np.all(np.isfinite(policy_snapshot(model)))
-    # the bad value is not in the rollout buffer either (it stopped at the step that returned it)
-    assert model.rollout_buffer.pos == 7
-    assert np.all(np.isfinite(model.rollout_buffer.rewards)) and np.all(np.isfinite(model.rollout_buffer.observations))
+    if where == "reward":
+        # rewards reach the policy only through train(): checked once the rollout is complete, before the update
+        assert model.num_timesteps == 96 and model.rollout_buffer.full
+    else:
+        # observations are checked at the step that returned them, before the policy acts on them
+        assert model.num_timesteps == 78 and model.rollout_buffer.pos == 7
+        assert np.all(np.isfinite(model.rollout_buffer.observations))
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -146,12 +151,43 @@ def test_check_is_transparent() -> None:
     assert check.num_envs == 2 and check.observation_space == venv.observation_space
     obs, rewards, dones, infos = check.step(np.array([0, 1]))
     assert obs.shape == (2, 4) and rewards.shape == (2,) and len(infos) == 2
-    assert check.n_steps == 1
+    obs, _, _, _ = check.step(np.array([0, 1]))  # second call: the cached fast path
+    assert check.n_steps == 2
     bad = np.zeros((2, 3), dtype=np.float32)
     bad[1, 2] = np.inf
-    with pytest.raises(ValueError, match=r"env 1 returned a inf observation at step 1 of the rollout \(timestep 102\)"):
+    with pytest.raises(ValueError, match=r"env 1 returned a inf observation at step 2 of the rollout \(timestep 104\)"):
         check.check_observation(bad)
     check.check_observation(np.array([[1, 2]], dtype=np.int64))  # integers are not checked
+    rewards = np.zeros((5, 2), dtype=np.float32)
+    check.check_rewards(rewards)
+    rewards[3, 1], rewards[4, 0] = np.nan, np.inf
+    with pytest.raises(ValueError, match=r"env 1 returned a NaN reward at step 3 of the rollout \(timestep 106\)"):
+        check.check_rewards(rewards)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.integers(1, 4),
+    st.integers(1, 50),
+    st.sampled_from([None, np.nan, np.inf, -np.inf]),
+    st.floats(-1e30, 1e30),
+    st.data(),
+)
+def test_fast_check_agrees_with_isfinite(dtype: Any, n_envs: int, dim: int, bad: Any, scale: float, data: Any) -> None:
+    """The dot-with-zeros test flags exactly the arrays np.isfinite flags (huge finite values included)."""
+    with np.errstate(over="ignore"):
+        array = np.full((n_envs, dim), scale).astype(dtype)  # may overflow to inf in float16, which is then a real inf
+    if bad is not None:
+        row, col = data.draw(st.integers(0, n_envs - 1)), data.draw(st.integers(0, dim - 1))
+        array[row, col] = bad
+    check = NonFiniteEnvCheck(DummyVecEnv([make_env()] * n_envs), start_timestep=0)
+    finite = bool(np.isfinite(array).all())
+    try:
+        check.check_observation(array)
+        assert finite
+    except NonFiniteEnvError:
+        assert not finite
 
 
 def test_nonfinite_update_error_is_not_triggered_by_clean_env() -> None:
@@ -160,3 +196,39 @@ def test_nonfinite_update_error_is_not_triggered_by_clean_env() -> None:
     model.learn(2 * N_STEPS)
     assert model.nonfinite_steps_total == 0
     assert model.logger.name_to_value["train/nonfinite_steps"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stale data: a rollout buffer only updates the policy version that collected it
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_reusing_a_rollout_buffer_raises_stale_policy_error(algo: type) -> None:
+    model = build(algo, DummyVecEnv([make_env()]))
+    model.learn(N_STEPS)  # one rollout, one update: the buffer now describes the previous policy
+    before = policy_snapshot(model)
+    with pytest.raises(StalePolicyError, match=r"collected by policy version 0, but the policy is now at version 1"):
+        model.train()
+    np.testing.assert_array_equal(policy_snapshot(model), before)  # nothing was applied
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_new_weights_make_the_buffer_stale(algo: type) -> None:
+    """Loading other weights (set_parameters) between collection and update also invalidates the rollout."""
+    model = build(algo, DummyVecEnv([make_env()]))
+    model._setup_learn(N_STEPS, None)
+    callback = model._init_callback(None)
+    model.collect_rollouts(model.env, callback, model.rollout_buffer, N_STEPS)
+    model.set_parameters(model.get_parameters())
+    with pytest.raises(StalePolicyError):
+        model.train()
+    # a fresh rollout is accepted again
+    model.collect_rollouts(model.env, callback, model.rollout_buffer, N_STEPS)
+    model.train()
+    assert model.policy_version == 2
+
+
+def test_empty_buffer_raises_stale_policy_error() -> None:
+    model = build(KLPPO, DummyVecEnv([make_env()]))
+    with pytest.raises(StalePolicyError, match="not full"):
+        model.train()

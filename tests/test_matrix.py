@@ -182,3 +182,18 @@ def test_control_callbacks_on_ppo_box_vecnormalize() -> None:
     assert len(monitor.history) == 3
     lr = model.policy.optimizer.param_groups[0]["lr"]
     assert np.isfinite(lr) and lr > 0 and lr != 3e-4  # the callback moved it (the KL is never exactly on target)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device
+
+
+@pytest.mark.skipif(not th.cuda.is_available(), reason="no CUDA device on this machine (th.cuda.is_available() is False)")
+@pytest.mark.parametrize("algo", ALGOS)
+def test_cuda_device(algo: type) -> None:
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = algo("MlpPolicy", env, n_steps=N_STEPS, policy_kwargs=dict(net_arch=[8]), seed=0, device="cuda", **algo_kwargs(algo))
+    assert model.device.type == "cuda"
+    assert model.rollout_buffer.device.type == "cuda"
+    train_and_check(model, env)
+    assert all(p.device.type == "cuda" for p in model.policy.parameters())

@@ -72,13 +72,14 @@ class NonFiniteEnvError(NonFiniteUpdateError, ValueError):
 class NonFiniteEnvCheck:
     """
     Stands in for the training ``VecEnv`` during ``collect_rollouts``: every ``step`` is forwarded, then its
-    observations, rewards and (on episode end) terminal observations are checked, so that a NaN/inf from the
-    environment stops training with a message naming the env and the step, instead of reaching the policy
-    (a NaN action distribution) or the rollout buffer (a NaN loss).
-    Integer observations (e.g. images) cannot be NaN and are not checked. Everything else is delegated to the env.
+    observations (and, on episode end, terminal observations) are checked, so that a NaN/inf from the environment
+    stops training with a message naming the env and the step instead of reaching the policy (a NaN action
+    distribution). Rewards only reach the policy through ``train()``: they are checked once per rollout, on the
+    filled buffer (:meth:`check_rewards`). Integer observations (e.g. images) cannot be NaN and are not checked.
+    Everything else is delegated to the env.
 
-    The test costs one dot product with a zero vector per array (``x . 0`` is 0 when ``x`` is finite, NaN as soon
-    as one entry is NaN or inf, and cannot overflow); ``np.isfinite`` then locates the culprit on failure only.
+    The per-step test is one dot product with a zero array (``x . 0`` is 0 when ``x`` is finite, NaN as soon as one
+    entry is NaN or inf, and cannot overflow); ``np.isfinite`` then locates the culprit, on failure only.
 
     :param venv: The training environment
     :param start_timestep: ``model.num_timesteps`` at the start of the rollout
@@ -89,22 +90,16 @@ class NonFiniteEnvCheck:
         self.num_envs = venv.num_envs  # read by collect_rollouts at every step: no __getattr__ detour
         self.start_timestep = start_timestep
         self.n_steps = 0
-        self._zeros: dict[tuple[int, ...], np.ndarray] = {}  # zero arrays by shape, reused at every step
+        self._zeros: np.ndarray | None = None  # zero array shaped like the (Box) observations, reused at every step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.venv, name)
 
-    def _all_finite(self, array: np.ndarray) -> bool:
-        zeros = self._zeros.get(array.shape)
-        if zeros is None or zeros.dtype is not array.dtype:
-            zeros = self._zeros[array.shape] = np.zeros_like(array)
-        return math.isfinite(np.vdot(array, zeros))
-
-    def _fail(self, env_idx: int, what: str, values: np.ndarray) -> None:
+    def _fail(self, env_idx: int, what: str, values: np.ndarray, step: int) -> None:
         kind = "NaN" if np.isnan(values).any() else "inf"
-        timestep = self.start_timestep + self.n_steps * self.num_envs
+        timestep = self.start_timestep + step * self.num_envs
         raise NonFiniteEnvError(
-            f"env {env_idx} returned a {kind} {what} at step {self.n_steps} of the rollout (timestep {timestep}); "
+            f"env {env_idx} returned a {kind} {what} at step {step} of the rollout (timestep {timestep}); "
             "training stopped before it reached the policy. Wrap the env in "
             "stable_baselines3.common.vec_env.VecCheckNan(env, raise_exception=True) to find the action that caused it, "
             "and fix the environment (or clip/normalize its outputs, e.g. VecNormalize)."
@@ -116,20 +111,35 @@ class NonFiniteEnvCheck:
         :param env_idx: The env of a single-row batch (None: the row index is the env index)
         :raises NonFiniteEnvError: (a ValueError) if a floating-point observation is not finite
         """
-        arrays = obs.values() if isinstance(obs, dict) else (obs,)
-        for array in arrays:
-            if not isinstance(array, np.ndarray) or array.dtype.kind != "f" or self._all_finite(array):
+        for array in obs.values() if isinstance(obs, dict) else (obs,):
+            if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
+                continue
+            if math.isfinite(np.vdot(array, np.zeros_like(array))):
                 continue
             bad_rows = ~np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1)
             first = int(np.flatnonzero(bad_rows)[0])
-            self._fail(first if env_idx is None else env_idx, what, array[first])
+            self._fail(first if env_idx is None else env_idx, what, array[first], self.n_steps)
+
+    def check_rewards(self, rewards: np.ndarray) -> None:
+        """
+        :param rewards: The rollout's rewards, ``(n_steps, n_envs)``
+        :raises NonFiniteEnvError: (a ValueError) naming the first env and step with a non-finite reward
+        """
+        if not math.isfinite(np.vdot(rewards, np.zeros_like(rewards))):
+            step, env_idx = (int(i) for i in np.argwhere(~np.isfinite(rewards))[0])
+            self._fail(env_idx, "reward", rewards[step, env_idx : env_idx + 1], step)
 
     def step(self, actions: np.ndarray) -> Any:
         new_obs, rewards, dones, infos = self.venv.step(actions)
-        if rewards.dtype.kind == "f" and not self._all_finite(rewards):
-            first = int(np.flatnonzero(~np.isfinite(rewards))[0])
-            self._fail(first, "reward", rewards[first : first + 1])
-        self.check_observation(new_obs)
+        # Fast path for the common case (one float array): no allocation, one BLAS call
+        zeros = self._zeros
+        if zeros is not None and type(new_obs) is np.ndarray and new_obs.shape == zeros.shape and new_obs.dtype is zeros.dtype:
+            if not math.isfinite(np.vdot(new_obs, zeros)):
+                self.check_observation(new_obs)
+        else:
+            self.check_observation(new_obs)
+            if type(new_obs) is np.ndarray and new_obs.dtype.kind == "f":
+                self._zeros = np.zeros_like(new_obs)
         for idx, info in enumerate(infos):
             terminal_obs = info.get("terminal_observation")
             if terminal_obs is not None:
@@ -268,12 +278,14 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
     ) -> bool:
         """
         SB3's rollout collection; afterwards the buffer records which policy version collected it.
-        Observations (including terminal ones) and rewards are checked for NaN/inf as they come out of
-        ``env.step``, before the policy or the buffer sees them (:class:`NonFiniteEnvCheck`).
+        Observations (including terminal ones) are checked for NaN/inf as they come out of ``env.step``, before the
+        policy sees them, and the rewards once the rollout is complete, before ``train()`` (:class:`NonFiniteEnvCheck`).
         """
         check = NonFiniteEnvCheck(env, self.num_timesteps)
         check.check_observation(self._last_obs, what="observation (carried over from the last reset or step)")
         continue_training = super().collect_rollouts(check, callback, rollout_buffer, n_rollout_steps)  # type: ignore[arg-type]
+        if continue_training:
+            check.check_rewards(rollout_buffer.rewards)
         if isinstance(rollout_buffer, KLBufferMixin):
             rollout_buffer.policy_version = self.policy_version
         return continue_training
