@@ -48,6 +48,10 @@ class KLAdaptiveLRCallback(MonitorUser):
     value at the start of ``learn()`` (clipped to ``lr_bounds``); a callback reused for another ``learn()`` continues
     from its last value. Logs ``kl/learning_rate`` (also written to ``train/learning_rate`` by SB3).
 
+    A model saved while the callback is attached (e.g. by ``CheckpointCallback``) saves fine, but ``load()`` rebuilds
+    ``lr_schedule`` from the configured ``learning_rate``: to resume with the adapted value, pass the same callback
+    to the next ``learn()``, or ``load(path, learning_rate=callback.learning_rate)``.
+
     It controls the optimizer of ``model.policy``; for sb3-contrib's TRPO that is the critic's optimizer only (TRPO's
     policy step is a line search with its own ``target_kl``), so it has no effect on TRPO's KL.
 
