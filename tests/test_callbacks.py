@@ -430,3 +430,23 @@ def test_monitor_multi_discrete_actions(env_name):
         # "mean" reduction divides the joint KL (and the KL to uniform) by the number of sub-actions (2 or 3)
         n_dims = 2 if env_name == "multidiscrete" else 3
         assert record["to_uniform"] == pytest.approx((log_n - record["entropy"]) / n_dims, abs=1e-5)
+
+
+def test_alarm_beta_pinned_at_upper_bound():
+    model = KLPPO(
+        "MlpPolicy",
+        "Pendulum-v1",
+        n_steps=64,
+        batch_size=32,
+        n_epochs=3,
+        learning_rate=0.05,
+        kl_coef=1.0,
+        kl_coef_bounds=(1e-4, 1.0),
+        **TINY,
+    )
+    alarm = KLAlarmCallback(patience=2, tail_ratio=None)
+    with pytest.warns(UserWarning, match="beta_at_upper_bound"):
+        model.learn(3 * 64, callback=alarm)
+    pinned = [a for a in alarm.alarms if a.kind == "beta_at_upper_bound"]
+    assert pinned and pinned[0].update == 1 and pinned[0].value == 1.0
+    assert all(record["coef"] == 1.0 for record in alarm.monitor.history)
