@@ -71,9 +71,16 @@ def check_predict(model: Any, env: Any) -> None:
 
 
 def train_and_check(model: Any, env: Any, n_rollouts: int = 2) -> None:
-    """Train ``n_rollouts`` rollouts and check what every case must satisfy."""
+    """
+    Train ``n_rollouts`` rollouts and check what every case must satisfy. A KLMonitorCallback rides along: its
+    independent measurement of each update's KL (same convention) must match the algorithm's own ``train/kl``.
+    """
     before = flat_parameters(model)
-    model.learn(n_rollouts * N_STEPS * env.num_envs)
+    monitor = KLMonitorCallback(
+        direction=model.kl_settings.direction, estimator="analytic", reduction=model.kl_settings.reduction
+    )
+    model.learn(n_rollouts * N_STEPS * env.num_envs, callback=monitor)
+    assert len(monitor.history) == n_rollouts
     after = flat_parameters(model)
     assert np.all(np.isfinite(after)), "non-finite parameters after training"
     assert not np.allclose(before, after), "training did not change the policy"
@@ -81,6 +88,8 @@ def train_and_check(model: Any, env: Any, n_rollouts: int = 2) -> None:
     kl = logged["train/kl"]
     assert np.isfinite(kl) and kl >= 0.0
     assert logged["train/kl_max"] >= kl - 1e-6
+    if model.kl_settings.estimator == "analytic":
+        assert monitor.history[-1]["mean"] == pytest.approx(kl, rel=1e-4, abs=1e-7)
     assert model.policy_version >= n_rollouts
     controller = model.kl_controller
     if isinstance(model, KLTRPO):
