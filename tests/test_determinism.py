@@ -72,3 +72,45 @@ def test_monitor_on_ppo_is_deterministic() -> None:
         histories.append((monitor.history, monitor.last_per_state.copy()))
     assert histories[0][0] == histories[1][0]
     np.testing.assert_array_equal(histories[0][1], histories[1][1])
+
+
+_CHILD = """
+import hashlib, sys, numpy as np, torch as th
+th.set_num_threads(1)
+from stable_baselines3.common.env_util import make_vec_env
+from sb3_kl import {algo}
+model = {algo}("MlpPolicy", make_vec_env("CartPole-v1", n_envs=2, seed=5), n_steps=32, batch_size=16,
+               policy_kwargs=dict(net_arch=[8]), seed=5, device="cpu", {extra})
+model.learn(128)
+params = th.nn.utils.parameters_to_vector(model.policy.parameters()).detach().numpy()
+print(hashlib.sha256(params.tobytes()).hexdigest(), repr(model.logger.name_to_value["train/kl"]))
+"""
+
+
+@pytest.mark.slow  # ~17 s on a loaded 2-core machine, mostly the child's imports
+def test_same_seed_same_run_across_processes() -> None:
+    """A fresh interpreter reproduces the run bit for bit (no hidden dependence on process state)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    algo, extra = KLTRPO, dict(n_critic_updates=2, cg_max_steps=4)
+    code = _CHILD.format(algo=algo.__name__, extra=", ".join(f"{k}={v!r}" for k, v in extra.items()))
+    env = {**os.environ, "SB3_LOGDIR": os.environ.get("SB3_LOGDIR", "/tmp")}
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, timeout=300)
+    model = algo(
+        "MlpPolicy",
+        make_vec_env("CartPole-v1", n_envs=2, seed=5),
+        n_steps=32,
+        batch_size=16,
+        policy_kwargs=dict(net_arch=[8]),
+        seed=5,
+        device="cpu",
+        **extra,
+    )
+    model.learn(128)
+    params = th.nn.utils.parameters_to_vector(model.policy.parameters()).detach().numpy()
+    digest, kl = child.stdout.split()
+    assert digest == hashlib.sha256(params.tobytes()).hexdigest()
+    assert float(kl) == model.logger.name_to_value["train/kl"]
