@@ -232,3 +232,17 @@ def test_empty_buffer_raises_stale_policy_error() -> None:
     model = build(KLPPO, DummyVecEnv([make_env()]))
     with pytest.raises(StalePolicyError, match="not full"):
         model.train()
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_training_recovers_after_the_env_is_fixed(algo: type) -> None:
+    """After the error, the model is intact: swap in a clean env and training goes on (partial rollout discarded)."""
+    model = build(algo, DummyVecEnv([make_env("obs", at_step=20)]))
+    with pytest.raises(NonFiniteEnvError):
+        model.learn(10 * N_STEPS)
+    assert (model.num_timesteps, model.policy_version) == (19, 1)
+    model.set_env(DummyVecEnv([make_env()]))
+    model.learn(4 * N_STEPS, reset_num_timesteps=False)
+    assert (model.num_timesteps, model.policy_version) == (19 + 4 * N_STEPS, 5)
+    assert np.isfinite(model.logger.name_to_value["train/kl"])
+    assert np.all(np.isfinite(policy_snapshot(model)))

@@ -209,3 +209,17 @@ def test_fixture_trains_on(stem: str) -> None:
     assert np.isfinite(model.logger.name_to_value["train/kl"])
     if n_before:
         assert len(model.kl_controller.kl_coef_history) == n_before + 1
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_load_with_a_different_number_of_envs(algo: type, tmp_path: Any) -> None:
+    """The rollout buffer is not saved: it is rebuilt for the new env count, and beta continues."""
+    model = make_model(algo, make_env())
+    model.learn(ROLLOUT)
+    model.save(tmp_path / "model.zip")
+    loaded = algo.load(tmp_path / "model.zip", env=make_vec_env("CartPole-v1", n_envs=3, seed=1), device="cpu")
+    assert loaded.n_envs == 3 and loaded.rollout_buffer.n_envs == 3
+    loaded.learn(3 * N_STEPS, reset_num_timesteps=False)
+    assert loaded.num_timesteps == ROLLOUT + 3 * N_STEPS
+    assert loaded.kl_controller.kl_coef_history[:1] == model.kl_controller.kl_coef_history
+    assert np.isfinite(loaded.logger.name_to_value["train/kl"])
