@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch as th
 from stable_baselines3.common.envs import FakeImageEnv, SimpleMultiObsEnv
-from stable_baselines3.common.vec_env import DummyVecEnv
+from stable_baselines3.common.vec_env import DummyVecEnv, VecCheckNan, VecNormalize
 
 from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
 from sb3_kl.common.buffers import StalePolicyError
@@ -246,3 +246,23 @@ def test_training_recovers_after_the_env_is_fixed(algo: type) -> None:
     assert (model.num_timesteps, model.policy_version) == (19 + 4 * N_STEPS, 5)
     assert np.isfinite(model.logger.name_to_value["train/kl"])
     assert np.all(np.isfinite(policy_snapshot(model)))
+
+
+def test_vec_normalize_nan_is_reported_and_vec_check_nan_underneath_protects_the_statistics() -> None:
+    """
+    VecNormalize sits between the env and the algorithm: when the check sees a NaN observation, VecNormalize's running
+    statistics have already absorbed it. The error is still raised (no NaN reaches the policy); putting
+    VecCheckNan under VecNormalize, as the message suggests, stops the NaN before the statistics see it.
+    """
+    normalized = VecNormalize(DummyVecEnv([make_env("obs", at_step=20)]))
+    model = build(KLPPO, normalized)
+    with pytest.raises(NonFiniteEnvError, match="env 0 returned a NaN observation at step 3"):
+        model.learn(10 * N_STEPS)
+    assert not np.isfinite(normalized.obs_rms.mean).all()  # the limitation, documented in docs/reliability.md
+    assert np.all(np.isfinite(policy_snapshot(model)))
+
+    protected = VecNormalize(VecCheckNan(DummyVecEnv([make_env("obs", at_step=20)]), raise_exception=True))
+    model = build(KLPPO, protected)
+    with pytest.raises(ValueError, match="observation"):
+        model.learn(10 * N_STEPS)
+    assert np.isfinite(protected.obs_rms.mean).all()
