@@ -201,7 +201,8 @@ def cases() -> list[Any]:
     params = []
     for row in ROWS:
         for cls in row.classes:
-            marks = [pytest.mark.xfail(strict=True, reason=f"{cls.__name__}({row.arg}={row.value!r}): {row.now}")] if row.outcome == "GAP" else []
+            reason = f"{cls.__name__}({row.arg}={row.value!r}): {row.now}"
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if row.outcome == "GAP" else []
             params.append(pytest.param(cls, row, marks=marks, id=f"{cls.__name__}-{row.arg}={row.value!r}"))
     return params
 
@@ -243,9 +244,13 @@ def test_good_defaults_construct() -> None:
 # Random inputs to the controllers and the KL core (what tests/test_controllers.py and test_kl_core.py do not cover:
 # random controller settings, targets that follow a schedule, whole trajectories, near-deterministic distributions)
 
+def _adaptive(factor: float, low: float, width: float, window: int) -> tuple[str, dict[str, Any]]:
+    return "adaptive", dict(kl_adapt_factor=factor, kl_band=(low, low + width), kl_window=window)
+
+
 controller_configs = st.one_of(
     st.builds(
-        lambda factor, band_lo, band_width, window: ("adaptive", dict(kl_adapt_factor=factor, kl_band=(band_lo, band_lo + band_width), kl_window=window)),
+        _adaptive,
         st.floats(1.01, 10.0),
         st.floats(0.01, 1.0),
         st.floats(0.01, 5.0),

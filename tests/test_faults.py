@@ -13,12 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch as th
+from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.envs import FakeImageEnv, SimpleMultiObsEnv
+from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import DummyVecEnv, VecCheckNan, VecNormalize
 
 from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
 from sb3_kl.common.buffers import StalePolicyError
-from sb3_kl.common.on_policy_algorithm import NonFiniteEnvCheck, NonFiniteEnvError, NonFiniteUpdateError
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteEnvCheck, NonFiniteEnvError, NonFiniteUpdateError
 
 ALGOS = [KLPPO, ClipKLPPO, KLTRPO]
 N_STEPS = 16
@@ -266,3 +268,24 @@ def test_vec_normalize_nan_is_reported_and_vec_check_nan_underneath_protects_the
     with pytest.raises(ValueError, match="observation"):
         model.learn(10 * N_STEPS)
     assert np.isfinite(protected.obs_rms.mean).all()
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_check_changes_nothing_on_a_clean_run(algo: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bit-identical training with and without the check (SB3's collect_rollouts plus the buffer's version stamp)."""
+
+    def run() -> np.ndarray:
+        env = make_vec_env("CartPole-v1", n_envs=2, seed=0)  # short episodes: terminal observations are checked too
+        model = build(algo, env, gamma=0.9)
+        model.learn(3 * N_STEPS * 2)
+        return policy_snapshot(model)
+
+    checked = run()
+
+    def unchecked(self: Any, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:
+        result = OnPolicyAlgorithm.collect_rollouts(self, env, callback, rollout_buffer, n_rollout_steps)
+        rollout_buffer.policy_version = self.policy_version
+        return result
+
+    monkeypatch.setattr(KLOnPolicyAlgorithm, "collect_rollouts", unchecked)
+    np.testing.assert_array_equal(checked, run())

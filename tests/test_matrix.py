@@ -201,7 +201,7 @@ def test_control_callbacks_on_ppo_box_vecnormalize() -> None:
 @pytest.mark.parametrize("algo", ALGOS)
 def test_cuda_device(algo: type) -> None:
     env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
-    model = algo("MlpPolicy", env, n_steps=N_STEPS, policy_kwargs=dict(net_arch=[8]), seed=0, device="cuda", **algo_kwargs(algo))
+    model = algo("MlpPolicy", env, **{**TINY, "device": "cuda"}, **algo_kwargs(algo))
     assert model.device.type == "cuda"
     assert model.rollout_buffer.device.type == "cuda"
     train_and_check(model, env)
