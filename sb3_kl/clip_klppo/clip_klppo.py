@@ -6,6 +6,7 @@ from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedul
 
 from sb3_kl.clip_klppo.policies import MlpPolicy
 from sb3_kl.common.controllers import KLController
+from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.klppo.klppo import KLPPO
 
 SelfClipKLPPO = TypeVar("SelfClipKLPPO", bound="ClipKLPPO")
@@ -74,6 +75,20 @@ class ClipKLPPO(KLPPO):
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std
         (``log_std`` clamped in place; with gSDE the std of the exploration weights). None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
+        model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as
+        ``model.ref_policy`` (eval mode, no gradients, never updated) and saved with the model. Must share the action
+        and observation spaces. None (default): no anchor
+    :param ref_kl_coef: Coefficient beta_ref of the reference KL: fixed when ``ref_target_kl`` is None, else its
+        initial value. 0 with ``ref_target_kl=None`` only measures and logs the KL to the reference
+    :param ref_target_kl: Target of the mean reference KL (after each update, over the buffer's states); when set,
+        beta_ref is adapted toward it by its own ``ref_kl_controller``. None (default): fixed beta_ref
+    :param ref_kl_controller: Rule adapting beta_ref (same choices as ``kl_controller``; own instance and state)
+    :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
+    :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default, as in RLHF) or ``"forward"`` = KL(pi_ref || pi)
+    :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
+        the rollout policy)
+        With a reference, ``beta_ref * KL_ref`` is added to the loss as in :class:`~sb3_kl.KLPPO`
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
     :param tensorboard_log: the log location for tensorboard (if None, no logging)
@@ -123,6 +138,13 @@ class ClipKLPPO(KLPPO):
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        ref_policy: ReferenceSource | None = None,
+        ref_kl_coef: float = 1.0,
+        ref_target_kl: float | None = None,
+        ref_kl_controller: str | KLController = "adaptive",
+        ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+        ref_kl_direction: str = "reverse",
+        ref_kl_estimator: str = "analytic",
         stats_window_size: int = 100,
         tensorboard_log: str | None = None,
         policy_kwargs: dict[str, Any] | None = None,
@@ -170,6 +192,13 @@ class ClipKLPPO(KLPPO):
             kl_hinge_factor=kl_hinge_factor,
             min_std=min_std,
             kl_quantiles=kl_quantiles,
+            ref_policy=ref_policy,
+            ref_kl_coef=ref_kl_coef,
+            ref_target_kl=ref_target_kl,
+            ref_kl_controller=ref_kl_controller,
+            ref_kl_coef_bounds=ref_kl_coef_bounds,
+            ref_kl_direction=ref_kl_direction,
+            ref_kl_estimator=ref_kl_estimator,
             stats_window_size=stats_window_size,
             tensorboard_log=tensorboard_log,
             policy_kwargs=policy_kwargs,

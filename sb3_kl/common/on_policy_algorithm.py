@@ -21,6 +21,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.controllers import KLController, make_kl_controller
+from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.kl import (
     DistributionParams,
     GaussianParams,
@@ -152,7 +153,7 @@ class NonFiniteEnvCheck:
         return new_obs, rewards, dones, infos
 
 
-class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
+class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     """
     Base class of the sb3_kl algorithms. See :class:`~sb3_kl.KLPPO` for the meaning of the KL arguments.
 
@@ -171,6 +172,14 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
     :param min_std: Variance floor for Gaussian policies: std >= min_std after every optimizer step
     :param kl_quantiles: Quantiles of the per-state KL that are logged after each update
+    :param ref_policy: Frozen reference policy to anchor to (path of a saved SB3 model, a model or a policy), or None
+    :param ref_kl_coef: Coefficient beta_ref of the reference KL (initial value when ``ref_target_kl`` is set;
+        0 with ``ref_target_kl=None``: the KL to the reference is only measured and logged)
+    :param ref_target_kl: Target of the reference KL for an adaptive beta_ref; None = fixed ``ref_kl_coef``
+    :param ref_kl_controller: Controller of beta_ref when ``ref_target_kl`` is set (same choices as ``kl_controller``)
+    :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
+    :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default) or ``"forward"`` = KL(pi_ref || pi)
+    :param ref_kl_estimator: ``"analytic"`` (default), ``"k1"`` or ``"k3"``
     """
 
     rollout_buffer: KLRolloutBuffer | KLDictRolloutBuffer  # type: ignore[assignment]
@@ -193,6 +202,13 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
         log_ratio_clip: float = 20.0,
         min_std: float | None = None,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        ref_policy: ReferenceSource | None = None,
+        ref_kl_coef: float = 1.0,
+        ref_target_kl: float | None = None,
+        ref_kl_controller: "str | KLController" = "adaptive",
+        ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+        ref_kl_direction: str = "reverse",
+        ref_kl_estimator: str = "analytic",
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -200,6 +216,17 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
         self.kl_controller = make_kl_controller(
             kl_controller, kl_coef, kl_adapt_factor, tuple(kl_band), tuple(kl_coef_bounds), kl_window, kl_horizon  # type: ignore[arg-type]
+        )
+        self._init_reference(
+            ref_policy,
+            ref_kl_coef,
+            ref_target_kl,
+            ref_kl_controller,
+            ref_kl_direction,
+            ref_kl_estimator,
+            tuple(ref_kl_coef_bounds),  # type: ignore[arg-type]
+            kl_reduction,
+            log_ratio_clip,
         )
         if min_std is not None:
             if isinstance(min_std, bool) or not isinstance(min_std, (int, float)) or not math.isfinite(min_std) or min_std <= 0:
@@ -245,6 +272,7 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
         # ``Algo.load(path, kl_coef=x)`` puts ``kl_coef`` in ``__dict__`` before calling ``_setup_model``: apply it
         if "kl_coef" in self.__dict__:
             self.kl_coef = self.__dict__.pop("kl_coef")
+        self._setup_reference()
 
     @property
     def kl_coef(self) -> float:
@@ -258,8 +286,14 @@ class KLOnPolicyAlgorithm(OnPolicyAlgorithm):
         self.kl_controller.kl_coef = float(value)
 
     def _excluded_save_params(self) -> list[str]:
-        # rebuilt from the policy by _setup_model
-        return [*super()._excluded_save_params(), "dist_params"]
+        # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
+        return [*super()._excluded_save_params(), "dist_params", "ref_policy", "ref_dist_params"]
+
+    def _get_torch_save_params(self) -> tuple[list[str], list[str]]:
+        state_dicts, torch_variables = super()._get_torch_save_params()
+        if self.ref_policy is not None:
+            state_dicts = [*state_dicts, "ref_policy"]
+        return state_dicts, torch_variables
 
     def set_parameters(self, *args: Any, **kwargs: Any) -> None:
         super().set_parameters(*args, **kwargs)

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
+from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.klppo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
 SelfKLPPO = TypeVar("SelfKLPPO", bound="KLPPO")
@@ -75,6 +76,22 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std
         (``log_std`` clamped in place; with gSDE the std of the exploration weights). None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
+        model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as
+        ``model.ref_policy`` (eval mode, no gradients, never updated) and saved with the model. Must share the action
+        and observation spaces. None (default): no anchor
+    :param ref_kl_coef: Coefficient beta_ref of the reference KL: fixed when ``ref_target_kl`` is None, else its
+        initial value. 0 with ``ref_target_kl=None`` only measures and logs the KL to the reference
+    :param ref_target_kl: Target of the mean reference KL (after each update, over the buffer's states); when set,
+        beta_ref is adapted toward it by its own ``ref_kl_controller``. None (default): fixed beta_ref
+    :param ref_kl_controller: Rule adapting beta_ref (same choices as ``kl_controller``; own instance and state)
+    :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
+    :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default, as in RLHF) or ``"forward"`` = KL(pi_ref || pi)
+    :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
+        the rollout policy)
+        With a reference, ``beta_ref * KL_ref`` (mean over the minibatch's states) is added to the loss, next to
+        ``beta * KL``: the update KL limits each step, the reference KL limits the drift accumulated over all
+        updates. The reference is evaluated per minibatch under ``no_grad``
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
     :param tensorboard_log: the log location for tensorboard (if None, no logging)
@@ -130,6 +147,13 @@ class KLPPO(KLOnPolicyAlgorithm):
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        ref_policy: ReferenceSource | None = None,
+        ref_kl_coef: float = 1.0,
+        ref_target_kl: float | None = None,
+        ref_kl_controller: str | KLController = "adaptive",
+        ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
+        ref_kl_direction: str = "reverse",
+        ref_kl_estimator: str = "analytic",
         stats_window_size: int = 100,
         tensorboard_log: str | None = None,
         policy_kwargs: dict[str, Any] | None = None,
@@ -179,6 +203,13 @@ class KLPPO(KLOnPolicyAlgorithm):
             log_ratio_clip=log_ratio_clip,
             min_std=min_std,
             kl_quantiles=kl_quantiles,
+            ref_policy=ref_policy,
+            ref_kl_coef=ref_kl_coef,
+            ref_target_kl=ref_target_kl,
+            ref_kl_controller=ref_kl_controller,
+            ref_kl_coef_bounds=ref_kl_coef_bounds,
+            ref_kl_direction=ref_kl_direction,
+            ref_kl_estimator=ref_kl_estimator,
         )
 
         # Same sanity checks as SB3's PPO (same exceptions, so PPO users see no difference)
@@ -248,6 +279,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         clip_range_vf = self.clip_range_vf(progress) if self.clip_range_vf is not None else None  # type: ignore[operator]
         target_kl = self._current_target_kl()
         kl_coef = self.kl_coef
+        ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
 
         entropy_losses, pg_losses, value_losses, kl_losses, clip_fractions = [], [], [], [], []
         approx_kl_divs: list[float] = []
@@ -289,6 +321,10 @@ class KLPPO(KLOnPolicyAlgorithm):
                 entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
 
                 loss = policy_loss + kl_loss + self.vf_coef * value_loss
+                if ref_kl_coef > 0:
+                    # Anchor to the frozen reference policy (sb3_kl/common/reference.py)
+                    ref_kl = self._reference_penalty(rollout_data.observations, actions, distribution, log_prob)
+                    loss = loss + ref_kl_coef * ref_kl
                 if self.ent_coef != 0:
                     loss = loss + self.ent_coef * entropy_loss
 
@@ -356,6 +392,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)
         self._record_update_kl(per_state, new_params, target_kl)
+        self._record_reference_kl()
 
     def _surrogate_loss(
         self, log_ratio: th.Tensor, advantages: th.Tensor, clip_range: float | None

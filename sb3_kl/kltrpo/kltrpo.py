@@ -405,7 +405,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     log_prob = distribution.log_prob(actions)
                     new_objective = (advantages * th.exp(log_prob - old_log_prob)).mean().item()
                     if ref_kl_coef > 0:
-                        new_objective -= ref_kl_coef * self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean().item()
+                        candidate_ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob)
+                        new_objective -= ref_kl_coef * candidate_ref_kl.mean().item()
                     per_state = self._constrained_kl(old_params, distribution)
                     mean_kl = per_state.mean().item()
                     tail_ok = self.tail_kl is None or th.quantile(per_state, self.tail_quantile).item() <= self.tail_kl

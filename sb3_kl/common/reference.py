@@ -1,0 +1,404 @@
+"""
+Reference-policy KL: anchor a policy to a trusted, frozen one while it learns a new reward.
+
+The algorithms add ``beta_ref * KL_ref`` to what they optimize, where ``KL_ref`` is the per-state KL between the
+current policy and a frozen reference policy on the rollout states, by default ``KL(pi_theta || pi_ref)`` (the
+direction RLHF uses: the policy pays for putting probability where the reference puts little).
+
+This module holds what the algorithms share for it:
+
+- loading a reference from a saved SB3 model (any on-policy algorithm's zip), a model or a policy, into a frozen
+  copy (:func:`load_reference_policy`), and rebuilding that copy's skeleton from plain constructor information when
+  a model is loaded (:func:`build_reference_policy`), so that ``load`` restores the anchor from the model's own zip;
+- :class:`ReferenceKLMixin`: the options, the KL term used inside the losses, its coefficient controller
+  (the same classes as the update KL's, with its own state) and the measurement and logs after each update.
+"""
+
+import copy
+import math
+import os
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.distributions import Distribution
+from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
+from stable_baselines3.common.save_util import load_from_zip_file
+from stable_baselines3.common.type_aliases import PyTorchObs
+from stable_baselines3.common.utils import ConstantSchedule
+
+from sb3_kl.common.controllers import FixedKLController, KLController, make_kl_controller
+from sb3_kl.common.kl import (
+    KL_DIRECTIONS,
+    KL_ESTIMATORS,
+    DistributionParams,
+    KLSettings,
+    check_choice,
+    kl_quantiles,
+    make_distribution_params,
+    per_state_kl,
+    per_state_kl_to,
+)
+
+#: Attribute set on the frozen copies built here (so ``_setup_model`` does not copy them again)
+_FROZEN_MARK = "_sb3_kl_frozen_reference"
+
+ReferenceSource = str | os.PathLike | BaseAlgorithm | BasePolicy
+
+
+def _constant_zero_schedule() -> ConstantSchedule:
+    # The reference is never optimized: its optimizer's learning rate is irrelevant (ConstantSchedule pickles cleanly)
+    return ConstantSchedule(0.0)
+
+
+def freeze_policy(policy: ActorCriticPolicy) -> ActorCriticPolicy:
+    """
+    Freeze a policy in place: eval mode, no gradients, no optimizer.
+
+    :param policy: The policy
+    :return: the same object
+    """
+    policy.set_training_mode(False)
+    policy.requires_grad_(False)
+    # Its optimizer would only hold references to frozen parameters; the algorithm's optimizer never sees them
+    policy.optimizer = None  # type: ignore[assignment]
+    setattr(policy, _FROZEN_MARK, True)
+    return policy
+
+
+def is_frozen_reference(policy: Any) -> bool:
+    """Whether ``policy`` is a frozen reference built by this module."""
+    return isinstance(policy, ActorCriticPolicy) and getattr(policy, _FROZEN_MARK, False)
+
+
+def build_reference_policy(
+    policy_class: type[ActorCriticPolicy], constructor_kwargs: dict[str, Any], device: th.device | str = "cpu"
+) -> ActorCriticPolicy:
+    """
+    Build a frozen policy skeleton (random weights) from constructor information; the weights are loaded afterwards
+    (``set_parameters`` during ``load``, or ``load_state_dict``).
+
+    :param policy_class: The policy class
+    :param constructor_kwargs: Its keyword arguments, spaces included (``lr_schedule`` is supplied here)
+    :param device: Device of the copy
+    :return: The frozen policy
+    """
+    kwargs = dict(constructor_kwargs)
+    kwargs["lr_schedule"] = _constant_zero_schedule()
+    policy = policy_class(**kwargs).to(device)
+    return freeze_policy(policy)
+
+
+def reference_spec(policy: ActorCriticPolicy) -> tuple[type[ActorCriticPolicy], dict[str, Any]]:
+    """
+    The constructor information of a policy, as plain picklable data (no module, no bound method).
+
+    :return: ``(policy_class, constructor_kwargs)``
+    """
+    kwargs = policy._get_constructor_parameters()
+    kwargs.pop("lr_schedule", None)
+    # Not part of SB3's constructor parameters, but it changes the module structure (and the state dict's keys)
+    kwargs["share_features_extractor"] = policy.share_features_extractor
+    return type(policy), kwargs
+
+
+def _policy_from_zip(path: str | os.PathLike, device: th.device | str) -> ActorCriticPolicy:
+    """
+    Rebuild the policy of a saved SB3 model from its zip, whatever algorithm saved it (PPO, A2C, TRPO, KLPPO, ...):
+    the policy class, spaces and ``policy_kwargs`` are read from the zip's data, the weights from ``policy.pth``.
+    """
+    data, params, _ = load_from_zip_file(path, device=device, print_system_info=False)
+    if data is None or params is None or "policy" not in params:
+        raise ValueError(f"`ref_policy`={os.fspath(path)!r} is not a saved SB3 model with a policy (no data or policy.pth).")
+    policy_class = data.get("policy_class")
+    if not (isinstance(policy_class, type) and issubclass(policy_class, ActorCriticPolicy)):
+        raise ValueError(
+            f"`ref_policy`={os.fspath(path)!r} holds a {getattr(policy_class, '__name__', policy_class)!r} policy: the "
+            "reference must be an ActorCriticPolicy (a model saved by PPO, A2C, TRPO, KLPPO, ClipKLPPO or KLTRPO)."
+        )
+    kwargs = dict(data.get("policy_kwargs") or {})
+    # On-policy algorithms pass use_sde to the policy outside policy_kwargs
+    kwargs.setdefault("use_sde", bool(data.get("use_sde", False)))
+    kwargs.update(observation_space=data["observation_space"], action_space=data["action_space"])
+    policy = build_reference_policy(policy_class, kwargs, device)
+    policy.load_state_dict(params["policy"])
+    return policy
+
+
+def load_reference_policy(source: ReferenceSource, device: th.device | str = "cpu") -> ActorCriticPolicy:
+    """
+    A frozen copy of the reference policy. The source is never modified (a model or policy passed in keeps training
+    normally).
+
+    :param source: Path of a saved SB3 model (``.zip``), an SB3 model, or an ``ActorCriticPolicy``
+    :param device: Device of the copy
+    :return: The frozen reference policy (eval mode, ``requires_grad=False``, no optimizer)
+    """
+    if isinstance(source, (str, os.PathLike)):
+        return _policy_from_zip(source, device)
+    policy = source.policy if isinstance(source, BaseAlgorithm) else source
+    if not isinstance(policy, ActorCriticPolicy):
+        raise TypeError(
+            f"`ref_policy` must be the path of a saved SB3 model, an SB3 on-policy model or an ActorCriticPolicy, "
+            f"got {type(source).__name__}."
+        )
+    policy_class, kwargs = reference_spec(policy)
+    frozen = build_reference_policy(policy_class, kwargs, device)
+    frozen.load_state_dict(copy.deepcopy(policy.state_dict()))
+    return frozen
+
+
+def check_reference_spaces(reference: ActorCriticPolicy, observation_space: spaces.Space, action_space: spaces.Space) -> None:
+    """
+    :raises ValueError: when the reference was trained on another action or observation space
+    """
+    if reference.action_space != action_space:
+        raise ValueError(
+            f"`ref_policy` acts in {reference.action_space}, but this model's action space is {action_space}: "
+            "the KL to a reference is only defined on the same action space. Pass a reference trained on this action space."
+        )
+    if reference.observation_space != observation_space:
+        raise ValueError(
+            f"`ref_policy` observes {reference.observation_space}, but this model's observation space is "
+            f"{observation_space}: pass a reference trained on the same observations (same wrappers)."
+        )
+
+
+class ReferenceKLMixin:
+    """
+    Reference-policy KL for :class:`~sb3_kl.common.on_policy_algorithm.KLOnPolicyAlgorithm`.
+
+    The options are stored by :meth:`_init_reference` (from ``__init__``), the frozen reference is built by
+    :meth:`_setup_reference` (from ``_setup_model``, also during ``load``). Persistence follows SB3's pattern:
+    ``ref_policy`` (a module) is excluded from the pickled data and its weights are saved as ``ref_policy.pth``
+    through ``_get_torch_save_params``; its class and constructor arguments are plain attributes
+    (``ref_policy_class``, ``ref_policy_kwargs``), so ``load`` rebuilds the skeleton in ``_setup_model`` before
+    ``set_parameters`` fills it: the anchor is restored from the model's own zip even if the original file is gone.
+    """
+
+    ref_policy: ActorCriticPolicy | None
+    ref_kl_controller: KLController | None
+    ref_kl_settings: KLSettings
+    ref_target_kl: float | None
+    ref_policy_class: type[ActorCriticPolicy] | None
+    ref_policy_kwargs: dict[str, Any] | None
+    ref_dist_params: DistributionParams | None
+
+    def _init_reference(
+        self,
+        ref_policy: ReferenceSource | None,
+        ref_kl_coef: float,
+        ref_target_kl: float | None,
+        ref_kl_controller: str | KLController,
+        ref_kl_direction: str,
+        ref_kl_estimator: str,
+        ref_kl_coef_bounds: tuple[float, float],
+        kl_reduction: str,
+        log_ratio_clip: float,
+    ) -> None:
+        """Validate and store the reference options (the reference itself is loaded in ``_setup_model``)."""
+        check_choice("ref_kl_direction", ref_kl_direction, KL_DIRECTIONS)
+        check_choice("ref_kl_estimator", ref_kl_estimator, KL_ESTIMATORS)
+        self.ref_kl_settings = KLSettings(ref_kl_estimator, ref_kl_direction, kl_reduction, log_ratio_clip)
+        if isinstance(ref_kl_coef, bool) or not isinstance(ref_kl_coef, (int, float)) or not math.isfinite(ref_kl_coef):
+            raise ValueError(f"`ref_kl_coef` must be a finite number >= 0, got {ref_kl_coef!r}.")
+        if ref_target_kl is not None:
+            number = not isinstance(ref_target_kl, bool) and isinstance(ref_target_kl, (int, float))
+            if not number or not math.isfinite(ref_target_kl) or ref_target_kl <= 0:
+                raise ValueError(
+                    f"`ref_target_kl` must be a positive finite number (None: fixed coefficient), got {ref_target_kl!r}."
+                )
+            ref_target_kl = float(ref_target_kl)
+        if ref_kl_coef < 0:
+            raise ValueError(
+                f"`ref_kl_coef` must be >= 0 (0 with ref_target_kl=None only measures the KL), got {ref_kl_coef!r}."
+            )
+        if ref_kl_coef == 0 and (ref_target_kl is not None or isinstance(ref_kl_controller, KLController)):
+            raise ValueError(
+                "`ref_kl_coef`=0 only measures the KL to the reference: a controller cannot adapt it, pass ref_kl_coef > 0."
+            )
+        self.ref_target_kl = ref_target_kl
+        controller: KLController | None
+        if isinstance(ref_kl_controller, KLController):
+            controller = ref_kl_controller
+        elif ref_kl_coef == 0:
+            controller = None  # measure only
+        elif ref_target_kl is None:
+            controller = FixedKLController(float(ref_kl_coef), ref_kl_coef_bounds)
+        else:
+            controller = make_kl_controller(ref_kl_controller, float(ref_kl_coef), kl_coef_bounds=ref_kl_coef_bounds)
+        self.ref_kl_controller = controller
+        if ref_policy is not None and not isinstance(ref_policy, (str, os.PathLike, BaseAlgorithm, BasePolicy)):
+            raise TypeError(
+                f"`ref_policy` must be the path of a saved SB3 model, an SB3 on-policy model or an ActorCriticPolicy, "
+                f"got {type(ref_policy).__name__}."
+            )
+        # Raw source until _setup_model turns it into the frozen copy
+        self.ref_policy = ref_policy  # type: ignore[assignment]
+        self.ref_policy_class = None
+        self.ref_policy_kwargs = None
+        self.ref_dist_params = None
+
+    @property
+    def ref_kl_coef(self) -> float:
+        """The current coefficient beta_ref of the reference KL (0 when it is only measured)."""
+        return 0.0 if self.ref_kl_controller is None else self.ref_kl_controller.kl_coef
+
+    def _setup_reference(self) -> None:
+        """
+        Turn the ``ref_policy`` source into the frozen copy (or, during ``load``, rebuild its skeleton from
+        ``ref_policy_class``/``ref_policy_kwargs``; ``set_parameters`` loads the weights next), and check it matches
+        this model's spaces and action distribution. Idempotent.
+        """
+        # ``Algo.load(path, ref_kl_coef=x)`` puts it in ``__dict__`` (shadowed by the property): apply it
+        if "ref_kl_coef" in self.__dict__:
+            value = float(self.__dict__.pop("ref_kl_coef"))
+            if self.ref_kl_controller is None or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"`ref_kl_coef`={value!r} can only override a positive coefficient of a model with a reference."
+                )
+            self.ref_kl_controller.kl_coef = value
+        source = self.ref_policy
+        device = self.device  # type: ignore[attr-defined]
+        if source is None:
+            if self.ref_policy_class is None:
+                return
+            # load(): the weights follow from ref_policy.pth
+            reference = build_reference_policy(self.ref_policy_class, self.ref_policy_kwargs or {}, device)
+        elif is_frozen_reference(source):
+            reference = source.to(device)  # type: ignore[union-attr]
+        else:
+            reference = load_reference_policy(source, device)
+        check_reference_spaces(reference, self.observation_space, self.action_space)  # type: ignore[attr-defined]
+        ref_layout = make_distribution_params(reference.action_dist)
+        own_layout: DistributionParams = self.dist_params  # type: ignore[attr-defined]
+        if type(ref_layout) is not type(own_layout) or ref_layout.n_params != own_layout.n_params:
+            raise ValueError(
+                f"`ref_policy` has a {type(reference.action_dist).__name__} action distribution with {ref_layout.n_params} "
+                f"parameters per state, this model's policy a {type(self.policy.action_dist).__name__} with "  # type: ignore[attr-defined]
+                f"{own_layout.n_params}: the reference KL needs the same kind of distribution."
+            )
+        self.ref_policy = reference
+        self.ref_policy_class, self.ref_policy_kwargs = reference_spec(reference)
+        self.ref_dist_params = ref_layout
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The term inside the losses
+
+    @th.no_grad()
+    def _reference_distribution(self, obs: PyTorchObs, actions: th.Tensor | None = None) -> tuple[th.Tensor, th.Tensor | None]:
+        """
+        The frozen reference on a batch of states (no gradients; eval mode).
+
+        :param obs: Observations
+        :param actions: Stored actions (as used by ``log_prob``); needed only by the sample estimators
+        :return: the reference's distribution parameters ``(batch, n_params)`` and, with actions and a sample
+            estimator, ``log pi_ref(a|s)``
+        """
+        assert self.ref_policy is not None and self.ref_dist_params is not None
+        distribution = self.ref_policy.get_distribution(obs)
+        params = self.ref_dist_params.extract(distribution)
+        log_prob = None
+        if actions is not None and self.ref_kl_settings.estimator != "analytic":
+            log_prob = distribution.log_prob(actions)
+        return params, log_prob
+
+    def _reference_kl(
+        self,
+        ref_params: th.Tensor,
+        distribution: Distribution | th.Tensor,
+        log_prob: th.Tensor | None = None,
+        ref_log_prob: th.Tensor | None = None,
+    ) -> th.Tensor:
+        """
+        Per-state KL between the current policy and the reference, with the KL core (no second implementation).
+
+        Analytic: the reference takes the "old" slot of the core's convention, so ``"reverse"`` is KL(pi || pi_ref)
+        and ``"forward"`` KL(pi_ref || pi). Sample estimators: the stored actions were drawn by the rollout policy,
+        which is (up to one update) the current policy, not the reference; so the current policy takes the
+        "old" (sampling) slot, the reference the "new" slot, and the direction flips: the core's forward estimator
+        of KL(old || new) with ``log r = log pi_ref - log pi`` estimates KL(pi || pi_ref).
+
+        :param ref_params: Reference parameters on the states, ``(batch, n_params)``
+        :param distribution: The current policy's live distribution (loss path, gradients flow) or its parameters
+        :param log_prob: ``log pi(a|s)`` of the stored actions (sample estimators)
+        :param ref_log_prob: ``log pi_ref(a|s)`` of the stored actions (sample estimators)
+        :return: ``(batch,)``
+        """
+        settings = self.ref_kl_settings
+        layout: DistributionParams = self.dist_params  # type: ignore[attr-defined]
+        if settings.estimator == "analytic":
+            if isinstance(distribution, th.Tensor):
+                return per_state_kl(settings, layout, ref_params, distribution)
+            return per_state_kl_to(settings, layout, ref_params, distribution)
+        if log_prob is None or ref_log_prob is None:
+            raise ValueError(
+                f"The {settings.estimator!r} reference-KL estimator needs the log-probabilities of the stored actions."
+            )
+        flipped = replace(settings, direction="forward" if settings.direction == "reverse" else "reverse")
+        return per_state_kl(flipped, layout, ref_params, ref_params, log_ratio=ref_log_prob - log_prob)
+
+    def _reference_penalty(
+        self, obs: PyTorchObs, actions: th.Tensor, distribution: Distribution, log_prob: th.Tensor
+    ) -> th.Tensor:
+        """
+        Mean reference KL of a minibatch (with gradients through ``distribution``); zero without a reference.
+
+        :param obs: Observations of the minibatch
+        :param actions: Its stored actions (as used by ``log_prob``)
+        :param distribution: The current policy's distribution on ``obs``
+        :param log_prob: ``log pi(a|s)`` of the stored actions
+        :return: a scalar
+        """
+        ref_params, ref_log_prob = self._reference_distribution(obs, actions)
+        return self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # After the update
+
+    @th.no_grad()
+    def _measure_reference_kl(self, chunk_size: int = 4096) -> np.ndarray:
+        """
+        One no-grad pass over the buffer with the updated policy (eval mode, as it will act) and the reference.
+
+        :return: the per-state reference KL
+        """
+        policy: ActorCriticPolicy = self.policy  # type: ignore[attr-defined]
+        was_training = policy.training
+        policy.set_training_mode(False)
+        kls = []
+        try:
+            for data in self.rollout_buffer.get(chunk_size):  # type: ignore[attr-defined]
+                actions = self._actions_for_log_prob(data.actions)  # type: ignore[attr-defined]
+                distribution = policy.get_distribution(data.observations)
+                log_prob = distribution.log_prob(actions) if self.ref_kl_settings.estimator != "analytic" else None
+                new_params = self.dist_params.extract(distribution)  # type: ignore[attr-defined]
+                ref_params, ref_log_prob = self._reference_distribution(data.observations, actions)
+                kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob))
+        finally:
+            policy.set_training_mode(was_training)
+        return th.cat(kls).cpu().numpy()
+
+    def _record_reference_kl(self) -> None:
+        """
+        Measure the KL to the reference after the update, log ``train/ref_kl``, ``train/ref_kl_p99`` and
+        ``train/ref_kl_coef`` (and ``train/ref_target_kl``), then adapt beta_ref toward ``ref_target_kl``.
+        No-op without a reference.
+        """
+        if self.ref_policy is None:
+            return
+        stats = kl_quantiles(self._measure_reference_kl(), (0.99,))
+        logger = self.logger  # type: ignore[attr-defined]
+        logger.record("train/ref_kl", stats["mean"])
+        logger.record("train/ref_kl_p99", stats["p99"])
+        logger.record("train/ref_kl_convention", self.ref_kl_settings.convention, exclude="tensorboard")
+        if self.ref_target_kl is not None:
+            logger.record("train/ref_target_kl", self.ref_target_kl)
+        controller = self.ref_kl_controller
+        if controller is not None and math.isfinite(stats["mean"]):
+            if self.ref_target_kl is not None:
+                controller.update(stats["mean"], self.ref_target_kl, self.n_steps * self.n_envs)  # type: ignore[attr-defined]
+        logger.record("train/ref_kl_coef", self.ref_kl_coef)

@@ -1,0 +1,205 @@
+import os
+
+import numpy as np
+import pytest
+import torch as th
+from stable_baselines3 import PPO, SAC
+from stable_baselines3.common.distributions import kl_divergence, sum_independent_dims
+
+from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
+from sb3_kl.common.controllers import AdaptiveKLController, FixedKLController
+
+POLICY_KWARGS = dict(net_arch=[16])
+ALGOS = [KLPPO, ClipKLPPO, KLTRPO]
+REF_KEYS = ("train/ref_kl", "train/ref_kl_p99", "train/ref_kl_coef")
+
+
+def make_model(algo, env_id="Pendulum-v1", seed=0, **kwargs):
+    extra = dict(batch_size=32) if algo is not KLTRPO else dict(batch_size=32, n_critic_updates=1)
+    return algo("MlpPolicy", env_id, n_steps=64, policy_kwargs=dict(POLICY_KWARGS), seed=seed, device="cpu", **extra, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved_reference(tmp_path_factory):
+    """A small PPO model trained for one rollout on Pendulum, saved as a zip."""
+    path = tmp_path_factory.mktemp("ref") / "ref.zip"
+    PPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, policy_kwargs=dict(POLICY_KWARGS), seed=1, device="cpu").learn(
+        64
+    ).save(path)
+    return path
+
+
+def shifted_reference(model, shift=1.0):
+    """A copy of the model's policy with every action mean moved by ``shift``: KL(pi || pi_ref) = shift^2 / (2 std^2)."""
+    reference = PPO("MlpPolicy", "Pendulum-v1", policy_kwargs=dict(POLICY_KWARGS), device="cpu")
+    reference.policy.load_state_dict(model.policy.state_dict())
+    with th.no_grad():
+        reference.policy.action_net.bias += shift
+    return reference
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_anchor_pulls_toward_reference(algo):
+    # Two identical models (same seed, same weights, same rollout); only one pays for the KL to the reference
+    base = make_model(algo)
+    reference = shifted_reference(base)
+    free = make_model(algo, ref_policy=reference, ref_kl_coef=0.0)
+    anchored = make_model(algo, ref_policy=reference, ref_kl_coef=5.0)
+    free.policy.load_state_dict(base.policy.state_dict())
+    anchored.policy.load_state_dict(base.policy.state_dict())
+    obs = th.as_tensor(np.stack([free.observation_space.sample() for _ in range(64)]))
+    ref_params, _ = anchored._reference_distribution(obs)
+    initial = anchored._reference_kl(ref_params, anchored.policy.get_distribution(obs)).mean().item()
+    assert initial == pytest.approx(0.5, rel=1e-4)  # unit mean shift, std 1
+    free.learn(64)
+    anchored.learn(64)
+    free_kl = free.logger.name_to_value["train/ref_kl"]
+    anchored_kl = anchored.logger.name_to_value["train/ref_kl"]
+    assert free.logger.name_to_value["train/ref_kl_coef"] == 0.0
+    assert anchored_kl < free_kl
+    assert anchored_kl < initial
+
+
+def test_penalty_gradient_points_toward_reference():
+    model = make_model(KLPPO, ref_policy=None)
+    reference = shifted_reference(model, shift=1.0)
+    anchored = make_model(KLPPO, ref_policy=reference)
+    anchored.policy.load_state_dict(model.policy.state_dict())
+    obs = th.as_tensor(np.stack([anchored.observation_space.sample() for _ in range(32)]))
+    distribution = anchored.policy.get_distribution(obs)
+    actions = distribution.sample()
+    penalty = anchored._reference_penalty(obs, actions, distribution, distribution.log_prob(actions))
+    penalty.backward()
+    # The reference's means are one unit higher: descending the penalty raises the action-net bias
+    assert anchored.policy.action_net.bias.grad.item() < 0
+    assert all(p.grad is None for p in anchored.ref_policy.parameters())
+
+
+def test_reference_kl_direction_matches_sb3():
+    model = make_model(KLPPO, ref_policy=None)
+    reference = shifted_reference(model, shift=0.7)
+    with th.no_grad():
+        reference.policy.log_std += 0.3
+    obs = th.as_tensor(np.stack([model.observation_space.sample() for _ in range(16)]))
+    for direction in ("reverse", "forward"):
+        anchored = make_model(KLPPO, ref_policy=reference, ref_kl_direction=direction)
+        anchored.policy.load_state_dict(model.policy.state_dict())
+        ref_params, _ = anchored._reference_distribution(obs)
+        ours = anchored._reference_kl(ref_params, anchored.policy.get_distribution(obs))
+        pi = model.policy.get_distribution(obs)
+        pi_ref = reference.policy.get_distribution(obs)
+        first, second = (pi, pi_ref) if direction == "reverse" else (pi_ref, pi)
+        expected = sum_independent_dims(kl_divergence(first, second))
+        assert th.allclose(ours, expected, atol=1e-5), direction
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_sample_estimators_run(estimator):
+    model = make_model(KLPPO, ref_policy=None)
+    anchored = make_model(KLPPO, ref_policy=shifted_reference(model, shift=0.3), ref_kl_estimator=estimator, ref_kl_coef=1.0)
+    anchored.learn(64)
+    values = anchored.logger.name_to_value
+    assert np.isfinite(values["train/ref_kl"])
+    assert values["train/ref_kl_convention"] == f"reverse/{estimator}/sum"
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_reference_is_frozen(algo, saved_reference):
+    model = make_model(algo, ref_policy=saved_reference, ref_target_kl=0.01)
+    ref = model.ref_policy
+    before = {name: tensor.clone() for name, tensor in ref.state_dict().items()}
+    model.learn(128)
+    assert model.ref_policy is ref
+    assert not ref.training
+    assert all(not p.requires_grad for p in ref.parameters())
+    optimized = {id(p) for group in model.policy.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in ref.parameters()}
+    for name, tensor in ref.state_dict().items():
+        assert th.equal(tensor, before[name]), name
+    for key in REF_KEYS:
+        assert key in model.logger.name_to_value, key
+
+
+def test_source_model_is_not_modified():
+    source = PPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, policy_kwargs=dict(POLICY_KWARGS), device="cpu")
+    model = make_model(KLPPO, ref_policy=source)
+    assert model.ref_policy is not source.policy
+    assert all(p.requires_grad for p in source.policy.parameters())
+    for name, tensor in source.policy.state_dict().items():
+        assert th.equal(tensor, model.ref_policy.state_dict()[name])
+    # A policy works as a source too
+    assert make_model(KLPPO, ref_policy=source.policy).ref_policy is not source.policy
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_save_load_keeps_anchor_without_source_file(algo, saved_reference, tmp_path):
+    source = tmp_path / "source.zip"
+    source.write_bytes(saved_reference.read_bytes())
+    model = make_model(algo, ref_policy=source, ref_target_kl=0.001)
+    model.learn(128)
+    controller = model.ref_kl_controller
+    assert isinstance(controller, AdaptiveKLController) and controller.n_updates == 2
+    model.save(tmp_path / "model.zip")
+    os.remove(source)
+
+    loaded = algo.load(tmp_path / "model.zip", device="cpu")
+    for name, tensor in model.ref_policy.state_dict().items():
+        assert th.equal(tensor, loaded.ref_policy.state_dict()[name]), name
+    assert not loaded.ref_policy.training
+    assert all(not p.requires_grad for p in loaded.ref_policy.parameters())
+    assert loaded.ref_kl_coef == model.ref_kl_coef != 1.0
+    assert loaded.ref_kl_controller.n_updates == 2
+    assert loaded.ref_target_kl == 0.001
+    obs = th.as_tensor(np.stack([loaded.observation_space.sample() for _ in range(4)]))
+    expected = model.ref_policy.get_distribution(obs).distribution.mean
+    assert th.allclose(loaded.ref_policy.get_distribution(obs).distribution.mean, expected)
+    # Training continues with the restored anchor
+    loaded.set_env(model.get_env())
+    loaded.learn(64, reset_num_timesteps=False)
+    assert loaded.ref_kl_controller.n_updates == 3
+
+
+def test_load_model_without_reference(tmp_path):
+    model = make_model(KLPPO)
+    model.learn(64)
+    model.save(tmp_path / "plain.zip")
+    loaded = KLPPO.load(tmp_path / "plain.zip", device="cpu")
+    assert loaded.ref_policy is None
+    assert "train/ref_kl" not in model.logger.name_to_value
+
+
+def test_fixed_coefficient_and_measure_only(saved_reference):
+    fixed = make_model(KLPPO, ref_policy=saved_reference, ref_kl_coef=0.3)
+    fixed.learn(128)
+    assert isinstance(fixed.ref_kl_controller, FixedKLController)
+    assert fixed.logger.name_to_value["train/ref_kl_coef"] == 0.3
+    measured = make_model(KLPPO, ref_policy=saved_reference, ref_kl_coef=0.0)
+    measured.learn(64)
+    assert measured.ref_kl_controller is None
+    assert measured.logger.name_to_value["train/ref_kl"] > 0
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_mismatched_action_space_raises(algo):
+    discrete = PPO("MlpPolicy", "CartPole-v1", policy_kwargs=dict(POLICY_KWARGS), device="cpu")
+    with pytest.raises(ValueError, match="action space"):
+        make_model(algo, ref_policy=discrete)
+    # Same shape, other bounds (and other observations): still a different action space
+    box = PPO("MlpPolicy", "MountainCarContinuous-v0", policy_kwargs=dict(POLICY_KWARGS), device="cpu")
+    with pytest.raises(ValueError, match="ref_policy"):
+        make_model(algo, ref_policy=box)
+
+
+def test_invalid_arguments(tmp_path):
+    with pytest.raises(ValueError, match="ref_kl_coef"):
+        make_model(KLPPO, ref_kl_coef=-1.0)
+    with pytest.raises(ValueError, match="ref_target_kl"):
+        make_model(KLPPO, ref_target_kl=0.0)
+    with pytest.raises(ValueError, match="ref_kl_direction"):
+        make_model(KLPPO, ref_kl_direction="sideways")
+    with pytest.raises(TypeError, match="ref_policy"):
+        make_model(KLPPO, ref_policy=42)
+    sac_path = tmp_path / "sac.zip"
+    SAC("MlpPolicy", "Pendulum-v1", policy_kwargs=dict(POLICY_KWARGS), device="cpu").save(sac_path)
+    with pytest.raises(ValueError, match="ActorCriticPolicy"):
+        make_model(KLPPO, ref_policy=sac_path)
