@@ -15,7 +15,8 @@ so an interrupted benchmark resumes where it stopped):
 2. fine-tune: KLPPO (same settings, target_kl 0.03) starting from the pretrained weights, on a modified
    Pendulum-v1: ``action-cost`` (reward ``r - action_cost * a^2``) or ``torque-limit`` (torque clipped to
    +/- ``torque_limit`` instead of 2); ``free``: ``ref_kl_coef=0`` (KL to the reference measured and logged, not
-   penalized), ``anchored``: ``ref_target_kl`` with the adaptive controller (beta_ref from 1.0).
+   penalized), ``anchored``: ``ref_target_kl`` with the adaptive controller (beta_ref from 1.0); with
+   ``--extra-targets x ...`` also ``anchored_t<x>`` runs with ``ref_target_kl=x``.
 3. report: benchmarks/results/reference_<task>.md (table) and reference_<task>.png (KL to the reference, beta_ref and
    training returns over fine-tuning), where <task> is e.g. ``cost0.5`` or ``limit1.0``.
 
@@ -185,7 +186,7 @@ def finetune(job: tuple[str, int, int, tuple[str, float], float]) -> dict[str, A
         seed=seed,
         device="cpu",
         ref_policy=PRETRAINED,
-        **(anchor if condition == "anchored" else dict(ref_kl_coef=0.0)),
+        **(anchor if condition.startswith("anchored") else dict(ref_kl_coef=0.0)),
         **ZOO_SETTINGS,
     )
     # Start from the pretrained actor and critic (the reference is a separate frozen copy)
@@ -199,7 +200,7 @@ def finetune(job: tuple[str, int, int, tuple[str, float], float]) -> dict[str, A
         "seed": seed,
         "steps": steps,
         "task": list(task),
-        "ref_target_kl": ref_target_kl if condition == "anchored" else None,
+        "ref_target_kl": ref_target_kl if condition.startswith("anchored") else None,
         "original_return": evaluate(model, None),
         "new_task_return": evaluate(model, task),
         "final_ref_kl": trace.trace[-1]["ref_kl"],
@@ -222,7 +223,7 @@ def report(args: argparse.Namespace, command: str) -> None:
         f"reward r - {task[1]:g}*a^2" if task[0] == "action-cost" else f"torque limited to +/-{task[1]:g} (instead of 2)"
     )
     pre = json.load(open(record_path(f"{tag}_pretrained")))
-    runs = {c: [json.load(open(record_path(f"{tag}_{c}_s{s}"))) for s in args.seeds] for c in ("free", "anchored")}
+    runs = {c: [json.load(open(record_path(f"{tag}_{c}_s{s}"))) for s in args.seeds] for c in conditions(args)}
     lines = [
         f"# Issue 8: reference-policy KL on Pendulum-v1 (pretrain, then fine-tune with {description})",
         "",
@@ -234,7 +235,8 @@ def report(args: argparse.Namespace, command: str) -> None:
         f"- Fine-tuning: KLPPO (same settings, target_kl 0.03), {args.steps} steps per run "
         f"({args.steps // 4096} updates), from the pretrained weights, on Pendulum-v1 with {description}; "
         f"seeds {', '.join(map(str, args.seeds))}. `free`: ref_kl_coef=0 (KL to the reference measured only); "
-        f"`anchored`: ref_target_kl={args.ref_target_kl}, adaptive beta_ref from 1.0, bounds (1e-3, 100).",
+        f"`anchored`: ref_target_kl={args.ref_target_kl}, adaptive beta_ref from 1.0, bounds (1e-3, 100)"
+        + ("; `anchored_t<x>`: the same with ref_target_kl=x." if args.extra_targets else "."),
         "- KL to the reference = `train/ref_kl`: exact mean per-state KL(pi || pi_ref) (reverse/analytic/sum) over the "
         "buffer's states after each update. Returns: 20 deterministic episodes, reset seeds 1000-1019.",
         "- Machine: 2 shared cores (load average ~12 from other jobs), torch 1 thread, 2 runs at a time under nice 10.",
@@ -274,10 +276,13 @@ def report(args: argparse.Namespace, command: str) -> None:
         )
     free, anchored = summary["free"], summary["anchored"]
     less_forgetting = anchored["original_return"][0] > free["original_return"][0]
-    near_target = [
-        float(np.mean([t["ref_kl"] for t in r["trace"][len(r["trace"]) // 2 :]])) / args.ref_target_kl
-        for r in runs["anchored"]
-    ]
+    near_target = {
+        condition: [
+            float(np.mean([t["ref_kl"] for t in r["trace"][len(r["trace"]) // 2 :]])) / r["ref_target_kl"] for r in records
+        ]
+        for condition, records in runs.items()
+        if condition != "free"
+    }
     lines += [
         "",
         "Verdict (computed by the script):",
@@ -285,12 +290,19 @@ def report(args: argparse.Namespace, command: str) -> None:
         f"- Forgetting: anchored runs keep an original-task return of {anchored['original_return'][0]:.1f} vs "
         f"{free['original_return'][0]:.1f} without the anchor: "
         + ("the anchor forgets less." if less_forgetting else "the anchor does NOT forget less here."),
-        f"- KL to the reference: anchored mean over the second half of training = "
-        f"{', '.join(f'{x:.2f}' for x in near_target)} x target (per seed); free runs end at "
-        f"{free['final_ref_kl'][0]:.3f} on average.",
+        "- KL to the reference, mean over the second half of training / target (per seed): "
+        + "; ".join(f"{c}: {', '.join(f'{x:.2f}' for x in values)}" for c, values in near_target.items())
+        + f". Free runs end at {free['final_ref_kl'][0]:.3f} on average.",
         f"- New task: anchored {anchored['new_task_return'][0]:.1f} vs free {free['new_task_return'][0]:.1f} "
         f"(pretrained {pre['new_task_return']:.1f}).",
     ]
+    for condition in runs:
+        if condition.startswith("anchored_t"):
+            stats = summary[condition]
+            lines.append(
+                f"- {condition}: original-task return {stats['original_return'][0]:.1f}, new-task return "
+                f"{stats['new_task_return'][0]:.1f}, final KL to ref {stats['final_ref_kl'][0]:.3f}."
+            )
     with open(os.path.join(RESULTS, f"reference_{tag}.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -304,7 +316,8 @@ def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tag: s
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    colors = {"free": "tab:red", "anchored": "tab:blue"}
+    palette = iter(["tab:green", "tab:purple", "tab:orange", "tab:brown"])
+    colors = {c: {"free": "tab:red", "anchored": "tab:blue"}.get(c) or next(palette) for c in runs}
     for condition, records in runs.items():
         for i, r in enumerate(records):
             steps = [t["timesteps"] for t in r["trace"]]
@@ -312,7 +325,10 @@ def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tag: s
             axes[0].plot(steps, [t["ref_kl"] for t in r["trace"]], color=colors[condition], label=label, alpha=0.8)
             axes[1].plot(steps, [t["ref_kl_coef"] for t in r["trace"]], color=colors[condition], label=label, alpha=0.8)
             axes[2].plot(steps, [t["train_return"] for t in r["trace"]], color=colors[condition], label=label, alpha=0.8)
-    axes[0].axhline(args.ref_target_kl, color="k", ls="--", lw=1, label="ref_target_kl")
+    for condition, records in runs.items():
+        if condition != "free":
+            axes[0].axhline(records[0]["ref_target_kl"], color=colors[condition], ls="--", lw=1)
+    axes[0].plot([], [], color="k", ls="--", lw=1, label="ref_target_kl")
     axes[0].set_yscale("log")
     axes[0].set_title("KL(pi || pi_ref) after each update")
     axes[1].set_title("beta_ref (0 = measured only)")
@@ -325,6 +341,14 @@ def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tag: s
     fig.savefig(os.path.join(RESULTS, f"reference_{tag}.png"), dpi=100)
 
 
+def conditions(args: argparse.Namespace) -> list[str]:
+    return ["free", "anchored", *(f"anchored_t{x:g}" for x in args.extra_targets)]
+
+
+def target_of(args: argparse.Namespace, condition: str) -> float:
+    return float(condition[len("anchored_t") :]) if condition.startswith("anchored_t") else args.ref_target_kl
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=81_920)
@@ -334,6 +358,7 @@ def main() -> None:
     parser.add_argument("--action-cost", type=float, default=0.5)
     parser.add_argument("--torque-limit", type=float, default=1.0)
     parser.add_argument("--ref-target-kl", type=float, default=0.05)
+    parser.add_argument("--extra-targets", type=float, nargs="*", default=[], help="more anchored runs, one per target")
     args = parser.parse_args()
     th.set_num_threads(1)
     os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
@@ -347,9 +372,9 @@ def main() -> None:
         with open(record_path(f"{tag}_pretrained"), "w") as file:
             json.dump(pretrain(task), file, indent=1)
     jobs = [
-        (condition, seed, args.steps, task, args.ref_target_kl)
+        (condition, seed, args.steps, task, target_of(args, condition))
         for seed in args.seeds
-        for condition in ("free", "anchored")
+        for condition in conditions(args)
         if not os.path.exists(record_path(f"{tag}_{condition}_s{seed}"))
     ]
     with Pool(min(args.jobs, max(len(jobs), 1))) as pool:
