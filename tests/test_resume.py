@@ -18,6 +18,7 @@ process), the restored state is still exact at load time and the beta trajectory
 the continuation samples different actions, so only structural properties are compared.
 """
 
+import hashlib
 import json
 import random
 from collections import deque
@@ -190,6 +191,14 @@ def test_fixture_loads_and_predicts(stem: str) -> None:
     assert (model.num_timesteps, model._n_updates) == (expected["num_timesteps"], expected["n_updates"])
     assert model.target_kl(1.0) == expected["target_kl"]
     assert model.min_std == expected["min_std"]
+    if expected["ref_controller"] is not None:
+        state = vars(model.ref_kl_controller)
+        assert {k: list(v) if isinstance(v, (tuple, list, deque)) else v for k, v in state.items()} == expected["ref_controller"]
+    if expected["ref_parameters_sha256"] is not None:
+        # the frozen reference comes back from the zip's ref_policy.pth, not from the original file or model
+        ref_params = th.nn.utils.parameters_to_vector(model.ref_policy.parameters()).numpy()
+        assert hashlib.sha256(ref_params.tobytes()).hexdigest() == expected["ref_parameters_sha256"]
+        assert not any(p.requires_grad for p in model.ref_policy.parameters())
     observations = np.array(expected["observations"], dtype=np.float32)
     actions, _ = model.predict(observations, deterministic=True)
     np.testing.assert_allclose(np.asarray(actions, dtype=np.float64), np.array(expected["actions"]), rtol=0, atol=1e-6)
