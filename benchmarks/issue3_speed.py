@@ -11,6 +11,7 @@ writes ``benchmarks/results/issue3_speed.md``.
 """
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -29,6 +30,7 @@ from issue3_learning import ALGOS, ZOO  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPORT_FILE = RESULTS / "issue3_speed.md"
+ROWS_FILE = RESULTS / "issue3_speed_rows.json"
 
 # (stock, ours, env, timesteps per run)
 COMPARISONS = (
@@ -103,29 +105,40 @@ def main() -> None:
             )
         )
 
+    # Rows of earlier runs are kept unless re-measured (``--only`` re-runs some comparisons)
+    stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.exists() else []
+    measured = {(row["env"], row["ours"]) for row in rows}
+    rows = [row for row in stored if (row["env"], row["ours"]) not in measured] + rows
+    order = {(env, ours): i for i, (_, ours, env, _) in enumerate(COMPARISONS)}
+    rows.sort(key=lambda row: order[(row["env"], row["ours"])])
+    for row in rows:
+        row.setdefault("pairs", args.pairs)
+        row.setdefault("measured_at", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    ROWS_FILE.write_text(json.dumps(rows, indent=1) + "\n")
+
     lines = [
         "# Issue 3 speed: KLTRPO vs sb3-contrib TRPO, ClipKLPPO vs PPO",
         "",
-        f"`nice -n 10 python benchmarks/issue3_speed.py --pairs {args.pairs}`: {args.pairs} paired runs per row, interleaved,",
-        "alternating which goes first, same seed within a pair, rl-zoo3 settings (see issue3_learning.py), 1 torch thread,",
-        f"Python {platform.python_version()}, SB3 {stable_baselines3.__version__}, sb3-contrib {sb3_contrib.__version__},",
+        "`nice -n 10 python benchmarks/issue3_speed.py --pairs N [--only KLTRPO|ClipKLPPO]`: N paired runs per row,",
+        "interleaved, alternating which goes first, same seed within a pair, rl-zoo3 settings (see issue3_learning.py),",
+        f"1 torch thread, Python {platform.python_version()}, SB3 {stable_baselines3.__version__}, "
+        f"sb3-contrib {sb3_contrib.__version__},",
         f"torch {th.__version__}, CPU ({os.cpu_count()} cores) shared with other jobs. Ratio = ours / stock env-steps/s",
-        "over the whole learn(); 'train() speed ratio' = stock / ours seconds spent inside train().",
+        "over the whole learn(); 'train() speed ratio' = median of stock / ours seconds spent inside train().",
         "",
-        "| env | ours / stock | steps per run | median ratio | min - max | train() speed ratio "
-        "| ours steps/s | stock steps/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| env | ours / stock | steps per run | pairs | median ratio | min - max | train() speed ratio "
+        "| ours steps/s | stock steps/s | measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['env']} | {row['ours']} / {row['stock']} | {row['timesteps']} | {row['ratio']:.3f} | "
+            f"| {row['env']} | {row['ours']} / {row['stock']} | {row['timesteps']} | {row['pairs']} | {row['ratio']:.3f} | "
             f"{row['ratio_min']:.3f} - {row['ratio_max']:.3f} | {row['train_ratio']:.3f} | {row['ours_sps']:.0f} | "
-            f"{row['stock_sps']:.0f} |"
+            f"{row['stock_sps']:.0f} | {row['measured_at']} |"
         )
     lines += ["", "Goals (issue 3): KLTRPO >= 1.0 x TRPO, ClipKLPPO >= 0.95 x PPO."]
-    if not args.only:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        REPORT_FILE.write_text("\n".join(lines) + "\n")
+    REPORT_FILE.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

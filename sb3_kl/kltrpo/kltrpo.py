@@ -421,12 +421,21 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 # No acceptable step: the policy is left exactly as it was
                 _copy_flat_to_parameters(original_flat, actor_params)
 
-        # Critic update, with the actor's gradients removed so it cannot move the policy
+        # Critic update on random minibatches of the whole buffer (already flat tensors: sliced, not re-converted),
+        # with the actor's gradients removed so it cannot move the policy
         value_losses = []
+        all_observations, all_returns = rollout_data.observations, rollout_data.returns
+        n_samples = len(all_returns)
         for _ in range(self.n_critic_updates):
-            for batch in self.rollout_buffer.get(self.batch_size):
-                values_pred = self.policy.predict_values(batch.observations)
-                value_loss = F.mse_loss(batch.returns, values_pred.flatten())
+            permutation = th.as_tensor(np.random.permutation(n_samples), device=self.device)
+            for start in range(0, n_samples, self.batch_size):
+                indices = permutation[start : start + self.batch_size]
+                if isinstance(all_observations, dict):
+                    batch_observations = {key: obs[indices] for key, obs in all_observations.items()}
+                else:
+                    batch_observations = all_observations[indices]
+                values_pred = self.policy.predict_values(batch_observations)  # type: ignore[arg-type]
+                value_loss = F.mse_loss(all_returns[indices], values_pred.flatten())
                 value_losses.append(value_loss.item())
                 self.policy.optimizer.zero_grad()
                 value_loss.backward()
