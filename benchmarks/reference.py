@@ -6,6 +6,7 @@ return after fine-tuning (forgetting) and the KL to the reference over training.
     nice -n 10 python benchmarks/reference.py --task action-cost --action-cost 0.5 [--steps 81920] [--seeds 0 1 2]
         [--jobs 2] [--ref-target-kl 0.05]
     nice -n 10 python benchmarks/reference.py --task torque-limit --torque-limit 1.0 ...
+    nice -n 10 python benchmarks/reference.py --task spin-bonus --spin-bonus 1.5 ...
 
 Stages (each run is recorded as JSON under benchmarks/results/reference_runs/, and skipped when its record exists,
 so an interrupted benchmark resumes where it stopped):
@@ -13,8 +14,9 @@ so an interrupted benchmark resumes where it stopped):
 1. pretrain: SB3 PPO on Pendulum-v1, 100k steps, rl-zoo settings (n_envs 4, n_steps 1024, gamma 0.9,
    gae_lambda 0.95, lr 1e-3, n_epochs 10, use_sde, sde_sample_freq 4, clip 0.2), seed 0; saved as a zip.
 2. fine-tune: KLPPO (same settings, target_kl 0.03) starting from the pretrained weights, on a modified
-   Pendulum-v1: ``action-cost`` (reward ``r - action_cost * a^2``) or ``torque-limit`` (torque clipped to
-   +/- ``torque_limit`` instead of 2); ``free``: ``ref_kl_coef=0`` (KL to the reference measured and logged, not
+   Pendulum-v1: ``action-cost`` (reward ``r - action_cost * a^2``), ``torque-limit`` (torque clipped to
+   +/- ``torque_limit`` instead of 2) or ``spin-bonus`` (reward ``r + spin_bonus * |angular velocity|``, a hackable
+   shaping term); ``free``: ``ref_kl_coef=0`` (KL to the reference measured and logged, not
    penalized), ``anchored``: ``ref_target_kl`` with the adaptive controller (beta_ref from 1.0); with
    ``--extra-targets x ...`` also ``anchored_t<x>`` runs with ``ref_target_kl=x``.
 3. report: benchmarks/results/reference_<task>.md (table) and reference_<task>.png (KL to the reference, beta_ref and
@@ -67,6 +69,24 @@ class ActionCost(gym.Wrapper):
         return obs, float(reward) - self.coef * float(np.sum(np.square(applied))), terminated, truncated, info
 
 
+class SpinBonus(gym.Wrapper):
+    """
+    The modified task: Pendulum's reward plus ``coef * |angular velocity|``, a misspecified shaping term that can be
+    hacked: above ``coef ~ 1.2`` spinning the pendulum round and round earns more than balancing it upright.
+
+    :param env: The environment
+    :param coef: Bonus per unit of angular speed
+    """
+
+    def __init__(self, env: gym.Env, coef: float):
+        super().__init__(env)
+        self.coef = coef
+
+    def step(self, action: np.ndarray) -> Any:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, float(reward) + self.coef * abs(float(obs[2])), terminated, truncated, info
+
+
 class TorqueLimit(gym.ActionWrapper):
     """
     The modified task: the torque is clipped to +/- ``limit`` (Pendulum's own limit is 2).
@@ -90,11 +110,13 @@ def task_wrapper(task: tuple[str, float] | None) -> tuple[type[gym.Wrapper] | No
     name, value = task
     if name == "action-cost":
         return ActionCost, dict(coef=value)
+    if name == "spin-bonus":
+        return SpinBonus, dict(coef=value)
     return TorqueLimit, dict(limit=value)
 
 
 def task_tag(task: tuple[str, float]) -> str:
-    return f"cost{task[1]:g}" if task[0] == "action-cost" else f"limit{task[1]:g}"
+    return {"action-cost": "cost", "spin-bonus": "spin", "torque-limit": "limit"}[task[0]] + f"{task[1]:g}"
 
 
 def evaluate(policy: Any, task: tuple[str, float] | None) -> float:
@@ -219,9 +241,11 @@ def run_and_save(job: tuple[str, int, int, tuple[str, float], float]) -> str:
 def report(args: argparse.Namespace, command: str) -> None:
     task = args.task_spec
     tag = task_tag(task)
-    description = (
-        f"reward r - {task[1]:g}*a^2" if task[0] == "action-cost" else f"torque limited to +/-{task[1]:g} (instead of 2)"
-    )
+    description = {
+        "action-cost": f"reward r - {task[1]:g}*a^2",
+        "spin-bonus": f"reward r + {task[1]:g}*|angular velocity| (hackable shaping)",
+        "torque-limit": f"torque limited to +/-{task[1]:g} (instead of 2)",
+    }[task[0]]
     pre = json.load(open(record_path(f"{tag}_pretrained")))
     runs = {c: [json.load(open(record_path(f"{tag}_{c}_s{s}"))) for s in args.seeds] for c in conditions(args)}
     lines = [
@@ -332,7 +356,7 @@ def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tag: s
     axes[0].set_yscale("log")
     axes[0].set_title("KL(pi || pi_ref) after each update")
     axes[1].set_title("beta_ref (0 = measured only)")
-    axes[2].set_title("training episodes, Pendulum reward (no action cost)", fontsize=10)
+    axes[2].set_title("training episodes, Pendulum's own reward (torque as applied)", fontsize=10)
     fig.suptitle(f"Fine-tuning from the pretrained policy, {description}")
     for ax in axes:
         ax.set_xlabel("fine-tuning timesteps")
@@ -354,7 +378,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=81_920)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--task", choices=["action-cost", "torque-limit"], default="action-cost")
+    parser.add_argument("--task", choices=["action-cost", "torque-limit", "spin-bonus"], default="action-cost")
+    parser.add_argument("--spin-bonus", type=float, default=1.5)
     parser.add_argument("--action-cost", type=float, default=0.5)
     parser.add_argument("--torque-limit", type=float, default=1.0)
     parser.add_argument("--ref-target-kl", type=float, default=0.05)
@@ -365,7 +390,10 @@ def main() -> None:
     os.makedirs(RUNS, exist_ok=True)
     command = "nice -n 10 python benchmarks/reference.py " + " ".join(sys.argv[1:])
 
-    task = (args.task, args.action_cost if args.task == "action-cost" else args.torque_limit)
+    task = (
+        args.task,
+        {"action-cost": args.action_cost, "spin-bonus": args.spin_bonus, "torque-limit": args.torque_limit}[args.task],
+    )
     args.task_spec = task
     tag = task_tag(task)
     if not os.path.exists(record_path(f"{tag}_pretrained")):
