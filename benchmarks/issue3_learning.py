@@ -214,8 +214,15 @@ def write_report() -> None:
             "|---|---|---|---|---|---|---|---|",
         ]
         table_rows(lines, extra_runs)
-        lines += ["", "All seeds together:", ""]
+        lines += [
+            "",
+            "All seeds together:",
+            "",
+            "| env | algorithm | steps | seeds | score per seed | seed mean | min seed | steps/s (mean) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         table_rows(lines, runs, only_complete_pairs=True)
+        lines.append("")
         checks(lines, runs, only_complete_pairs=True)
     REPORT_FILE.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
