@@ -143,5 +143,6 @@ def test_save_load_round_trip(tmp_path):
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    # ValueError for a value out of range, TypeError for a value of the wrong type; the message names the argument
+    with pytest.raises((ValueError, TypeError), match=match):
         ClipKLPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, **kwargs)

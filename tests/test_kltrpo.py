@@ -277,7 +277,8 @@ def test_save_load_round_trip(tmp_path):
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    # ValueError for a value out of range, TypeError for a value of the wrong type; the message names the argument
+    with pytest.raises((ValueError, TypeError), match=match):
         KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, **kwargs)
 
 
