@@ -12,14 +12,8 @@ import numpy as np
 from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import FloatSchedule
 
-from sb3_kl.common.callbacks_monitor import (
-    KLMonitorCallback,
-    MonitorUser,
-    check_band,
-    check_int,
-    check_positive,
-    model_target_kl,
-)
+from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, model_target_kl
+from sb3_kl.common.validation import check_bool, check_int, check_pair, check_positive
 
 
 @dataclass
@@ -103,11 +97,12 @@ class KLAlarmCallback(MonitorUser):
         check_positive("tail_ratio", tail_ratio, allow_none=True)
         check_positive("negative_tol", negative_tol)
         check_positive("min_kl", min_kl)
+        check_bool("stop_training", stop_training)
         self.target_kl = FloatSchedule(target_kl) if target_kl is not None else None
         self.spike_factor = float(spike_factor)
         self.patience = patience
         self.tail_ratio = tail_ratio
-        self.grad_ratio_band = check_band("grad_ratio_band", grad_ratio_band) if grad_ratio_band is not None else None
+        self.grad_ratio_band = check_pair("grad_ratio_band", grad_ratio_band) if grad_ratio_band is not None else None
         self.negative_tol = float(negative_tol)
         self.min_kl = float(min_kl)
         self.stop_training = stop_training

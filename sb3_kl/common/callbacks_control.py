@@ -14,7 +14,8 @@ from stable_baselines3.common.distributions import DiagGaussianDistribution, Dis
 from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import FloatSchedule, update_learning_rate
 
-from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, check_band, check_positive
+from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
+from sb3_kl.common.validation import check_int, check_pair, check_positive
 
 
 class AdaptiveLRSchedule:
@@ -83,8 +84,8 @@ class KLAdaptiveLRCallback(MonitorUser):
             raise ValueError(f"`factor` must be > 1 (the learning rate is multiplied or divided by it), got {factor!r}.")
         self.target_kl = FloatSchedule(target_kl)
         self.factor = float(factor)
-        self.band = check_band("band", band)
-        self.lr_bounds = check_band("lr_bounds", lr_bounds)
+        self.band = check_pair("band", band)
+        self.lr_bounds = check_pair("lr_bounds", lr_bounds)
         self.learning_rate: float | None = None
         self._original_schedule: Schedule | None = None
         self._schedule: AdaptiveLRSchedule | None = None
@@ -161,6 +162,7 @@ class VarianceFloorCallback(BaseCallback):
     """
 
     def __init__(self, min_std: float, verbose: int = 0):
+        check_int("verbose", verbose, 0)
         super().__init__(verbose)
         check_positive("min_std", min_std)
         self.min_std = float(min_std)

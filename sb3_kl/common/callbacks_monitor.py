@@ -15,6 +15,9 @@ from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.logger import TensorBoardOutputFormat
 
 from sb3_kl.common.kl import (
+    KL_DIRECTIONS,
+    KL_ESTIMATORS,
+    KL_REDUCTIONS,
     BernoulliParams,
     CategoricalParams,
     DistributionParams,
@@ -26,6 +29,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     quantile_name,
 )
+from sb3_kl.common.validation import check_bool, check_choice, check_int
 
 try:  # sb3-contrib is optional: only needed to recognise MaskablePPO's distributions
     from sb3_contrib.common.maskable.distributions import (
@@ -83,28 +87,6 @@ def model_target_kl(model: Any) -> float | None:
     if isinstance(target, (int, float, np.floating)) and not isinstance(target, bool):
         return float(target)
     return None
-
-
-def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-
-
-def check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-
-
-def check_band(name: str, band: Any) -> tuple[float, float]:
-    try:
-        low, high = (float(x) for x in band)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a pair (low, high) of numbers, got {band!r}.") from None
-    if not (0 < low < high and math.isfinite(high)):
-        raise ValueError(f"`{name}` must satisfy 0 < low < high < inf, got {band!r}.")
-    return low, high
 
 
 class KLMonitorCallback(BaseCallback):
@@ -180,7 +162,21 @@ class KLMonitorCallback(BaseCallback):
         seed: int = 0,
         verbose: int = 0,
     ):
+        check_int("verbose", verbose, 0)
         super().__init__(verbose)
+        # Checked under the callback's own argument names (KLSettings would name them kl_*)
+        for name, value, choices in (
+            ("direction", direction, KL_DIRECTIONS),
+            ("estimator", estimator, KL_ESTIMATORS),
+            ("reduction", reduction, KL_REDUCTIONS),
+        ):
+            try:
+                check_choice(name, value, choices)
+            except ValueError as error:
+                raise ValueError(f"{error} (The same option as the algorithms' `kl_{name}`.)") from None
+        check_bool("per_env", per_env)
+        if seed is not None:
+            check_int("seed", seed, 0)
         self.settings = KLSettings(estimator=estimator, direction=direction, reduction=reduction)
         quantiles = tuple(float(q) for q in quantiles)
         for q in quantiles:
@@ -544,6 +540,7 @@ class MonitorUser(BaseCallback):
     """
 
     def __init__(self, monitor: KLMonitorCallback | None, verbose: int = 0):
+        check_int("verbose", verbose, 0)
         super().__init__(verbose)
         if monitor is not None and not isinstance(monitor, KLMonitorCallback):
             raise TypeError(f"`monitor` must be a KLMonitorCallback or None, got {type(monitor).__name__}.")

@@ -19,23 +19,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
 
-
-def _check_positive_finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-    return float(value)
-
-
-def _check_pair(name: str, value: Any, positive: bool = True) -> tuple[float, float]:
-    try:
-        low, high = value
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a pair (low, high), got {value!r}.") from None
-    low = _check_positive_finite(f"{name}[0]", low) if positive else float(low)
-    high = _check_positive_finite(f"{name}[1]", high) if positive else float(high)
-    if not low < high:
-        raise ValueError(f"`{name}` is inverted or empty: low={low} must be < high={high}; pass them as (low, high).")
-    return low, high
+from sb3_kl.common.validation import check_int, check_pair, check_positive
 
 
 class KLController(ABC):
@@ -47,8 +31,8 @@ class KLController(ABC):
     """
 
     def __init__(self, kl_coef: float = 1.0, kl_coef_bounds: tuple[float, float] = (1e-4, 10.0)):
-        self.kl_coef_bounds = _check_pair("kl_coef_bounds", kl_coef_bounds)
-        kl_coef = _check_positive_finite("kl_coef", kl_coef)
+        self.kl_coef_bounds = check_pair("kl_coef_bounds", kl_coef_bounds)
+        kl_coef = check_positive("kl_coef", kl_coef)
         low, high = self.kl_coef_bounds
         if not low <= kl_coef <= high:
             raise ValueError(f"`kl_coef`={kl_coef} lies outside `kl_coef_bounds`={self.kl_coef_bounds}: widen the bounds.")
@@ -126,16 +110,15 @@ class AdaptiveKLController(KLController):
         kl_window: int = 1,
     ):
         super().__init__(kl_coef, kl_coef_bounds)
-        kl_adapt_factor = _check_positive_finite("kl_adapt_factor", kl_adapt_factor)
+        kl_adapt_factor = check_positive("kl_adapt_factor", kl_adapt_factor)
         if kl_adapt_factor <= 1.0:
             raise ValueError(
                 f"`kl_adapt_factor` must be > 1 for the adaptive controller, got {kl_adapt_factor}; "
                 "use kl_controller='fixed' for a constant coefficient."
             )
         self.kl_adapt_factor = kl_adapt_factor
-        self.kl_band = _check_pair("kl_band", kl_band)
-        if isinstance(kl_window, bool) or not isinstance(kl_window, int) or kl_window < 1:
-            raise ValueError(f"`kl_window` must be an integer >= 1, got {kl_window!r}.")
+        self.kl_band = check_pair("kl_band", kl_band)
+        check_int("kl_window", kl_window, 1)
         self.kl_window = kl_window
         self.recent_kls: deque[float] = deque(maxlen=kl_window)
 
@@ -170,8 +153,8 @@ class ProportionalKLController(KLController):
         kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
     ):
         super().__init__(kl_coef, kl_coef_bounds)
-        self.kl_horizon = _check_positive_finite("kl_horizon", kl_horizon)
-        self.kl_error_clip = _check_positive_finite("kl_error_clip", kl_error_clip)
+        self.kl_horizon = check_positive("kl_horizon", kl_horizon)
+        self.kl_error_clip = check_positive("kl_error_clip", kl_error_clip)
 
     def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
         error = min(max(kl / target_kl - 1.0, -self.kl_error_clip), self.kl_error_clip)
@@ -203,6 +186,13 @@ def make_kl_controller(
     """
     if isinstance(kl_controller, KLController):
         return kl_controller
+    if not isinstance(kl_controller, str) or kl_controller not in KL_CONTROLLERS:
+        raise ValueError(
+            f"Unknown `kl_controller`={kl_controller!r}: choose one of {', '.join(map(repr, KL_CONTROLLERS))} "
+            "or pass a KLController instance."
+        )
+    # Checked whatever the controller, so that a bad value does not wait for a switch to 'proportional'
+    check_positive("kl_horizon", kl_horizon)
     if kl_controller == "adaptive":
         return AdaptiveKLController(kl_coef, kl_adapt_factor, kl_band, kl_coef_bounds, kl_window)
     if kl_controller == "fixed":

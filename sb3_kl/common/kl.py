@@ -41,6 +41,8 @@ from stable_baselines3.common.distributions import (
 )
 from torch.nn import functional as F
 
+from sb3_kl.common.validation import check_choice  # re-exported: sb3_kl.common.kl.check_choice is used elsewhere
+
 KL_ESTIMATORS = ("analytic", "k1", "k3")
 KL_DIRECTIONS = ("forward", "reverse")
 KL_REDUCTIONS = ("sum", "mean")
@@ -301,14 +303,6 @@ class KLSettings:
         kl = "KL(old||new)" if self.direction == "forward" else "KL(new||old)"
         reduction = "summed over" if self.reduction == "sum" else "averaged over"
         return f"{kl}, {self.estimator}, {reduction} action dimensions"
-
-
-def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    """
-    :raises ValueError: when ``value`` is not one of ``choices``, naming the argument
-    """
-    if value not in choices:
-        raise ValueError(f"Unknown `{name}`={value!r}: choose one of {', '.join(repr(c) for c in choices)}.")
 
 
 def sample_kl(log_ratio: th.Tensor, estimator: str, direction: str, log_ratio_clip: float = 20.0) -> th.Tensor:

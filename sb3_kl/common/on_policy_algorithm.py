@@ -22,6 +22,7 @@ from stable_baselines3.common.vec_env import VecEnv
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.controllers import KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
+from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
 from sb3_kl.common.kl import (
     DistributionParams,
     GaussianParams,
@@ -38,25 +39,44 @@ DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
 
 def check_schedule_positive(name: str, value: "float | Schedule | None", allow_none: bool = False) -> None:
     """
-    Fail early on a non-positive or non-finite number, or a schedule whose start or end value is one.
+    Fail early on a non-positive or non-finite number, or a schedule whose start or end value is one
+    (:func:`sb3_kl.common.validation.check_schedule`).
 
     :param name: Argument name, used in the message
     :param value: A number, a schedule of progress remaining (1 -> 0), or None
     :param allow_none: Whether None is accepted
     """
-    if value is None:
-        if allow_none:
-            return
-        raise ValueError(f"`{name}` must not be None.")
-    if callable(value):
-        samples = {progress: value(progress) for progress in (1.0, 0.0)}
-    else:
-        samples = {1.0: value}
-    for progress, sample in samples.items():
-        if isinstance(sample, bool) or not isinstance(sample, (int, float, np.floating, np.integer)):
-            raise TypeError(f"`{name}` must be a number or a schedule returning numbers, got {sample!r} at progress {progress}.")
-        if not math.isfinite(sample) or sample <= 0:
-            raise ValueError(f"`{name}` must be positive and finite, got {sample!r} at progress_remaining={progress}.")
+    check_schedule(name, value, allow_none=allow_none)
+
+
+def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
+    """
+    Check the arguments KLPPO, ClipKLPPO and KLTRPO pass on to SB3's ``OnPolicyAlgorithm`` that SB3 itself does
+    not check (or checks only later, with an error not naming them). Arguments absent from ``arguments`` are
+    skipped; the ``n_steps * n_envs > 1`` check stays SB3's assert in the algorithms.
+
+    :param arguments: The keyword arguments given to ``OnPolicyAlgorithm.__init__``
+    :raises TypeError: for a value of the wrong type
+    :raises ValueError: for a value out of range
+    """
+    if "learning_rate" in arguments:
+        # a linear schedule (e.g. rl-zoo's ``lin_3e-4``) reaches exactly 0 at the end of training
+        check_schedule("learning_rate", arguments["learning_rate"], allow_zero_at_end=True)
+    if "n_steps" in arguments:
+        n_steps = check_int("n_steps", arguments["n_steps"])
+        if n_steps < 0:
+            raise ValueError(f"`n_steps` must be a positive integer (steps per env per rollout), got {n_steps!r}.")
+    for name in ("gamma", "gae_lambda"):
+        if name in arguments:
+            check_probability(name, arguments[name])
+    if "use_sde" in arguments:
+        check_bool("use_sde", arguments["use_sde"])
+    if "sde_sample_freq" in arguments:
+        check_int("sde_sample_freq", arguments["sde_sample_freq"])  # -1: sample the noise at the start of a rollout only
+    if "stats_window_size" in arguments:
+        check_int("stats_window_size", arguments["stats_window_size"], 1)
+    if "tensorboard_log" in arguments:
+        check_path("tensorboard_log", arguments["tensorboard_log"])
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -211,6 +231,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         ref_kl_estimator: str = "analytic",
         **kwargs: Any,
     ):
+        check_on_policy_arguments(kwargs)
         super().__init__(*args, **kwargs)
         check_schedule_positive("target_kl", target_kl, allow_none=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)

@@ -30,7 +30,7 @@ from stable_baselines3.common.save_util import load_from_zip_file
 from stable_baselines3.common.type_aliases import PyTorchObs
 from stable_baselines3.common.utils import ConstantSchedule
 
-from sb3_kl.common.controllers import FixedKLController, KLController, make_kl_controller
+from sb3_kl.common.controllers import KL_CONTROLLERS, FixedKLController, KLController, make_kl_controller
 from sb3_kl.common.kl import (
     KL_DIRECTIONS,
     KL_ESTIMATORS,
@@ -42,6 +42,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
+from sb3_kl.common.validation import check_existing_file, check_pair
 
 #: Attribute set on the frozen copies built here (so ``_setup_model`` does not copy them again)
 _FROZEN_MARK = "_sb3_kl_frozen_reference"
@@ -202,6 +203,12 @@ class ReferenceKLMixin:
         """Validate and store the reference options (the reference itself is loaded in ``_setup_model``)."""
         check_choice("ref_kl_direction", ref_kl_direction, KL_DIRECTIONS)
         check_choice("ref_kl_estimator", ref_kl_estimator, KL_ESTIMATORS)
+        # Checked even when unused (ref_target_kl=None or no ref_policy), so a typo does not wait for a later change
+        if not isinstance(ref_kl_controller, KLController):
+            check_choice("ref_kl_controller", ref_kl_controller, tuple(KL_CONTROLLERS))
+        ref_kl_coef_bounds = check_pair("ref_kl_coef_bounds", ref_kl_coef_bounds)
+        if isinstance(ref_policy, (str, os.PathLike)):
+            check_existing_file("ref_policy", ref_policy, suffix=".zip")  # SB3's load adds a missing .zip
         self.ref_kl_settings = KLSettings(ref_kl_estimator, ref_kl_direction, kl_reduction, log_ratio_clip)
         if isinstance(ref_kl_coef, bool) or not isinstance(ref_kl_coef, (int, float)) or not math.isfinite(ref_kl_coef):
             raise ValueError(f"`ref_kl_coef` must be a finite number >= 0, got {ref_kl_coef!r}.")

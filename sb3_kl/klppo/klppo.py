@@ -14,6 +14,14 @@ from torch.nn import functional as F
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
+from sb3_kl.common.validation import (
+    check_bool,
+    check_finite,
+    check_int,
+    check_non_negative,
+    check_positive,
+    check_schedule,
+)
 from sb3_kl.klppo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
 SelfKLPPO = TypeVar("SelfKLPPO", bound="KLPPO")
@@ -212,6 +220,20 @@ class KLPPO(KLOnPolicyAlgorithm):
             ref_kl_estimator=ref_kl_estimator,
         )
 
+        # Checks SB3's PPO does not make; the ones it makes follow, with the same AssertionErrors as PPO
+        check_bool("normalize_advantage", normalize_advantage)
+        check_int("batch_size", batch_size, 1)
+        check_int("n_epochs", n_epochs, 1)
+        check_finite("ent_coef", ent_coef)
+        check_non_negative("vf_coef", vf_coef)
+        check_positive("max_grad_norm", max_grad_norm, allow_inf=True, hint=" (inf: no gradient clipping)")
+        if clip_range is not None:
+            # a linear schedule (e.g. rl-zoo's ``lin_0.2``) reaches exactly 0 at the end of training
+            try:
+                check_schedule("clip_range", clip_range, allow_zero_at_end=True)
+            except ValueError as error:
+                raise ValueError(f"{error} Pass a positive clip_range, or None to disable ratio clipping.") from None
+
         # Same sanity checks as SB3's PPO (same exceptions, so PPO users see no difference)
         if normalize_advantage:
             assert (
@@ -233,14 +255,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                     f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
                     f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})"
                 )
-        if kl_stop_factor is not None and (not math.isfinite(kl_stop_factor) or kl_stop_factor <= 0):
-            raise ValueError(f"`kl_stop_factor` must be a positive finite number or None (no early stop), got {kl_stop_factor!r}.")
-        if not math.isfinite(kl_hinge_coef) or kl_hinge_coef < 0:
-            raise ValueError(f"`kl_hinge_coef` must be >= 0 (0 disables the hinge), got {kl_hinge_coef!r}.")
-        if not math.isfinite(kl_hinge_factor) or kl_hinge_factor <= 0:
-            raise ValueError(f"`kl_hinge_factor` must be a positive finite number, got {kl_hinge_factor!r}.")
-        if clip_range is not None and not callable(clip_range) and clip_range <= 0:
-            raise ValueError(f"`clip_range` must be positive, or None to disable ratio clipping; got {clip_range!r}.")
+        check_positive("kl_stop_factor", kl_stop_factor, allow_none=True, hint=" or None (no early stop)")
+        check_non_negative("kl_hinge_coef", kl_hinge_coef, hint=" (0 disables the hinge)")
+        check_positive("kl_hinge_factor", kl_hinge_factor)
         self.batch_size = batch_size
         self.n_epochs = n_epochs
         self.clip_range = clip_range

@@ -17,28 +17,10 @@ from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
+from sb3_kl.common.validation import check_bool, check_int, check_range
 from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
 SelfKLTRPO = TypeVar("SelfKLTRPO", bound="KLTRPO")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    """:raises ValueError: unless ``value`` is an integer >= ``minimum``, naming the argument"""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-
-
-def _check_float(name: str, value: Any, low: float, high: float | None, closed_low: bool, hint: str) -> None:
-    """:raises ValueError: unless ``value`` is a finite number in the interval, naming the argument"""
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float, np.floating, np.integer))
-        and math.isfinite(value)
-        and (value >= low if closed_low else value > low)
-        and (high is None or value < high)
-    )
-    if not ok:
-        raise ValueError(f"`{name}` must be {hint}, got {value!r}.")
 
 
 @th.no_grad()
@@ -196,16 +178,17 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 f"`kl_estimator`={kl_estimator!r} is not supported by KLTRPO: the trust region needs the exact KL "
                 "and its Hessian, pass kl_estimator='analytic'."
             )
-        _check_int("cg_max_steps", cg_max_steps, 1)
-        _check_float("cg_damping", cg_damping, 0.0, None, True, "a finite number >= 0")
-        _check_float("line_search_shrinking_factor", line_search_shrinking_factor, 0.0, 1.0, False, "in (0, 1)")
-        _check_int("line_search_max_iter", line_search_max_iter, 1)
-        _check_int("n_critic_updates", n_critic_updates, 0)
-        _check_int("sub_sampling_factor", sub_sampling_factor, 1)
-        _check_int("batch_size", batch_size, 1)
+        check_int("cg_max_steps", cg_max_steps, 1)
+        check_range("cg_damping", cg_damping, 0.0, None, closed_low=True, hint="a finite number >= 0")
+        check_range("line_search_shrinking_factor", line_search_shrinking_factor, 0.0, 1.0, closed_low=False, hint="in (0, 1)")
+        check_int("line_search_max_iter", line_search_max_iter, 1)
+        check_int("n_critic_updates", n_critic_updates, 0)
+        check_int("sub_sampling_factor", sub_sampling_factor, 1)
+        check_int("batch_size", batch_size, 1)
+        check_bool("normalize_advantage", normalize_advantage)
         if tail_kl is not None:
-            _check_float("tail_kl", tail_kl, 0.0, None, False, "a positive finite number (or None for no tail bound)")
-        _check_float("tail_quantile", tail_quantile, 0.0, 1.0, False, "strictly between 0 and 1")
+            check_range("tail_kl", tail_kl, 0.0, None, closed_low=False, hint="a positive finite number (None: no tail bound)")
+        check_range("tail_quantile", tail_quantile, 0.0, 1.0, closed_low=False, hint="strictly between 0 and 1")
 
         super().__init__(
             policy,
