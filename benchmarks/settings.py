@@ -130,22 +130,23 @@ TRPO_SETTINGS: dict[str, dict[str, Any]] = {
     "Hopper-v5": _TRPO_MUJOCO,
 }
 
-PPO_FAMILY = ("ppo", "klppo", "clip_klppo")
+PPO_FAMILY = ("ppo", "klppo", "klppo_noclip", "clip_klppo")
 TRPO_FAMILY = ("trpo", "kltrpo")
-# Arguments KLPPO drops from PPO's settings by design (it controls the step with the KL penalty, not the ratio clip)
+# ``klppo`` is the drop-in swap: PPO's zoo entry unchanged, so where the zoo sets ``clip_range`` KLPPO clips *and*
+# penalizes. ``klppo_noclip`` drops these arguments, i.e. KLPPO with its own default of no ratio clipping.
 KLPPO_DROPPED = ("clip_range",)
 
 
 def settings_for(algo: str, env_id: str) -> dict[str, Any]:
     """
-    :param algo: benchmark name of the algorithm (``ppo``, ``klppo``, ``clip_klppo``, ``trpo``, ``kltrpo``)
+    :param algo: benchmark name of the algorithm (``ppo``, ``klppo``, ``klppo_noclip``, ``clip_klppo``, ``trpo``, ``kltrpo``)
     :param env_id: Gymnasium id
     :return: ``dict(n_timesteps, n_envs, normalize, kwargs)`` (kwargs copied, safe to modify)
     """
     table = PPO_SETTINGS if algo in PPO_FAMILY else TRPO_SETTINGS
     entry = table[env_id]
     kwargs = dict(entry["kwargs"])
-    if algo == "klppo":
+    if algo == "klppo_noclip":
         for name in KLPPO_DROPPED:
             kwargs.pop(name, None)
     return {**entry, "kwargs": kwargs}
