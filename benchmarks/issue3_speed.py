@@ -66,13 +66,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--only", nargs="*", default=None, help="restrict to these of our algorithms, e.g. KLTRPO")
+    parser.add_argument("--env", nargs="*", default=None, help="restrict to these environments")
     args = parser.parse_args()
     th.set_num_threads(1)
     os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
 
     rows: list[dict[str, Any]] = []
     for stock, ours, env_id, timesteps in COMPARISONS:
-        if args.only and ours not in args.only:
+        if (args.only and ours not in args.only) or (args.env and env_id not in args.env):
             continue
         # Warm-up (imports, first-call overheads) outside the measurement
         for algo in (stock, ours):
@@ -120,8 +121,8 @@ def main() -> None:
     lines = [
         "# Issue 3 speed: KLTRPO vs sb3-contrib TRPO, ClipKLPPO vs PPO",
         "",
-        "`nice -n 10 python benchmarks/issue3_speed.py --pairs N [--only KLTRPO|ClipKLPPO]`: N paired runs per row,",
-        "interleaved, alternating which goes first, same seed within a pair, rl-zoo3 settings (see issue3_learning.py),",
+        "`nice -n 10 python benchmarks/issue3_speed.py --pairs N [--only KLTRPO|ClipKLPPO] [--env ENV]`: N paired runs",
+        "per row, interleaved, alternating which goes first, same seed within a pair, rl-zoo3 settings (issue3_learning.py),",
         f"1 torch thread, Python {platform.python_version()}, SB3 {stable_baselines3.__version__}, "
         f"sb3-contrib {sb3_contrib.__version__},",
         f"torch {th.__version__}, CPU ({os.cpu_count()} cores) shared with other jobs. Ratio = ours / stock env-steps/s",
