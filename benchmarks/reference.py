@@ -356,7 +356,7 @@ def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tag: s
     axes[0].set_yscale("log")
     axes[0].set_title("KL(pi || pi_ref) after each update")
     axes[1].set_title("beta_ref (0 = measured only)")
-    axes[2].set_title("training episodes, Pendulum's own reward (torque as applied)", fontsize=10)
+    axes[2].set_title("training episodes, Pendulum's own reward", fontsize=10)
     fig.suptitle(f"Fine-tuning from the pretrained policy, {description}")
     for ax in axes:
         ax.set_xlabel("fine-tuning timesteps")
@@ -397,8 +397,9 @@ def main() -> None:
     args.task_spec = task
     tag = task_tag(task)
     if not os.path.exists(record_path(f"{tag}_pretrained")):
+        record = pretrain(task)  # computed before the file is opened: an interrupted run leaves no empty record
         with open(record_path(f"{tag}_pretrained"), "w") as file:
-            json.dump(pretrain(task), file, indent=1)
+            json.dump(record, file, indent=1)
     jobs = [
         (condition, seed, args.steps, task, target_of(args, condition))
         for seed in args.seeds

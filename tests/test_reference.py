@@ -153,6 +153,7 @@ def test_save_load_keeps_anchor_without_source_file(algo, saved_reference, tmp_p
     obs = th.as_tensor(np.stack([loaded.observation_space.sample() for _ in range(4)]))
     expected = model.ref_policy.get_distribution(obs).distribution.mean
     assert th.allclose(loaded.ref_policy.get_distribution(obs).distribution.mean, expected)
+    assert algo.load(tmp_path / "model.zip", device="cpu", ref_kl_coef=0.123).ref_kl_coef == 0.123
     # Training continues with the restored anchor
     loaded.set_env(model.get_env())
     loaded.learn(64, reset_num_timesteps=False)
