@@ -312,3 +312,15 @@ def test_ppo_checks_are_kept():
         KLPPO("MlpPolicy", "CartPole-v1", batch_size=1)
     with pytest.warns(UserWarning, match="mini-batch size"):
         KLPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=60)
+
+
+def test_target_schedule_may_decay_to_zero_like_the_zoo_lin_syntax():
+    """rl-zoo's `lin_0.02` decays to 0 at the end of training: accepted, the very last update uses a tiny floor."""
+    from sb3_kl.common.on_policy_algorithm import MIN_TARGET_KL
+
+    model = KLPPO("MlpPolicy", "CartPole-v1", target_kl=LinearSchedule(0.02, 0.0, 1.0), **SMALL)
+    model.learn(2 * SMALL["n_steps"])
+    assert model._current_progress_remaining == 0.0
+    assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
+    with pytest.raises(ValueError, match="target_kl"):
+        KLPPO("MlpPolicy", "CartPole-v1", target_kl=LinearSchedule(0.02, -0.01, 1.0))

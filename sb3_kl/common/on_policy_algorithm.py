@@ -35,18 +35,9 @@ from sb3_kl.common.kl import (
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
 DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
-
-
-def check_schedule_positive(name: str, value: "float | Schedule | None", allow_none: bool = False) -> None:
-    """
-    Fail early on a non-positive or non-finite number, or a schedule whose start or end value is one
-    (:func:`sb3_kl.common.validation.check_schedule`).
-
-    :param name: Argument name, used in the message
-    :param value: A number, a schedule of progress remaining (1 -> 0), or None
-    :param allow_none: Whether None is accepted
-    """
-    check_schedule(name, value, allow_none=allow_none)
+#: A ``target_kl`` schedule may decay to 0 at the very end of training (rl-zoo's ``lin_0.02``): the last update then
+#: uses this floor, i.e. it is held (almost) still, as a learning rate decayed to 0 would hold it
+MIN_TARGET_KL = 1e-8
 
 
 def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
@@ -233,7 +224,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     ):
         check_on_policy_arguments(kwargs)
         super().__init__(*args, **kwargs)
-        check_schedule_positive("target_kl", target_kl, allow_none=True)
+        check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
         self.kl_controller = make_kl_controller(
             kl_controller, kl_coef, kl_adapt_factor, tuple(kl_band), tuple(kl_coef_bounds), kl_window, kl_horizon  # type: ignore[arg-type]
@@ -397,9 +388,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     def _current_target_kl(self) -> float:
         target = float(self.target_kl(self._current_progress_remaining))  # type: ignore[operator]
-        if not math.isfinite(target) or target <= 0:
+        if not math.isfinite(target) or target < 0:
             raise ValueError(f"`target_kl` must stay positive and finite, its schedule returned {target}.")
-        return target
+        return max(target, MIN_TARGET_KL)
 
     # ----------------------------------------------------------------------------------------------------------
     # After the update

@@ -69,12 +69,6 @@ def parse_linear_schedule(key: str, value: str) -> LinearSchedule:
             "or 'lin_<start>_<end>' (e.g. 'lin_0.02_0.005', linear from start to end over training)."
         )
     start, end = values[0], values[1] if len(values) == 2 else 0.0
-    if key == "target_kl" and end <= 0:
-        raise ValueError(
-            f"`target_kl: {value}` would bring the KL target down to {end} by the end of training, and sb3_kl requires a "
-            f"positive target: give the final value as well, e.g. 'lin_{numbers[0]}_{start / 4:g}' (linear from {start:g} "
-            f"to {start / 4:g})."
-        )
     return LinearSchedule(start=start, end=end, end_fraction=1.0)
 
 
