@@ -308,7 +308,7 @@ class KLPPO(KLOnPolicyAlgorithm):
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
-            epoch_kl_sum, epoch_states = 0.0, 0
+            epoch_kl_sum, epoch_states = th.zeros(()), 0
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
                 actions = self._actions_for_log_prob(rollout_data.actions)
                 # One forward pass gives the values, the log-probs and the distribution for the KL
@@ -350,7 +350,8 @@ class KLPPO(KLOnPolicyAlgorithm):
                 with th.no_grad():
                     approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
                     if self.kl_stop_factor is not None:
-                        epoch_kl_sum += kl.item() * len(advantages)
+                        # summed as a tensor: one synchronisation per epoch, not per minibatch
+                        epoch_kl_sum += kl.detach() * len(advantages)
                         epoch_states += len(advantages)
                 pg_losses.append(policy_loss.item())
                 value_losses.append(value_loss.item())
@@ -369,10 +370,11 @@ class KLPPO(KLOnPolicyAlgorithm):
 
             self._n_updates += 1
             # Early stop judged once per epoch on the KL of all the states seen in it (one minibatch is too noisy)
-            if self.kl_stop_factor is not None and epoch_kl_sum / max(epoch_states, 1) > self.kl_stop_factor * target_kl:
+            epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1) if self.kl_stop_factor is not None else 0.0
+            if self.kl_stop_factor is not None and epoch_kl > self.kl_stop_factor * target_kl:
                 early_stop_epoch = epoch + 1
                 if self.verbose >= 1:
-                    print(f"Early stopping at epoch {epoch + 1} due to reaching KL {epoch_kl_sum / epoch_states:.4f}")
+                    print(f"Early stopping at epoch {epoch + 1} due to reaching KL {epoch_kl:.4f}")
                 if epoch < self.n_epochs - 1:
                     kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
                 break
