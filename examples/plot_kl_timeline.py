@@ -4,10 +4,10 @@ timeline, print the KL report and the drill-down into the highest-KL states.
 
 This is how the figures of ``docs/diagnostics.md`` were produced (about a minute each on one CPU core)::
 
-    python examples/plot_kl_timeline.py --logdir /tmp/sb3kl_timeline --out docs/img/kl_timeline.png
-    python examples/plot_kl_timeline.py --algo ppo --learning-rate 3e-3 --n-epochs 30 --logdir /tmp/sb3kl_compare
-    python examples/plot_kl_timeline.py --learning-rate 3e-3 --n-epochs 30 --logdir /tmp/sb3kl_compare --overlay
-    sb3-kl plot /tmp/sb3kl_compare --overlay --target 0.02 --out docs/img/kl_timeline_overlay.png
+    python examples/plot_kl_timeline.py --logdir benchmarks/results/diagnostics_runs/timeline --out docs/img/kl_timeline.png
+    python examples/plot_kl_timeline.py --algo ppo --learning-rate 3e-3 --n-epochs 30 --logdir benchmarks/results/diagnostics_runs/compare
+    python examples/plot_kl_timeline.py --learning-rate 3e-3 --n-epochs 30 --logdir benchmarks/results/diagnostics_runs/compare --overlay
+    sb3-kl plot benchmarks/results/diagnostics_runs/compare --overlay --target 0.02 --out docs/img/kl_timeline_overlay.png
 
 (``--target``: stock PPO logs no target KL, so its band is drawn from the one given.)
 
@@ -74,7 +74,7 @@ if __name__ == "__main__":
     parser.add_argument("--algo", choices=["klppo", "ppo"], default="klppo")
     parser.add_argument("--env", default="Pendulum-v1")
     parser.add_argument("--timesteps", type=int, default=60_000)
-    parser.add_argument("--logdir", default="/tmp/sb3kl_timeline")
+    parser.add_argument("--logdir", default="benchmarks/results/diagnostics_runs/timeline")
     parser.add_argument("--out", default="kl_timeline.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
