@@ -369,6 +369,12 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         values = self.policy.value_net(latent_vf).flatten()
         return values, self.policy._get_action_dist_from_latent(latent_pi)
 
+    def _normalized_advantages(self, advantages: th.Tensor) -> th.Tensor:
+        """Normalize the minibatch's advantages when ``normalize_advantage`` (not for a single sample, see SB3 GH#325)."""
+        if self.normalize_advantage and len(advantages) > 1:  # type: ignore[attr-defined]
+            return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        return advantages
+
     def _actions_for_log_prob(self, actions: th.Tensor) -> th.Tensor:
         """Discrete actions come out of the buffer as floats of shape (batch, 1)."""
         if isinstance(self.action_space, spaces.Discrete):

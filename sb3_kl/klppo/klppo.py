@@ -320,10 +320,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                 log_ratio = log_prob - rollout_data.old_log_prob
                 kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
 
-                advantages = rollout_data.advantages
-                # Normalization does not make sense if mini batchsize == 1, see GH issue #325
-                if self.normalize_advantage and len(advantages) > 1:
-                    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+                advantages = self._normalized_advantages(rollout_data.advantages)
                 policy_loss, clip_fraction = self._surrogate_loss(log_ratio, advantages, clip_range)
                 kl_loss = self._kl_penalty(kl, kl_coef, target_kl)
 
@@ -476,9 +473,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         _, distribution = self._forward(rollout_data.observations)
         log_ratio = distribution.log_prob(self._actions_for_log_prob(rollout_data.actions)) - rollout_data.old_log_prob
         kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
-        advantages = rollout_data.advantages
-        if self.normalize_advantage and len(advantages) > 1:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        advantages = self._normalized_advantages(rollout_data.advantages)
         policy_loss, _ = self._surrogate_loss(log_ratio, advantages, clip_range)
         return self._gradient_ratio(self._kl_penalty(kl, kl_coef, target_kl), policy_loss)
 

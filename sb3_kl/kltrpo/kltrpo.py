@@ -326,9 +326,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         actions = self._actions_for_log_prob(rollout_data.actions[::step])
         old_log_prob = rollout_data.old_log_prob[::step]
         old_params = rollout_data.old_dist_params[::step]
-        advantages = rollout_data.advantages[::step]
-        if self.normalize_advantage and len(advantages) > 1:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        advantages = self._normalized_advantages(rollout_data.advantages[::step])
 
         # Surrogate objective E[r A] and mean KL to the rollout policy, with their graph
         distribution = self.policy.get_distribution(observations)
