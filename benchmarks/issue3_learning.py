@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,11 @@ from sb3_contrib import TRPO
 from stable_baselines3 import PPO
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.evaluation import evaluate_policy
-from stable_baselines3.common.utils import LinearSchedule
 
 from sb3_kl import KLTRPO, ClipKLPPO
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from settings import PPO_SETTINGS, TRPO_SETTINGS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS_FILE = RESULTS / "issue3_learning_runs.jsonl"
@@ -40,64 +43,10 @@ SEEDS = (0, 1, 2)
 N_EVAL_EPISODES = 10
 
 
-def lin(value: float) -> LinearSchedule:
-    """rl-zoo's ``lin_<value>``: ``value * progress_remaining``."""
-    return LinearSchedule(value, 0.0, 1.0)
-
-
-# rl_zoo3 2.9.2 hyperparams/ppo.yml and trpo.yml (CartPole-v1, Pendulum-v1); n_envs and n_timesteps split out
+# rl_zoo3 2.9.2 hyperparams/ppo.yml and trpo.yml (CartPole-v1, Pendulum-v1): the one table in benchmarks/settings.py
 ZOO: dict[str, dict[str, dict[str, Any]]] = {
-    "ppo": {
-        "CartPole-v1": dict(
-            n_envs=8,
-            n_timesteps=100_000,
-            kwargs=dict(
-                n_steps=32,
-                batch_size=256,
-                gae_lambda=0.8,
-                gamma=0.98,
-                n_epochs=20,
-                ent_coef=0.0,
-                learning_rate=lin(1e-3),
-                clip_range=lin(0.2),
-            ),
-        ),
-        "Pendulum-v1": dict(
-            n_envs=4,
-            n_timesteps=100_000,
-            kwargs=dict(
-                n_steps=1024,
-                gae_lambda=0.95,
-                gamma=0.9,
-                n_epochs=10,
-                ent_coef=0.0,
-                learning_rate=1e-3,
-                clip_range=0.2,
-                use_sde=True,
-                sde_sample_freq=4,
-            ),
-        ),
-    },
-    "trpo": {
-        "CartPole-v1": dict(
-            n_envs=2,
-            n_timesteps=100_000,
-            kwargs=dict(
-                n_steps=512,
-                batch_size=512,
-                cg_damping=1e-3,
-                gae_lambda=0.98,
-                gamma=0.99,
-                learning_rate=1e-3,
-                n_critic_updates=20,
-            ),
-        ),
-        "Pendulum-v1": dict(
-            n_envs=2,
-            n_timesteps=100_000,
-            kwargs=dict(n_steps=1024, gamma=0.9, n_critic_updates=15, use_sde=True, sde_sample_freq=4),
-        ),
-    },
+    "ppo": {env: PPO_SETTINGS[env] for env in ("CartPole-v1", "Pendulum-v1")},
+    "trpo": {env: TRPO_SETTINGS[env] for env in ("CartPole-v1", "Pendulum-v1")},
 }
 
 # name -> (class, zoo family); the sb3_kl classes run with their own defaults for the KL options
