@@ -211,3 +211,44 @@ def test_loss_path_matches_parameter_path_in_value_and_gradient(direction, use_s
     th.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-7)
     for a, b in zip(grads_fused, grads_reference, strict=True):
         th.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_fused_gaussian_kl_gradient_is_exact(reverse):
+    """The one-node Gaussian KL of the loss path has the gradient of the closed form (float64 finite differences)."""
+    layout = GaussianParams(3)
+    dist = make_proba_distribution(spaces.Box(-1, 1, (3,)))
+    generator = th.Generator().manual_seed(0)
+    mean = th.randn(6, 3, dtype=th.float64, generator=generator, requires_grad=True)
+    log_std = th.randn(3, dtype=th.float64, generator=generator, requires_grad=True)
+    old = th.randn(6, 6, dtype=th.float64, generator=generator)
+
+    def joint(mean_: th.Tensor, log_std_: th.Tensor) -> th.Tensor:
+        return layout.joint_kl_to(old, dist.proba_distribution(mean_, log_std_), reverse=reverse)
+
+    assert type(joint(mean, log_std).grad_fn).__name__ == "_GaussianJointKLBackward"
+    assert th.autograd.gradcheck(joint, (mean, log_std))
+    # the same value as the per-dimension form and as torch.distributions
+    reference = layout.kl_per_dim_to(old, dist.proba_distribution(mean, log_std), reverse=reverse).sum(dim=-1)
+    th.testing.assert_close(joint(mean, log_std), reference)
+    old_torch = layout.torch_distributions(old)[0]
+    new_torch = th.distributions.Normal(mean, th.exp(log_std).expand_as(mean))
+    pair = (new_torch, old_torch) if reverse else (old_torch, new_torch)
+    th.testing.assert_close(joint(mean, log_std), th.distributions.kl_divergence(*pair).sum(dim=-1))
+
+
+def test_fused_gaussian_kl_refuses_second_derivatives_and_falls_back_without_grad():
+    layout = GaussianParams(2)
+    dist = make_proba_distribution(spaces.Box(-1, 1, (2,)))
+    mean, log_std = th.randn(4, 2, requires_grad=True), th.zeros(2, requires_grad=True)
+    old = th.randn(4, 4)
+    kl = layout.joint_kl_to(old, dist.proba_distribution(mean, log_std)).sum()
+    (grad,) = th.autograd.grad(kl, mean, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        th.autograd.grad(grad.sum(), mean)
+    # Fisher-vector products go through the differentiable per-dimension form
+    new = layout.extract(dist.proba_distribution(mean, log_std))
+    (grad,) = th.autograd.grad(layout.kl_per_dim(old, new).sum(), mean, create_graph=True)
+    assert th.autograd.grad(grad.sum(), mean)[0].shape == mean.shape
+    with th.no_grad():
+        assert layout.joint_kl_to(old, dist.proba_distribution(mean, log_std)).grad_fn is None

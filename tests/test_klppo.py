@@ -324,3 +324,24 @@ def test_target_schedule_may_decay_to_zero_like_the_zoo_lin_syntax():
     assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
     with pytest.raises(ValueError, match="target_kl"):
         KLPPO("MlpPolicy", "CartPole-v1", target_kl=LinearSchedule(0.02, -0.01, 1.0))
+
+
+def test_adam_uses_the_fused_kernel_unless_the_user_chooses(tmp_path):
+    """Fused Adam by default (same update as SB3's Adam), kept after load; optimizer_kwargs choices are respected."""
+    model = KLPPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=2, seed=0, device="cpu")
+    group = model.policy.optimizer.param_groups[0]
+    assert group["fused"] is True and group["eps"] == 1e-5
+    model.learn(128)
+    stock = KLPPO(
+        "MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=2, seed=0, device="cpu",
+        policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5, foreach=False)),
+    )  # fmt: skip
+    assert not stock.policy.optimizer.param_groups[0]["fused"]
+    stock.learn(128)  # construction seeds the global RNGs: each model learns right after its own construction
+    for ours, theirs in zip(model.policy.parameters(), stock.policy.parameters(), strict=True):
+        th.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    model.save(tmp_path / "model")
+    loaded = KLPPO.load(tmp_path / "model", env=model.get_env(), device="cpu")
+    assert loaded.policy.optimizer.param_groups[0]["fused"] is True
+    assert all(state["step"].dtype == th.float32 for state in loaded.policy.optimizer.state.values())
+    loaded.learn(128, reset_num_timesteps=False)
