@@ -47,11 +47,11 @@ STRESS_LR_MULTS = [3.0, 10.0]
 BUDGETS = {
     "full": {
         "CartPole-v1": 100_000,
-        "Acrobot-v1": 200_000,
+        "Acrobot-v1": 100_000,
         "Pendulum-v1": 100_000,
-        "LunarLanderContinuous-v3": 300_000,
-        "HalfCheetah-v5": 300_000,
-        "Hopper-v5": 300_000,
+        "LunarLanderContinuous-v3": 200_000,
+        "HalfCheetah-v5": 150_000,
+        "Hopper-v5": 150_000,
     },
     "quick": {env: 4096 for env in MAIN_ENVS},
     "tiny": {env: 1024 for env in MAIN_ENVS},
@@ -194,11 +194,23 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         train_seconds=train_seconds,
         env_steps_per_second=budget / train_seconds,
         torch_threads=1,
+        code_version=code_version(),
     )
     path = record_path(tier, algo, env_id, lr_mult, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
     return record
+
+
+def code_version() -> str:
+    """``git describe`` of the sb3-kl checkout that ran (``-dirty`` if it had uncommitted changes), or ``"unknown"``."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
