@@ -203,14 +203,21 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def code_version() -> str:
-    """``git describe`` of the sb3-kl checkout that ran (``-dirty`` if it had uncommitted changes), or ``"unknown"``."""
+    """
+    The commit of the sb3-kl checkout that ran, with ``+modified`` when the package or the benchmark code had
+    uncommitted changes (results files do not count), or ``"unknown"`` outside a git checkout.
+    """
     import subprocess
 
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        commit = git("rev-parse", "--short", "HEAD")
+        modified = git("status", "--porcelain", "--", "../sb3_kl", "settings.py", "learning.py")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return (commit + ("+modified" if modified else "")) if commit else "unknown"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
