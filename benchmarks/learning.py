@@ -318,6 +318,14 @@ def report(tier: str) -> str:
         "family default 0.02 discrete / 0.03 continuous for PPO and 0.01 for TRPO). Collapses: see `count_collapses`. "
         "Values are mean ± std over seeds; the best evaluation return per row is in bold.",
         "",
+        f"Budgets (environment steps per run, the same for every algorithm and learning rate): "
+        + ", ".join(f"{env} {steps:,}" for env, steps in BUDGETS[tier].items())
+        + ". rl-zoo trains the MuJoCo tasks for 1M steps and LunarLanderContinuous for 1M; these runs are shorter so that"
+        " the grid fits a 2-core machine, so MuJoCo returns are those of early training. One torch thread per run.",
+        "",
+        "Code versions of the records (commit of sb3-kl that produced them: run count): "
+        + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions(records).items())) + ".",
+        "",
     ]
     for lr_mult in sorted({k[2] for k in groups}):
         title = "Main grid (base learning rate)" if lr_mult == 1.0 else f"Stress grid: learning rate x{lr_mult:g}"
@@ -360,6 +368,15 @@ def report(tier: str) -> str:
     (RESULTS / f"learning{suffix}.md").write_text(text)
     plot(groups, envs, algos, suffix)
     return text
+
+
+def code_versions(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many records each code version produced (records from before versions were stored: ``unrecorded``)."""
+    counts: dict[str, int] = {}
+    for record in records:
+        version = record.get("code_version", "unrecorded")
+        counts[version] = counts.get(version, 0) + 1
+    return counts
 
 
 def goals(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
