@@ -162,9 +162,36 @@ def write_table() -> None:
             f"{reference if reference is not None else '-'} | {'yes' if is_shipped else 'no'} | "
             f"{r['wall_time_s'] / 60:.1f} min | `{r['command']}` |"
         )
-    lines.append("")
+    lines += ["", *summary_matrix(results, shipped), ""]
     TABLE.write_text("\n".join(lines))
     print(f"Wrote {TABLE}")
+
+
+def summary_matrix(results: list[dict[str, Any]], shipped: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """Env x algorithm: the evaluation return of the run behind each shipped entry (its budget in brackets)."""
+    lines = [
+        "## Shipped entries at a glance",
+        "",
+        "Evaluation return of the recorded run of each shipped entry (budget in environment steps); *not shipped*: no",
+        "entry for this pair in the package.",
+        "",
+        "| env | " + " | ".join(f"`{algo}`" for algo in ALGOS) + " |",
+        "|---|" + "---|" * len(ALGOS),
+    ]
+    for env_id in REFERENCE_RETURN:
+        cells = []
+        for algo in ALGOS:
+            config = shipped.get((algo, env_id))
+            runs = [r for r in results if r["algo"] == algo and r["env"] == env_id and r["returncode"] == 0 and r["config"] == config]
+            if config is None:
+                cells.append("not shipped")
+            elif not runs:
+                cells.append("shipped, no run recorded")
+            else:
+                run = runs[-1]
+                cells.append(f"{run['eval_mean']:.1f} ({run['n_timesteps']:.0e})".replace("e+0", "e"))
+        lines.append(f"| {env_id} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
