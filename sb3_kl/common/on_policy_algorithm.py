@@ -4,6 +4,7 @@ the KL rollout buffer with its policy-version check, the frozen rollout distribu
 measurement after each update with its logs, the variance floor and the count of non-finite steps.
 """
 
+import functools
 import math
 from typing import Any
 
@@ -164,6 +165,18 @@ class NonFiniteEnvCheck:
         return new_obs, rewards, dones, infos
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_adam_available(device: th.device) -> bool:
+    """Whether this PyTorch build has the fused Adam kernel for ``device`` (CPU support came with PyTorch 2.4)."""
+    try:
+        probe = th.zeros(1, device=device, requires_grad=True)
+        probe.grad = th.zeros_like(probe)
+        th.optim.Adam([probe], fused=True).step()
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
+
+
 class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     """
     Base class of the sb3_kl algorithms. See :class:`~sb3_kl.KLPPO` for the meaning of the KL arguments.
@@ -320,7 +333,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         optimizer_kwargs = getattr(self.policy, "optimizer_kwargs", None) or {}
         if type(optimizer) is not th.optim.Adam or "foreach" in optimizer_kwargs or "fused" in optimizer_kwargs:
             return
-        if self.device.type not in ("cpu", "cuda"):
+        if self.device.type not in ("cpu", "cuda") or not _fused_adam_available(self.device):
             return
         if not all(param.is_floating_point() for group in optimizer.param_groups for param in group["params"]):
             return
