@@ -324,7 +324,10 @@ def report(tier: str) -> str:
         " the grid fits a 2-core machine, so MuJoCo returns are those of early training. One torch thread per run.",
         "",
         "Code versions of the records (commit of sb3-kl that produced them: run count): "
-        + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions(records).items())) + ".",
+        + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions(records).items())) + ". *unrecorded*: runs from before"
+        " records stored it, made with sb3-kl at commit d9fd1be or earlier, i.e. before the fused-Adam default and the"
+        " one-node Gaussian KL of commit 6c3c7e5 (the same update rule; trajectories differ only by floating-point"
+        " rounding, which over a run is enough to change individual seeds' results).",
         "",
     ]
     for lr_mult in sorted({k[2] for k in groups}):
