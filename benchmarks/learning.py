@@ -318,6 +318,12 @@ def report(tier: str) -> str:
         "family default 0.02 discrete / 0.03 continuous for PPO and 0.01 for TRPO). Collapses: see `count_collapses`. "
         "Values are mean ± std over seeds; the best evaluation return per row is in bold.",
         "",
+        "KLTRPO and TRPO get the same `target_kl` but do not constrain the same number: KLTRPO holds the joint"
+        " KL(old||new), summed over action dimensions, at or below it, while sb3-contrib's TRPO holds KL(new||old)"
+        " averaged over action dimensions. On a d-dimensional action space TRPO's joint KL per update can reach about"
+        " d times the target (see the KL tables: Hopper has 3 action dimensions, HalfCheetah 6), so at equal settings"
+        " KLTRPO takes smaller steps; `kl_reduction=\"mean\"` gives it TRPO's budget per dimension.",
+        "",
         f"Budgets (environment steps per run, the same for every algorithm and learning rate): "
         + ", ".join(f"{env} {steps:,}" for env, steps in BUDGETS[tier].items())
         + ". rl-zoo trains the MuJoCo tasks for 1M steps and LunarLanderContinuous for 1M; these runs are shorter so that"
