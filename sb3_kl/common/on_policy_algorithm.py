@@ -335,11 +335,12 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             return
         if self.device.type not in ("cpu", "cuda") or not _fused_adam_available(self.device):
             return
-        if not all(param.is_floating_point() for group in optimizer.param_groups for param in group["params"]):
+        # the fused kernel takes floating-point parameters only and has no differentiable or capturable mode
+        if any(
+            group.get("differentiable") or group.get("capturable") or not all(p.is_floating_point() for p in group["params"])
+            for group in optimizer.param_groups
+        ):
             return
-        for group in optimizer.param_groups:
-            if group.get("differentiable") or group.get("capturable"):
-                return
         for group in optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
         for state in optimizer.state.values():
