@@ -326,7 +326,7 @@ def report(tier: str) -> str:
         "",
         f"Budgets (environment steps per run, the same for every algorithm and learning rate): "
         + ", ".join(f"{env} {steps:,}" for env, steps in BUDGETS[tier].items())
-        + ". rl-zoo trains the MuJoCo tasks for 1M steps and LunarLanderContinuous for 1M; these runs are shorter so that"
+        + ". rl-zoo trains LunarLanderContinuous and the MuJoCo tasks for 1M steps; these runs are shorter so that"
         " the grid fits a 2-core machine, so MuJoCo returns are those of early training. One torch thread per run.",
         "",
         "Code versions of the records (commit of sb3-kl that produced them: run count): "
