@@ -135,6 +135,50 @@ def test_reverse_mean_convention_is_the_constrained_one():
     assert model.logger.name_to_value["train/kl_convention"] == "reverse/analytic/mean"
 
 
+# sb3-contrib's TRPO steps Adam with its single-tensor kernel and eps=1e-5 (SB3's policy default)
+TRPO_ADAM = dict(optimizer_kwargs=dict(foreach=False, eps=1e-5))
+
+
+@pytest.mark.parametrize(
+    "env_id,kwargs,n_updates",
+    [
+        ("CartPole-v1", dict(n_steps=256), 3),
+        # gSDE: the rollouts after the first update differ by the step's float32 round-off, which Pendulum amplifies
+        ("Pendulum-v1", dict(n_steps=256, use_sde=True, sde_sample_freq=4), 1),
+    ],
+)
+def test_reverse_mean_convention_reproduces_sb3_contrib_trpo(env_id, kwargs, n_updates):
+    """
+    In TRPO's KL convention, KLTRPO is sb3-contrib's TRPO: same seed, same actor step, same critic minibatches (the
+    same permutations are drawn: measuring the update draws nothing from numpy's generator), so the same parameters
+    up to float32 round-off, update after update.
+    """
+    params = {}
+    for name in ("trpo", "kltrpo"):
+        env = gym.make(env_id)
+        common = dict(seed=3, n_critic_updates=3, batch_size=64, **kwargs)
+        if name == "trpo":
+            model = TRPO("MlpPolicy", env, **common)
+        else:
+            model = KLTRPO("MlpPolicy", env, kl_direction="reverse", kl_reduction="mean", policy_kwargs=TRPO_ADAM, **common)
+        model.learn(n_updates * kwargs["n_steps"])
+        params[name] = {key: value.detach().clone() for key, value in model.policy.state_dict().items()}
+        assert model.logger.name_to_value["train/is_line_search_success"] == 1.0
+    initial = TRPO("MlpPolicy", gym.make(env_id), **common).policy.state_dict()
+    for key, value in params["trpo"].items():
+        assert th.allclose(value, params["kltrpo"][key], rtol=0, atol=2e-5), key
+    assert max(float((params["trpo"][key] - initial[key]).abs().max()) for key in initial) > 1e-3, "no real step taken"
+
+
+def test_measuring_the_update_draws_no_random_numbers():
+    """The after-update KL pass reads the buffer in order: numpy's global generator is left where it was."""
+    model = KLTRPO("MlpPolicy", "CartPole-v1", n_steps=64, seed=0, **TINY)
+    model.learn(64)
+    state = np.random.get_state()
+    model._measure_update_kl()
+    assert np.array_equal(np.random.get_state()[1], state[1]) and np.random.get_state()[2] == state[2]
+
+
 def test_failed_line_search_leaves_policy_unchanged():
     """An unreachable tail bound rejects every step: the actor is exactly restored; the critic still learns."""
     model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=128, tail_kl=1e-12, seed=0, **TINY)

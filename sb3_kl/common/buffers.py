@@ -1,3 +1,4 @@
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,27 @@ class KLBufferMixin:
         else:
             flat = observations.reshape(n_samples, *observations.shape[(1 if self.generator_ready else 2) :])
         return flat, self.generator_ready
+
+    def ordered_samples(self, chunk_size: int = 4096) -> Generator[KLRolloutBufferSamples | KLDictRolloutBufferSamples, None, None]:
+        """
+        The whole buffer in chunks of ``chunk_size`` samples, in ``get()``'s flattened order but not shuffled.
+        Unlike ``get()``, it draws nothing from numpy's global random generator, so measuring the buffer after an
+        update leaves the next update's minibatches as they would be without the measurement (a seeded run draws
+        the same permutations as the stock SB3 / sb3-contrib algorithm).
+
+        :param chunk_size: Samples per chunk
+        """
+        assert self.full, "The rollout buffer is not full"
+        if not self.generator_ready:
+            # get() flattens the buffer on its first call; the permutation it draws is kept out of the global stream
+            state = np.random.get_state()
+            try:
+                next(self.get(batch_size=1))  # type: ignore[attr-defined]
+            finally:
+                np.random.set_state(state)
+        n_samples = self.buffer_size * self.n_envs
+        for start in range(0, n_samples, chunk_size):
+            yield self._get_samples(np.arange(start, min(start + chunk_size, n_samples)))  # type: ignore[attr-defined]
 
     @th.no_grad()
     def compute_old_distribution(self, policy: BasePolicy, chunk_size: int = 4096) -> None:

@@ -454,7 +454,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.policy.set_training_mode(False)
         kls, params = [], []
         try:
-            for data in self.rollout_buffer.get(chunk_size):
+            for data in self.rollout_buffer.ordered_samples(chunk_size):
                 distribution = self.policy.get_distribution(data.observations)
                 log_ratio = distribution.log_prob(self._actions_for_log_prob(data.actions)) - data.old_log_prob
                 new_params = self.dist_params.extract(distribution)

@@ -378,7 +378,7 @@ class ReferenceKLMixin:
         policy.set_training_mode(False)
         kls = []
         try:
-            for data in self.rollout_buffer.get(chunk_size):  # type: ignore[attr-defined]
+            for data in self.rollout_buffer.ordered_samples(chunk_size):  # type: ignore[attr-defined]
                 actions = self._actions_for_log_prob(data.actions)  # type: ignore[attr-defined]
                 distribution = policy.get_distribution(data.observations)
                 log_prob = distribution.log_prob(actions) if self.ref_kl_settings.estimator != "analytic" else None

@@ -303,6 +303,20 @@ class KLTRPO(KLOnPolicyAlgorithm):
             return None
         return th.clamp(self.policy.log_std.detach(), max=floor).clone()
 
+    def _buffer_observations_and_returns(self) -> tuple[th.Tensor | dict[str, th.Tensor], th.Tensor]:
+        """
+        The buffer's observations and returns as tensors, in the buffer's own (flattened) order: the order in which
+        sb3-contrib's TRPO indexes its critic minibatches, so that with the same seed both fit the critic on the same
+        samples.
+        """
+        buffer = self.rollout_buffer
+        observations = buffer.observations
+        if isinstance(observations, dict):
+            obs_tensors: th.Tensor | dict[str, th.Tensor] = {key: buffer.to_torch(obs) for key, obs in observations.items()}
+        else:
+            obs_tensors = buffer.to_torch(observations)
+        return obs_tensors, buffer.to_torch(buffer.returns.flatten())
+
     def train(self) -> None:
         """
         Update policy using the currently gathered rollout buffer.
@@ -402,10 +416,11 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 # No acceptable step: the policy is left exactly as it was
                 _copy_flat_to_parameters(original_flat, actor_params)
 
-        # Critic update on random minibatches of the whole buffer (already flat tensors: sliced, not re-converted),
-        # with the actor's gradients removed so it cannot move the policy
+        # Critic update on random minibatches of the whole buffer, with the actor's gradients removed so it cannot
+        # move the policy. The minibatches are those ``rollout_buffer.get(batch_size)`` would give (one permutation of
+        # the buffer's own order per epoch, from the same numpy draw), sliced from tensors converted once
         value_losses = []
-        all_observations, all_returns = rollout_data.observations, rollout_data.returns
+        all_observations, all_returns = self._buffer_observations_and_returns()
         n_samples = len(all_returns)
         for _ in range(self.n_critic_updates):
             permutation = th.as_tensor(np.random.permutation(n_samples), device=self.device)
