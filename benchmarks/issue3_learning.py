@@ -5,7 +5,9 @@ becomes SB3's ``LinearSchedule(x, 0, 1)``, i.e. ``x * progress_remaining``), 3 s
 evaluation episodes after training.
 
 Each (env, algorithm, seed) run appends one JSON line to ``benchmarks/results/issue3_learning_runs.jsonl``
-(runs already there are skipped, so the script can be restarted or split across processes with ``--env``/``--algo``);
+(runs already there are skipped, so the script can be restarted or split across processes with ``--env``/``--algo``;
+``--force`` runs them again). Each record names the sb3-kl commit that made it (``code_version``); the report uses the
+newest record of each (env, algorithm, seed), and the older ones stay in the file as history.
 ``--report`` writes the markdown table ``benchmarks/results/issue3_learning.md`` from those lines.
 
     nice -n 10 python benchmarks/issue3_learning.py --env CartPole-v1
@@ -34,6 +36,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from sb3_kl import KLTRPO, ClipKLPPO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning import code_version  # noqa: E402
 from settings import PPO_SETTINGS, TRPO_SETTINGS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -80,13 +83,21 @@ def run_one(env_id: str, algo: str, seed: int) -> dict[str, Any]:
         "eval_std": float(np.std(returns)),
         "train_seconds": elapsed,
         "env_steps_per_second": config["n_timesteps"] / elapsed,
+        "code_version": code_version(),
     }
 
 
-def load_runs() -> list[dict[str, Any]]:
+def load_all_runs() -> list[dict[str, Any]]:
+    """Every record of the runs file, in the order they were made."""
     if not RUNS_FILE.exists():
         return []
     return [json.loads(line) for line in RUNS_FILE.read_text().splitlines() if line.strip()]
+
+
+def load_runs() -> list[dict[str, Any]]:
+    """The newest record of each (env, algorithm, seed)."""
+    newest = {(r["env"], r["algo"], r["seed"]): r for r in load_all_runs()}
+    return list(newest.values())
 
 
 def table_rows(lines: list[str], runs: list[dict[str, Any]], only_complete_pairs: bool = False) -> None:
@@ -152,6 +163,16 @@ def write_report() -> None:
     main_runs = [r for r in runs if r["seed"] in SEEDS]
     extra_runs = [r for r in runs if r["seed"] not in SEEDS]
     table_rows(lines, main_runs)
+    versions: dict[str, list[str]] = {}
+    for r in sorted(runs, key=lambda r: (r["env"], r["algo"], r["seed"])):
+        if r["algo"] not in ("PPO", "TRPO"):  # the stock algorithms do not run sb3-kl code
+            versions.setdefault(r.get("code_version", "unrecorded"), []).append(f"{r['algo']} {r['env']} s{r['seed']}")
+    lines += ["", "sb3-kl commit of each sb3-kl record (*unrecorded*: made before records stored it, at commit d9fd1be or "
+              "earlier):", ""]
+    lines += [f"- `{version}`: {', '.join(names)}" for version, names in versions.items()]
+    superseded = len(load_all_runs()) - len(runs)
+    if superseded:
+        lines.append(f"- {superseded} older records of the same runs (earlier code) stay in the runs file, superseded.")
     lines += ["", f"Checks (issue 3, seeds {', '.join(map(str, SEEDS))}):", ""]
     checks(lines, main_runs)
     if extra_runs:
@@ -182,6 +203,7 @@ def main() -> None:
     parser.add_argument("--env", nargs="*", default=["CartPole-v1", "Pendulum-v1"])
     parser.add_argument("--algo", nargs="*", default=list(ALGOS))
     parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
+    parser.add_argument("--force", action="store_true", help="run again the runs that already have a record")
     parser.add_argument("--report", action="store_true", help="only write the markdown table from the runs file")
     args = parser.parse_args()
     if not args.report:
@@ -192,7 +214,7 @@ def main() -> None:
             for env_id in args.env:
                 for algo in args.algo:
                     done = {(r["env"], r["algo"], r["seed"]) for r in load_runs()}
-                    if (env_id, algo, seed) in done:
+                    if (env_id, algo, seed) in done and not args.force:
                         continue
                     result = run_one(env_id, algo, seed)
                     print(json.dumps(result), flush=True)
