@@ -155,7 +155,8 @@ def write_report() -> None:
         f"Produced by `python benchmarks/issue3_learning.py` (Python {platform.python_version()},",
         f"SB3 {stable_baselines3.__version__}, "
         f"sb3-contrib {sb3_contrib.__version__}, torch {th.__version__}, 1 torch thread, CPU shared with other jobs:",
-        "the steps/s column is indicative only; see issue3_speed.md for paired speed ratios).",
+        "the steps/s column is indicative only; paired speed ratios: overhead.md, from",
+        "`python benchmarks/overhead.py`).",
         "",
         "| env | algorithm | steps | seeds | score per seed | seed mean | min seed | steps/s (mean) |",
         "|---|---|---|---|---|---|---|---|",
