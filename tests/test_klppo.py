@@ -4,6 +4,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
+from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.envs import (
     FakeImageEnv,
@@ -345,3 +346,31 @@ def test_adam_uses_the_fused_kernel_unless_the_user_chooses(tmp_path):
     assert loaded.policy.optimizer.param_groups[0]["fused"] is True
     assert all(state["step"].dtype == th.float32 for state in loaded.policy.optimizer.state.values())
     loaded.learn(128, reset_num_timesteps=False)
+
+
+@pytest.mark.parametrize(
+    "env_id,kwargs",
+    [("CartPole-v1", {}), ("Pendulum-v1", dict(use_sde=True, sde_sample_freq=4))],
+)
+def test_negligible_fixed_penalty_with_clip_is_ppo(env_id, kwargs):
+    """
+    With PPO's clip and a fixed, negligible KL coefficient, KLPPO is SB3's PPO: on the same seed it draws the same
+    minibatches and reaches the same parameters after several updates (the KL bookkeeping changes nothing else, and
+    the after-update KL pass draws nothing from numpy's generator). Adam as PPO's: single-tensor kernel, eps=1e-5.
+    """
+    common = dict(n_steps=128, batch_size=32, n_epochs=3, seed=3, clip_range=0.2, **kwargs)
+    ppo = PPO("MlpPolicy", gym.make(env_id), **common).learn(3 * 128)
+    klppo = KLPPO(
+        "MlpPolicy",
+        gym.make(env_id),
+        kl_coef=1e-12,
+        kl_controller="fixed",
+        kl_coef_bounds=(1e-12, 1.0),
+        policy_kwargs=dict(optimizer_kwargs=dict(foreach=False, eps=1e-5)),
+        **common,
+    ).learn(3 * 128)
+    initial = PPO("MlpPolicy", gym.make(env_id), **common).policy.state_dict()
+    for key, value in ppo.policy.state_dict().items():
+        assert th.allclose(value, klppo.policy.state_dict()[key], rtol=0, atol=1e-6), key
+    assert max(float((ppo.policy.state_dict()[k] - initial[k]).abs().max()) for k in initial) > 1e-3
+    assert klppo.logger.name_to_value["train/kl"] > 0
