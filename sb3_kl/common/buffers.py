@@ -71,7 +71,9 @@ class KLBufferMixin:
             flat = observations.reshape(n_samples, *observations.shape[(1 if self.generator_ready else 2) :])
         return flat, self.generator_ready
 
-    def ordered_samples(self, chunk_size: int = 4096) -> Generator[KLRolloutBufferSamples | KLDictRolloutBufferSamples, None, None]:
+    def ordered_samples(
+        self, chunk_size: int = 4096
+    ) -> Generator[KLRolloutBufferSamples | KLDictRolloutBufferSamples, None, None]:
         """
         The whole buffer in chunks of ``chunk_size`` samples, in ``get()``'s flattened order but not shuffled.
         Unlike ``get()``, it draws nothing from numpy's global random generator, so measuring the buffer after an
