@@ -36,8 +36,8 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from sb3_kl import KLTRPO, ClipKLPPO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning import code_version  # noqa: E402
-from settings import PPO_SETTINGS, TRPO_SETTINGS  # noqa: E402
+from learning import code_version
+from settings import PPO_SETTINGS, TRPO_SETTINGS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS_FILE = RESULTS / "issue3_learning_runs.jsonl"
@@ -174,8 +174,11 @@ def write_report() -> None:
     for r in sorted(runs, key=lambda r: (r["env"], r["algo"], r["seed"])):
         if r["algo"] not in ("PPO", "TRPO"):  # the stock algorithms do not run sb3-kl code
             versions.setdefault(r.get("code_version", "unrecorded"), []).append(f"{r['algo']} {r['env']} s{r['seed']}")
-    lines += ["", "sb3-kl commit of each sb3-kl record (*unrecorded*: made before records stored it, at commit d9fd1be or "
-              "earlier):", ""]
+    lines += [
+        "",
+        "sb3-kl commit of each sb3-kl record (*unrecorded*: made before records stored it, at commit d9fd1be or " "earlier):",
+        "",
+    ]
     lines += [f"- `{version}`: {', '.join(names)}" for version, names in versions.items()]
     superseded = len(load_all_runs()) - len(runs)
     if superseded:

@@ -168,13 +168,17 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         assert isinstance(env, VecNormalize)
         eval_env = VecNormalize(eval_env, training=False, norm_reward=False)
         eval_env.obs_rms = env.obs_rms
-    returns, _ = evaluate_policy(model, eval_env, n_eval_episodes=N_EVAL_EPISODES[tier], deterministic=True, return_episode_rewards=True)
+    returns, _ = evaluate_policy(
+        model, eval_env, n_eval_episodes=N_EVAL_EPISODES[tier], deterministic=True, return_episode_rewards=True
+    )
 
     kl_updates = []
     if monitor is not None:
         for entry in monitor.history:
             stats = entry.get("stats", entry)
-            kl_updates.append(dict(timesteps=int(entry.get("num_timesteps", 0)), mean=float(stats["mean"]), p99=float(stats["p99"])))
+            kl_updates.append(
+                dict(timesteps=int(entry.get("num_timesteps", 0)), mean=float(stats["mean"]), p99=float(stats["p99"]))
+            )
     record = dict(
         algo=algo,
         env=env_id,
@@ -322,15 +326,16 @@ def report(tier: str) -> str:
         " KL(old||new), summed over action dimensions, at or below it, while sb3-contrib's TRPO holds KL(new||old)"
         " averaged over action dimensions. On a d-dimensional action space TRPO's joint KL per update can reach about"
         " d times the target (see the KL tables: Hopper has 3 action dimensions, HalfCheetah 6), so at equal settings"
-        " KLTRPO takes smaller steps; `kl_reduction=\"mean\"` gives it TRPO's budget per dimension.",
+        ' KLTRPO takes smaller steps; `kl_reduction="mean"` gives it TRPO\'s budget per dimension.',
         "",
-        f"Budgets (environment steps per run, the same for every algorithm and learning rate): "
+        "Budgets (environment steps per run, the same for every algorithm and learning rate): "
         + ", ".join(f"{env} {steps:,}" for env, steps in BUDGETS[tier].items())
         + ". rl-zoo trains LunarLanderContinuous and the MuJoCo tasks for 1M steps; these runs are shorter so that"
         " the grid fits a 2-core machine, so MuJoCo returns are those of early training. One torch thread per run.",
         "",
         "Code versions of the records (commit of sb3-kl that produced them: run count): "
-        + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions(records).items())) + ". *unrecorded*: runs from before"
+        + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions(records).items()))
+        + ". *unrecorded*: runs from before"
         " records stored it, made with sb3-kl at commit d9fd1be or earlier, i.e. before the fused-Adam default and the"
         " one-node Gaussian KL of commit 6c3c7e5 (the same update rule; trajectories differ only by floating-point"
         " rounding, which over a run is enough to change individual seeds' results).",
@@ -444,7 +449,10 @@ def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[
             for ax, env in zip(axes[0], grid_envs, strict=True):
                 for algo in algos:
                     runs = groups.get((env, algo, lr_mult), [])
-                    series = [r["curve"] if kind == "curves" else [(u["timesteps"], u["mean"]) for u in r["kl_updates"]] for r in runs]
+                    series = [
+                        r["curve"] if kind == "curves" else [(u["timesteps"], u["mean"]) for u in r["kl_updates"]]
+                        for r in runs
+                    ]
                     series = [s for s in series if len(s) > 1]
                     if not series:
                         continue
@@ -509,12 +517,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.workers > 1 and len(specs) > 1:
             with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
                 for record in pool.imap_unordered(run_one, specs):
-                    print(f"done {record['algo']} {record['env']} lr x{record['lr_mult']:g} seed {record['seed']}: "
-                          f"eval {record['eval_mean']:.1f}", flush=True)
+                    print(
+                        f"done {record['algo']} {record['env']} lr x{record['lr_mult']:g} seed {record['seed']}: "
+                        f"eval {record['eval_mean']:.1f}",
+                        flush=True,
+                    )
         else:
             for spec in specs:
                 record = run_one(spec)
-                print(f"done {record['algo']} {record['env']} seed {record['seed']}: eval {record['eval_mean']:.1f}", flush=True)
+                print(
+                    f"done {record['algo']} {record['env']} seed {record['seed']}: eval {record['eval_mean']:.1f}", flush=True
+                )
     print(report(args.tier))
 
 

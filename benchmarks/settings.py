@@ -116,7 +116,9 @@ TRPO_SETTINGS: dict[str, dict[str, Any]] = {
         n_timesteps=100_000,
         n_envs=2,
         normalize=False,
-        kwargs=dict(n_steps=512, batch_size=512, cg_damping=1e-3, gae_lambda=0.98, gamma=0.99, learning_rate=1e-3, n_critic_updates=20),
+        kwargs=dict(
+            n_steps=512, batch_size=512, cg_damping=1e-3, gae_lambda=0.98, gamma=0.99, learning_rate=1e-3, n_critic_updates=20
+        ),
     ),
     "Acrobot-v1": dict(n_timesteps=100_000, n_envs=2, normalize=True, kwargs=dict(n_steps=1024)),
     "Pendulum-v1": dict(
@@ -125,7 +127,9 @@ TRPO_SETTINGS: dict[str, dict[str, Any]] = {
         normalize=False,
         kwargs=dict(n_steps=1024, gamma=0.9, n_critic_updates=15, use_sde=True, sde_sample_freq=4),
     ),
-    "LunarLanderContinuous-v3": dict(n_timesteps=100_000, n_envs=2, normalize=True, kwargs=dict(n_steps=1024, n_critic_updates=20)),
+    "LunarLanderContinuous-v3": dict(
+        n_timesteps=100_000, n_envs=2, normalize=True, kwargs=dict(n_steps=1024, n_critic_updates=20)
+    ),
     "HalfCheetah-v5": {**_TRPO_MUJOCO, "kwargs": {**_TRPO_MUJOCO["kwargs"], "target_kl": 0.04}},
     "Hopper-v5": _TRPO_MUJOCO,
 }

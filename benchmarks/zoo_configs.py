@@ -182,7 +182,11 @@ def summary_matrix(results: list[dict[str, Any]], shipped: dict[tuple[str, str],
         cells = []
         for algo in ALGOS:
             config = shipped.get((algo, env_id))
-            runs = [r for r in results if r["algo"] == algo and r["env"] == env_id and r["returncode"] == 0 and r["config"] == config]
+            runs = [
+                r
+                for r in results
+                if r["algo"] == algo and r["env"] == env_id and r["returncode"] == 0 and r["config"] == config
+            ]
             if config is None:
                 cells.append("not shipped")
             elif not runs:

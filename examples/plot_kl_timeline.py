@@ -5,8 +5,10 @@ timeline, print the KL report and the drill-down into the highest-KL states.
 This is how the figures of ``docs/diagnostics.md`` were produced (about a minute each on one CPU core)::
 
     python examples/plot_kl_timeline.py --logdir benchmarks/results/diagnostics_runs/timeline --out docs/img/kl_timeline.png
-    python examples/plot_kl_timeline.py --algo ppo --learning-rate 3e-3 --n-epochs 30 --logdir benchmarks/results/diagnostics_runs/compare
-    python examples/plot_kl_timeline.py --learning-rate 3e-3 --n-epochs 30 --logdir benchmarks/results/diagnostics_runs/compare --overlay
+    python examples/plot_kl_timeline.py --algo ppo --learning-rate 3e-3 --n-epochs 30 \\
+        --logdir benchmarks/results/diagnostics_runs/compare
+    python examples/plot_kl_timeline.py --learning-rate 3e-3 --n-epochs 30 \\
+        --logdir benchmarks/results/diagnostics_runs/compare --overlay
     sb3-kl plot benchmarks/results/diagnostics_runs/compare --overlay --target 0.02 --out docs/img/kl_timeline_overlay.png
 
 (``--target``: stock PPO logs no target KL, so its band is drawn from the one given.)

@@ -15,14 +15,14 @@ with open(version_file) as file_handler:
 __all__ = [
     "KLPPO",
     "KLTRPO",
-    "ClipKLPPO",
     "AdaptiveKLController",
+    "ClipKLPPO",
     "FixedKLController",
-    "KLController",
-    "KLSettings",
-    "ProportionalKLController",
     "KLAdaptiveLRCallback",
     "KLAlarmCallback",
+    "KLController",
     "KLMonitorCallback",
+    "KLSettings",
+    "ProportionalKLController",
     "VarianceFloorCallback",
 ]

@@ -50,7 +50,7 @@ TEST_FILES = [
     "test_distributions.py",
 ]
 
-CONFTEST = '''
+CONFTEST = """
 # Added by sb3-kl: every `from stable_baselines3 import PPO` in these tests gets sb3_kl.KLPPO
 import stable_baselines3
 import stable_baselines3.ppo
@@ -59,7 +59,7 @@ from sb3_kl import KLPPO
 
 stable_baselines3.PPO = KLPPO
 stable_baselines3.ppo.PPO = KLPPO
-'''
+"""
 
 
 def fetch_tests(cache: Path) -> Path:
@@ -68,8 +68,19 @@ def fetch_tests(cache: Path) -> Path:
     if not (folder / "tests").exists():
         cache.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-             f"stable-baselines3=={version}", "-d", str(cache)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"stable-baselines3=={version}",
+                "-d",
+                str(cache),
+            ],
             check=True,
         )
         with tarfile.open(cache / f"stable_baselines3-{version}.tar.gz") as archive:
@@ -81,14 +92,26 @@ def fetch_tests(cache: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/sb3-src"))
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sb3_ppo_suite.md")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sb3_ppo_suite.md"
+    )
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
     tests = fetch_tests(args.cache)
     deselect = " and ".join(f"not ({name})" for name in EXPECTED_DIFFERENCES)
     selection = f"(PPO or ppo) and {deselect}" if deselect else "PPO or ppo"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
-               *[str(tests / f) for f in TEST_FILES], *args.pytest_args]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        selection,
+        *[str(tests / f) for f in TEST_FILES],
+        *args.pytest_args,
+    ]
     print(" ".join(command), flush=True)
     process = subprocess.run(command, cwd=tests, capture_output=True, text=True)
     print(process.stdout[-20_000:], process.stderr[-5_000:], sep="\n")

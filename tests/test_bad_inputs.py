@@ -280,6 +280,7 @@ def test_good_defaults_construct() -> None:
 # Random inputs to the controllers and the KL core (what tests/test_controllers.py and test_kl_core.py do not cover:
 # random controller settings, targets that follow a schedule, whole trajectories, near-deterministic distributions)
 
+
 def _adaptive(factor: float, low: float, width: float, window: int) -> tuple[str, dict[str, Any]]:
     return "adaptive", dict(kl_adapt_factor=factor, kl_band=(low, low + width), kl_window=window)
 

@@ -151,7 +151,7 @@ def test_check_is_transparent() -> None:
     venv.reset()
     check = NonFiniteEnvCheck(venv, start_timestep=100)
     assert check.num_envs == 2 and check.observation_space == venv.observation_space
-    obs, rewards, dones, infos = check.step(np.array([0, 1]))
+    obs, rewards, _dones, infos = check.step(np.array([0, 1]))
     assert obs.shape == (2, 4) and rewards.shape == (2,) and len(infos) == 2
     obs, _, _, _ = check.step(np.array([0, 1]))  # second call: the cached fast path
     assert check.n_steps == 2

@@ -195,14 +195,22 @@ def test_loss_path_matches_parameter_path_in_value_and_gradient(direction, use_s
     layout = make_distribution_params(dist)
     mean_net, log_std = dist.proba_distribution_net(latent_dim=8)
     latent = th.randn(16, 8)
-    old = layout.extract(dist.proba_distribution(mean_net(latent), log_std, latent) if use_sde else dist.proba_distribution(mean_net(latent), log_std)).detach()
+    old = layout.extract(
+        dist.proba_distribution(mean_net(latent), log_std, latent)
+        if use_sde
+        else dist.proba_distribution(mean_net(latent), log_std)
+    ).detach()
     with th.no_grad():
         log_std.add_(0.3 * th.randn_like(log_std))
         mean_net.weight.add_(0.3 * th.randn_like(mean_net.weight))
     settings_ = KLSettings(direction=direction)
 
     def fresh():
-        return dist.proba_distribution(mean_net(latent), log_std, latent) if use_sde else dist.proba_distribution(mean_net(latent), log_std)
+        return (
+            dist.proba_distribution(mean_net(latent), log_std, latent)
+            if use_sde
+            else dist.proba_distribution(mean_net(latent), log_std)
+        )
 
     fused = per_state_kl_to(settings_, layout, old, fresh()).mean()
     grads_fused = th.autograd.grad(fused, [mean_net.weight, log_std])
@@ -244,7 +252,7 @@ def test_fused_gaussian_kl_refuses_second_derivatives_and_falls_back_without_gra
     old = th.randn(4, 4)
     kl = layout.joint_kl_to(old, dist.proba_distribution(mean, log_std)).sum()
     (grad,) = th.autograd.grad(kl, mean, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+    with pytest.raises(RuntimeError, match=r"once_differentiable|does not require grad"):
         th.autograd.grad(grad.sum(), mean)
     # Fisher-vector products go through the differentiable per-dimension form
     new = layout.extract(dist.proba_distribution(mean, log_std))

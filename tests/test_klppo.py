@@ -136,7 +136,9 @@ def test_sample_estimators_run_and_are_labelled(estimator):
 )
 def test_other_observation_spaces(policy, env_fn):
     kwargs = dict(SMALL)
-    kwargs["policy_kwargs"] = dict(net_arch=[16]) if policy == "MultiInputPolicy" else dict(features_extractor_kwargs=dict(features_dim=16))
+    kwargs["policy_kwargs"] = (
+        dict(net_arch=[16]) if policy == "MultiInputPolicy" else dict(features_extractor_kwargs=dict(features_dim=16))
+    )
     model = KLPPO(policy, env_fn(), **kwargs)
     model.learn(2 * SMALL["n_steps"])
     assert model.logger.name_to_value["train/kl"] >= 0
@@ -163,8 +165,17 @@ def test_target_schedule_and_logged_keys():
     model.learn(4 * SMALL["n_steps"])
     values = model.logger.name_to_value
     assert values["train/target_kl"] == pytest.approx(0.01 + 0.04 * model._current_progress_remaining)
-    for key in ("train/kl_coef", "train/kl_grad_ratio", "train/approx_kl", "train/policy_gradient_loss", "train/value_loss",
-                "train/entropy_loss", "train/explained_variance", "train/nonfinite_steps", "train/early_stop_epoch"):
+    for key in (
+        "train/kl_coef",
+        "train/kl_grad_ratio",
+        "train/approx_kl",
+        "train/policy_gradient_loss",
+        "train/value_loss",
+        "train/entropy_loss",
+        "train/explained_variance",
+        "train/nonfinite_steps",
+        "train/early_stop_epoch",
+    ):
         assert key in values, key
     assert values["train/kl_coef"] == model.kl_coef
     assert np.isfinite(values["train/kl_grad_ratio"]) and values["train/kl_grad_ratio"] > 0
@@ -250,7 +261,7 @@ def test_nonfinite_steps_are_skipped_and_counted(monkeypatch):
 
 class NaNRewardWrapper(gym.Wrapper):
     def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
+        obs, _reward, terminated, truncated, info = self.env.step(action)
         return obs, float("nan"), terminated, truncated, info
 
 
@@ -262,8 +273,18 @@ def test_update_with_only_nonfinite_steps_raises():
 
 
 def test_kl_stop_factor_stops_early():
-    model = KLPPO("MlpPolicy", "CartPole-v1", learning_rate=0.05, n_epochs=10, target_kl=1e-4, kl_stop_factor=1.0,
-                  n_steps=64, batch_size=32, policy_kwargs=dict(net_arch=[16]), seed=0)
+    model = KLPPO(
+        "MlpPolicy",
+        "CartPole-v1",
+        learning_rate=0.05,
+        n_epochs=10,
+        target_kl=1e-4,
+        kl_stop_factor=1.0,
+        n_steps=64,
+        batch_size=32,
+        policy_kwargs=dict(net_arch=[16]),
+        seed=0,
+    )
     model.learn(128)
     assert model.logger.name_to_value["train/early_stop_epoch"] < 10
     assert np.isfinite(model.logger.name_to_value["train/kl_grad_ratio"])

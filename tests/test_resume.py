@@ -193,7 +193,9 @@ def test_fixture_loads_and_predicts(stem: str) -> None:
     assert model.min_std == expected["min_std"]
     if expected["ref_controller"] is not None:
         state = vars(model.ref_kl_controller)
-        assert {k: list(v) if isinstance(v, (tuple, list, deque)) else v for k, v in state.items()} == expected["ref_controller"]
+        assert {k: list(v) if isinstance(v, (tuple, list, deque)) else v for k, v in state.items()} == expected[
+            "ref_controller"
+        ]
     if expected["ref_parameters_sha256"] is not None:
         # the frozen reference comes back from the zip's ref_policy.pth, not from the original file or model
         ref_params = th.nn.utils.parameters_to_vector(model.ref_policy.parameters()).numpy()

@@ -66,7 +66,10 @@ class KLBufferMixin:
         n_samples = self.buffer_size * self.n_envs
         observations = self.observations  # type: ignore[attr-defined]
         if isinstance(observations, dict):
-            flat = {key: obs.reshape(n_samples, *obs.shape[(1 if self.generator_ready else 2) :]) for key, obs in observations.items()}
+            flat = {
+                key: obs.reshape(n_samples, *obs.shape[(1 if self.generator_ready else 2) :])
+                for key, obs in observations.items()
+            }
         else:
             flat = observations.reshape(n_samples, *observations.shape[(1 if self.generator_ready else 2) :])
         return flat, self.generator_ready

@@ -17,7 +17,6 @@ Expressing well-known rules with :class:`AdaptiveKLController`:
 import math
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any
 
 from sb3_kl.common.validation import check_int, check_pair, check_positive
 

@@ -359,7 +359,10 @@ class KLSettings:
         check_choice("kl_estimator", self.estimator, KL_ESTIMATORS)
         check_choice("kl_direction", self.direction, KL_DIRECTIONS)
         check_choice("kl_reduction", self.reduction, KL_REDUCTIONS)
-        if not (isinstance(self.log_ratio_clip, (int, float)) and math.isfinite(self.log_ratio_clip)) or self.log_ratio_clip <= 0:
+        if (
+            not (isinstance(self.log_ratio_clip, (int, float)) and math.isfinite(self.log_ratio_clip))
+            or self.log_ratio_clip <= 0
+        ):
             raise ValueError(f"`log_ratio_clip` must be a positive finite number, got {self.log_ratio_clip!r}.")
 
     @property
@@ -495,4 +498,6 @@ def distribution_params_for_space(action_space: spaces.Space) -> DistributionPar
         return MultiCategoricalParams([int(n) for n in np.asarray(action_space.nvec).flatten()])
     if isinstance(action_space, spaces.MultiBinary):
         return BernoulliParams(int(np.prod(action_space.shape)))
-    raise TypeError(f"sb3_kl supports Box, Discrete, MultiDiscrete and MultiBinary actions, not {type(action_space).__name__}.")
+    raise TypeError(
+        f"sb3_kl supports Box, Discrete, MultiDiscrete and MultiBinary actions, not {type(action_space).__name__}."
+    )

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch as th
 from gymnasium import spaces
-from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution, StateDependentNoiseDistribution
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
@@ -165,7 +165,7 @@ class NonFiniteEnvCheck:
         return new_obs, rewards, dones, infos
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fused_adam_available(device: th.device) -> bool:
     """Whether this PyTorch build has the fused Adam kernel for ``device`` (CPU support came with PyTorch 2.4)."""
     try:
@@ -254,8 +254,15 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             log_ratio_clip,
         )
         if min_std is not None:
-            if isinstance(min_std, bool) or not isinstance(min_std, (int, float)) or not math.isfinite(min_std) or min_std <= 0:
-                raise ValueError(f"`min_std` must be a positive finite number (or None to disable the floor), got {min_std!r}.")
+            if (
+                isinstance(min_std, bool)
+                or not isinstance(min_std, (int, float))
+                or not math.isfinite(min_std)
+                or min_std <= 0
+            ):
+                raise ValueError(
+                    f"`min_std` must be a positive finite number (or None to disable the floor), got {min_std!r}."
+                )
             action_space = getattr(self, "action_space", None)  # unknown until load() when env=None
             if action_space is not None and not isinstance(action_space, spaces.Box):
                 raise ValueError(
@@ -278,7 +285,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     def _setup_model(self) -> None:
         if self.rollout_buffer_class is None:
-            self.rollout_buffer_class = KLDictRolloutBuffer if isinstance(self.observation_space, spaces.Dict) else KLRolloutBuffer
+            self.rollout_buffer_class = (
+                KLDictRolloutBuffer if isinstance(self.observation_space, spaces.Dict) else KLRolloutBuffer
+            )
         elif not issubclass(self.rollout_buffer_class, KLBufferMixin):
             raise TypeError(
                 f"`rollout_buffer_class`={self.rollout_buffer_class.__name__} does not store the rollout policy's "
@@ -294,7 +303,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             self.target_kl = DEFAULT_TARGET_KL["continuous" if continuous else "discrete"]
         self.target_kl = FloatSchedule(self.target_kl)
         if self.min_std is not None and not isinstance(self.dist_params, GaussianParams):
-            raise ValueError(f"`min_std` is set but the policy's action distribution is not Gaussian: pass min_std=None.")
+            raise ValueError("`min_std` is set but the policy's action distribution is not Gaussian: pass min_std=None.")
         # ``Algo.load(path, kl_coef=x)`` puts ``kl_coef`` in ``__dict__`` before calling ``_setup_model``: apply it
         if "kl_coef" in self.__dict__:
             self.kl_coef = self.__dict__.pop("kl_coef")

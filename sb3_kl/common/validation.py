@@ -8,7 +8,8 @@ checks SB3's own algorithms make with ``assert`` (e.g. ``batch_size > 1``) stay 
 
 import math
 import os
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 

@@ -253,7 +253,8 @@ class KLPPO(KLOnPolicyAlgorithm):
                     f" after every {untruncated_batches} untruncated mini-batches,"
                     f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
                     f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
-                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})"
+                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})",
+                    stacklevel=2,
                 )
         check_positive("kl_stop_factor", kl_stop_factor, allow_none=True, hint=" or None (no early stop)")
         check_non_negative("kl_hinge_coef", kl_hinge_coef, hint=" (0 disables the hinge)")
@@ -324,13 +325,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                 policy_loss, clip_fraction = self._surrogate_loss(log_ratio, advantages, clip_range)
                 kl_loss = self._kl_penalty(kl, kl_coef, target_kl)
 
-                if clip_range_vf is None:
-                    values_pred = values
-                else:
-                    # Clip the difference between old and new value
-                    # NOTE: this depends on the reward scaling
-                    values_pred = rollout_data.old_values + th.clamp(values - rollout_data.old_values, -clip_range_vf, clip_range_vf)
-                value_loss = F.mse_loss(rollout_data.returns, values_pred)
+                value_loss = self._value_loss(values, rollout_data.old_values, rollout_data.returns, clip_range_vf)
                 # Entropy loss favor exploration (approximated by -log_prob when there is no analytical form)
                 entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
 
@@ -367,11 +362,8 @@ class KLPPO(KLOnPolicyAlgorithm):
 
             self._n_updates += 1
             # Early stop judged once per epoch on the KL of all the states seen in it (one minibatch is too noisy)
-            epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1) if self.kl_stop_factor is not None else 0.0
-            if self.kl_stop_factor is not None and epoch_kl > self.kl_stop_factor * target_kl:
+            if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
-                if self.verbose >= 1:
-                    print(f"Early stopping at epoch {epoch + 1} due to reaching KL {epoch_kl:.4f}")
                 if epoch < self.n_epochs - 1:
                     kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
                 break
@@ -409,6 +401,35 @@ class KLPPO(KLOnPolicyAlgorithm):
             self.logger.record("train/clip_range_vf", clip_range_vf)
         self._record_update_kl(per_state, new_params, target_kl)
         self._record_reference_kl()
+
+    def _kl_ran_away(self, epoch_kl_sum: th.Tensor, epoch_states: int, target_kl: float, epoch: int) -> bool:
+        """
+        Whether the epoch loop stops here: the mean KL over the states of the epoch exceeds
+        ``kl_stop_factor * target_kl`` (never when ``kl_stop_factor`` is None).
+
+        :param epoch_kl_sum: Sum over the epoch's states of their KL
+        :param epoch_states: Number of states seen in the epoch
+        :param target_kl: The current target
+        :param epoch: Index of the epoch (for the verbose message)
+        """
+        if self.kl_stop_factor is None:
+            return False
+        epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1)
+        if epoch_kl <= self.kl_stop_factor * target_kl:
+            return False
+        if self.verbose >= 1:
+            print(f"Early stopping at epoch {epoch + 1} due to reaching KL {epoch_kl:.4f}")
+        return True
+
+    @staticmethod
+    def _value_loss(values: th.Tensor, old_values: th.Tensor, returns: th.Tensor, clip_range_vf: float | None) -> th.Tensor:
+        """
+        PPO's value loss: MSE to the returns, with the change of the value clipped to ``clip_range_vf`` when set
+        (this depends on the reward scaling).
+        """
+        if clip_range_vf is not None:
+            values = old_values + th.clamp(values - old_values, -clip_range_vf, clip_range_vf)
+        return F.mse_loss(returns, values)
 
     def _surrogate_loss(
         self, log_ratio: th.Tensor, advantages: th.Tensor, clip_range: float | None
@@ -468,7 +489,9 @@ class KLPPO(KLOnPolicyAlgorithm):
             norms.append(math.sqrt(sum(float((g**2).sum()) for g in grads if g is not None)))
         return norms[0] / norms[1] if norms[1] > 0 else float("nan")
 
-    def _recompute_gradient_ratio(self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float) -> float:
+    def _recompute_gradient_ratio(
+        self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float
+    ) -> float:
         """The gradient ratio on the last minibatch seen, with the final parameters (when the update stopped early)."""
         _, distribution = self._forward(rollout_data.observations)
         log_ratio = distribution.log_prob(self._actions_for_log_prob(rollout_data.actions)) - rollout_data.old_log_prob

@@ -249,7 +249,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     f" after every {untruncated_batches} untruncated mini-batches,"
                     f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
                     f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
-                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})"
+                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})",
+                    stacklevel=2,
                 )
         self.batch_size = batch_size
         # Conjugate gradients parameters
@@ -316,6 +317,37 @@ class KLTRPO(KLOnPolicyAlgorithm):
         else:
             obs_tensors = buffer.to_torch(observations)
         return obs_tensors, buffer.to_torch(buffer.returns.flatten())
+
+    def _fit_critic(self, actor_params: list[nn.Parameter]) -> list[float]:
+        """
+        ``n_critic_updates`` epochs of Adam on random minibatches of the whole buffer, with the actor's gradients
+        removed so the critic cannot move the policy. The minibatches are those ``rollout_buffer.get(batch_size)``
+        would give (one permutation of the buffer's own order per epoch, from the same numpy draw), sliced from
+        tensors converted once.
+
+        :param actor_params: The parameters of the policy step (their gradients are dropped before each Adam step)
+        :return: the value loss of every minibatch
+        """
+        value_losses = []
+        all_observations, all_returns = self._buffer_observations_and_returns()
+        n_samples = len(all_returns)
+        for _ in range(self.n_critic_updates):
+            permutation = th.as_tensor(np.random.permutation(n_samples), device=self.device)
+            for start in range(0, n_samples, self.batch_size):
+                indices = permutation[start : start + self.batch_size]
+                if isinstance(all_observations, dict):
+                    batch_observations = {key: obs[indices] for key, obs in all_observations.items()}
+                else:
+                    batch_observations = all_observations[indices]
+                values_pred = self.policy.predict_values(batch_observations)  # type: ignore[arg-type]
+                value_loss = F.mse_loss(all_returns[indices], values_pred.flatten())
+                value_losses.append(value_loss.item())
+                self.policy.optimizer.zero_grad()
+                value_loss.backward()
+                for param in actor_params:
+                    param.grad = None
+                self.policy.optimizer.step()
+        return value_losses
 
     def train(self) -> None:
         """
@@ -416,28 +448,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 # No acceptable step: the policy is left exactly as it was
                 _copy_flat_to_parameters(original_flat, actor_params)
 
-        # Critic update on random minibatches of the whole buffer, with the actor's gradients removed so it cannot
-        # move the policy. The minibatches are those ``rollout_buffer.get(batch_size)`` would give (one permutation of
-        # the buffer's own order per epoch, from the same numpy draw), sliced from tensors converted once
-        value_losses = []
-        all_observations, all_returns = self._buffer_observations_and_returns()
-        n_samples = len(all_returns)
-        for _ in range(self.n_critic_updates):
-            permutation = th.as_tensor(np.random.permutation(n_samples), device=self.device)
-            for start in range(0, n_samples, self.batch_size):
-                indices = permutation[start : start + self.batch_size]
-                if isinstance(all_observations, dict):
-                    batch_observations = {key: obs[indices] for key, obs in all_observations.items()}
-                else:
-                    batch_observations = all_observations[indices]
-                values_pred = self.policy.predict_values(batch_observations)  # type: ignore[arg-type]
-                value_loss = F.mse_loss(all_returns[indices], values_pred.flatten())
-                value_losses.append(value_loss.item())
-                self.policy.optimizer.zero_grad()
-                value_loss.backward()
-                for param in actor_params:
-                    param.grad = None
-                self.policy.optimizer.step()
+        value_losses = self._fit_critic(actor_params)
 
         self._n_updates += 1
         update_kl, new_params = self._measure_update_kl()
