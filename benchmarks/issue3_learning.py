@@ -138,11 +138,13 @@ def checks(lines: list[str], runs: list[dict[str, Any]], only_complete_pairs: bo
                 ok = np.mean(ours_scores) >= np.mean(stock_scores)
                 by_seed = {(r["algo"], r["seed"]): r["eval_mean"] for r in runs if r["env"] == env_id}
                 seeds = sorted(seed for algo, seed in by_seed if algo == ours and (stock, seed) in by_seed)
-                differences = ", ".join(f"s{seed} {by_seed[ours, seed] - by_seed[stock, seed]:+.1f}" for seed in seeds)
+                paired = np.array([by_seed[ours, seed] - by_seed[stock, seed] for seed in seeds])
+                differences = ", ".join(f"s{seed} {d:+.1f}" for seed, d in zip(seeds, paired, strict=True))
+                spread = f" ± {np.std(paired, ddof=1) / np.sqrt(len(paired)):.1f} (standard error)" if len(paired) > 1 else ""
                 lines.append(
                     f"- {env_id} {ours} seed mean {np.mean(ours_scores):.2f} >= "
                     f"{stock} seed mean {np.mean(stock_scores):.2f} ({len(ours_scores)} seeds): {'yes' if ok else 'NO'} "
-                    f"(per seed, {ours} - {stock}: {differences})"
+                    f"(per seed, {ours} - {stock}: {differences}; mean paired difference {np.mean(paired):+.1f}{spread})"
                 )
 
 
