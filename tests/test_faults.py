@@ -236,6 +236,29 @@ def test_empty_buffer_raises_stale_policy_error() -> None:
         model.train()
 
 
+@pytest.mark.parametrize("flatten_first", [False, True])
+def test_ordered_samples_reads_the_buffer_in_order_without_random_draws(flatten_first: bool) -> None:
+    """
+    ordered_samples() gives every sample once, in get()'s flattened order (env-major), whether or not get() has
+    flattened the buffer yet, and leaves numpy's global generator where it was.
+    """
+    model = build(KLPPO, DummyVecEnv([make_env(), make_env()]))
+    model._setup_learn(N_STEPS, None)
+    model.collect_rollouts(model.env, model._init_callback(None), model.rollout_buffer, N_STEPS)
+    buffer = model.rollout_buffer
+    expected = buffer.swap_and_flatten(buffer.observations.copy())  # (step, env) -> env-major
+    if flatten_first:
+        next(buffer.get(batch_size=None))
+    state = np.random.get_state()
+    chunks = list(buffer.ordered_samples(chunk_size=5))
+    after = np.random.get_state()
+    assert np.array_equal(after[1], state[1]) and after[2] == state[2]
+    assert [len(chunk.observations) for chunk in chunks] == [5] * (2 * N_STEPS // 5) + (
+        [2 * N_STEPS % 5] if 2 * N_STEPS % 5 else []
+    )
+    np.testing.assert_array_equal(th.cat([chunk.observations for chunk in chunks]).numpy(), expected)
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_training_recovers_after_the_env_is_fixed(algo: type) -> None:
     """After the error, the model is intact: swap in a clean env and training goes on (partial rollout discarded)."""
