@@ -178,7 +178,7 @@ def write_report() -> None:
             versions.setdefault(r.get("code_version", "unrecorded"), []).append(f"{r['algo']} {r['env']} s{r['seed']}")
     lines += [
         "",
-        "sb3-kl commit of each sb3-kl record (*unrecorded*: made before records stored it, at commit d9fd1be or " "earlier):",
+        "sb3-kl commit of each sb3-kl record (*unrecorded*: made before records stored it, at commit d9fd1be or earlier):",
         "",
     ]
     lines += [f"- `{version}`: {', '.join(names)}" for version, names in versions.items()]

@@ -304,33 +304,20 @@ class KLTRPO(KLOnPolicyAlgorithm):
             return None
         return th.clamp(self.policy.log_std.detach(), max=floor).clone()
 
-    def _buffer_observations_and_returns(self) -> tuple[th.Tensor | dict[str, th.Tensor], th.Tensor]:
-        """
-        The buffer's observations and returns as tensors, in the buffer's own (flattened) order: the order in which
-        sb3-contrib's TRPO indexes its critic minibatches, so that with the same seed both fit the critic on the same
-        samples.
-        """
-        buffer = self.rollout_buffer
-        observations = buffer.observations
-        if isinstance(observations, dict):
-            obs_tensors: th.Tensor | dict[str, th.Tensor] = {key: buffer.to_torch(obs) for key, obs in observations.items()}
-        else:
-            obs_tensors = buffer.to_torch(observations)
-        return obs_tensors, buffer.to_torch(buffer.returns.flatten())
-
     def _fit_critic(self, actor_params: list[nn.Parameter]) -> list[float]:
         """
         ``n_critic_updates`` epochs of Adam on random minibatches of the whole buffer, with the actor's gradients
         removed so the critic cannot move the policy. The minibatches are those ``rollout_buffer.get(batch_size)``
-        would give (one permutation of the buffer's own order per epoch, from the same numpy draw), sliced from
-        tensors converted once.
+        would give, as in sb3-contrib's TRPO (one permutation of the buffer's own order per epoch, from the same numpy
+        draw), sliced from the whole buffer read once in that order.
 
         :param actor_params: The parameters of the policy step (their gradients are dropped before each Adam step)
         :return: the value loss of every minibatch
         """
         value_losses = []
-        all_observations, all_returns = self._buffer_observations_and_returns()
-        n_samples = len(all_returns)
+        n_samples = self.rollout_buffer.buffer_size * self.rollout_buffer.n_envs
+        whole_buffer = next(self.rollout_buffer.ordered_samples(chunk_size=n_samples))
+        all_observations, all_returns = whole_buffer.observations, whole_buffer.returns
         for _ in range(self.n_critic_updates):
             permutation = th.as_tensor(np.random.permutation(n_samples), device=self.device)
             for start in range(0, n_samples, self.batch_size):
