@@ -228,14 +228,15 @@ def test_variance_floor_holds(use_sde):
     kwargs = dict(ent_coef=-0.5, learning_rate=3e-2, use_sde=use_sde)
     free = _model(PPO, "Pendulum-v1", **kwargs)
     free_steps = StdAfterEachStep()
-    free.learn(4 * 64, callback=free_steps)
+    # eight updates: after four the free std sits near 0.5 on some seeds, after eight it is below 0.35 on seeds 0-3
+    free.learn(8 * 64, callback=free_steps)
     assert min(free_steps.std_mins) < 0.5
 
     model = _model(PPO, "Pendulum-v1", **kwargs)
     floor = VarianceFloorCallback(min_std=0.5)
     steps = StdAfterEachStep()
-    model.learn(4 * 64, callback=[floor, steps])
-    assert len(steps.std_mins) == 4 * 4 * 2  # every optimizer step was checked
+    model.learn(8 * 64, callback=[floor, steps])
+    assert len(steps.std_mins) == 8 * 4 * 2  # every optimizer step was checked
     assert min(steps.std_mins) >= 0.5 - 1e-6
     assert model.logger.name_to_value["variance/std_min"] >= 0.5 - 1e-6
     assert model.logger.name_to_value["variance/floored_dims"] >= 1
@@ -259,16 +260,18 @@ def test_adaptive_lr_lowers_kl():
     kwargs = dict(learning_rate=0.1, n_steps=64, batch_size=32, n_epochs=10)
     fixed = _model(PPO, "Pendulum-v1", **kwargs)
     fixed_monitor = KLMonitorCallback()
-    fixed.learn(12 * 64, callback=fixed_monitor)
+    # lr=0.1 is chaotic: over 12 updates the halvings reached depend on float rounding (0.1/4 or 0.1/16 on the
+    # same seed, depending on which tests ran before in the process); over 20 both runs settle
+    fixed.learn(20 * 64, callback=fixed_monitor)
 
     model = _model(PPO, "Pendulum-v1", **kwargs)
     monitor = KLMonitorCallback()
     adaptive = KLAdaptiveLRCallback(target_kl=0.01, factor=2.0, monitor=monitor)
     original_schedule = model.lr_schedule
-    model.learn(12 * 64, callback=[monitor, adaptive])
+    model.learn(20 * 64, callback=[monitor, adaptive])
 
-    fixed_kl = np.median([r["mean"] for r in fixed_monitor.history[6:]])
-    adaptive_kl = np.median([r["mean"] for r in monitor.history[6:]])
+    fixed_kl = np.median([r["mean"] for r in fixed_monitor.history[10:]])
+    adaptive_kl = np.median([r["mean"] for r in monitor.history[10:]])
     assert adaptive_kl < fixed_kl / 2
     assert adaptive_kl < 3 * 0.01
     assert adaptive.learning_rate <= 0.1 / 2**3
