@@ -135,39 +135,100 @@ def test_reverse_mean_convention_is_the_constrained_one():
     assert model.logger.name_to_value["train/kl_convention"] == "reverse/analytic/mean"
 
 
+class TargetReachEnv(gym.Env):
+    """
+    A MuJoCo-free task with a ``Box(dim)`` action: the reward is ``-||a - x||^2`` for the observed point ``x``
+    (drawn uniformly in [-1, 1]^dim at every step); episodes of ``ep_length`` steps.
+    """
+
+    def __init__(self, dim: int = 4, ep_length: int = 32):
+        super().__init__()
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (dim,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (dim,), np.float32)
+        self.ep_length = ep_length
+
+    def _draw(self) -> np.ndarray:
+        self.obs = self.np_random.uniform(-1.0, 1.0, self.observation_space.shape).astype(np.float32)
+        return self.obs
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._draw(), {}
+
+    def step(self, action):
+        reward = -float(np.sum((np.clip(action, -1.0, 1.0) - self.obs) ** 2))
+        self.t += 1
+        return self._draw(), reward, False, self.t >= self.ep_length, {}
+
+
 # sb3-contrib's TRPO steps Adam with its single-tensor kernel and eps=1e-5 (SB3's policy default)
 TRPO_ADAM = dict(optimizer_kwargs=dict(foreach=False, eps=1e-5))
 
 
+def _final_parameters(model, n_updates: int, n_steps: int) -> dict[str, th.Tensor]:
+    model.learn(n_updates * n_steps)
+    assert model.logger.name_to_value["train/is_line_search_success"] == 1.0
+    return {key: value.detach().clone() for key, value in model.policy.state_dict().items()}
+
+
+def _max_difference(params: dict[str, th.Tensor], other: dict[str, th.Tensor]) -> float:
+    return max(float((value - other[key]).abs().max()) for key, value in params.items())
+
+
 @pytest.mark.parametrize(
-    "env_id,kwargs,n_updates",
+    "make_env,kwargs,n_updates,reduction",
     [
-        ("CartPole-v1", dict(n_steps=256), 3),
+        (lambda: gym.make("CartPole-v1"), dict(n_steps=256), 3, "sum"),  # Discrete: one dimension
+        (lambda: IdentityEnvMultiDiscrete(3), dict(n_steps=128), 3, "sum"),  # SB3 sums the sub-actions' KL
+        (lambda: IdentityEnvMultiBinary(3), dict(n_steps=128), 3, "mean"),  # torch's per-dimension KL, .mean()
+        # Pendulum amplifies float32 round-off: from the third update on the rollouts differ by more than it
+        (lambda: gym.make("Pendulum-v1"), dict(n_steps=256), 2, "mean"),
+        (lambda: TargetReachEnv(dim=4), dict(n_steps=256), 2, "mean"),  # Box(4): mean over the 4 dimensions
         # gSDE: the rollouts after the first update differ by the step's float32 round-off, which Pendulum amplifies
-        ("Pendulum-v1", dict(n_steps=256, use_sde=True, sde_sample_freq=4), 1),
+        (lambda: gym.make("Pendulum-v1"), dict(n_steps=256, use_sde=True, sde_sample_freq=4), 1, "mean"),
+        (lambda: TargetReachEnv(dim=3), dict(n_steps=256, use_sde=True, sde_sample_freq=4), 1, "mean"),
     ],
 )
-def test_reverse_mean_convention_reproduces_sb3_contrib_trpo(env_id, kwargs, n_updates):
+def test_sb3_contrib_convention_reproduces_sb3_contrib_trpo(make_env, kwargs, n_updates, reduction):
     """
-    In TRPO's KL convention, KLTRPO is sb3-contrib's TRPO: same seed, same actor step, same critic minibatches (the
+    On every action space sb3-contrib's TRPO supports, KLTRPO with ``kl_reduction="sb3_contrib"`` (and TRPO's
+    backtracking only: ``line_search_grow_iter=0``) is TRPO: same seed, same actor step, same critic minibatches (the
     same permutations are drawn: measuring the update draws nothing from numpy's generator), so the same parameters
-    up to float32 round-off, update after update.
+    up to float32 round-off, update after update. The explicit convention it resolves to (KL(new||old), summed for
+    Discrete/MultiDiscrete, averaged over dimensions for Box/MultiBinary/gSDE) does the same; where the action has
+    several dimensions, the other reduction does not.
     """
-    params = {}
-    for name in ("trpo", "kltrpo"):
-        env = gym.make(env_id)
-        common = dict(seed=3, n_critic_updates=3, batch_size=64, **kwargs)
-        if name == "trpo":
-            model = TRPO("MlpPolicy", env, **common)
-        else:
-            model = KLTRPO("MlpPolicy", env, kl_direction="reverse", kl_reduction="mean", policy_kwargs=TRPO_ADAM, **common)
-        model.learn(n_updates * kwargs["n_steps"])
-        params[name] = {key: value.detach().clone() for key, value in model.policy.state_dict().items()}
-        assert model.logger.name_to_value["train/is_line_search_success"] == 1.0
-    initial = TRPO("MlpPolicy", gym.make(env_id), **common).policy.state_dict()
-    for key, value in params["trpo"].items():
-        assert th.allclose(value, params["kltrpo"][key], rtol=0, atol=2e-5), key
-    assert max(float((params["trpo"][key] - initial[key]).abs().max()) for key in initial) > 1e-3, "no real step taken"
+    common = dict(seed=3, n_critic_updates=3, batch_size=64, **kwargs)
+    ours = dict(line_search_grow_iter=0, policy_kwargs=TRPO_ADAM, **common)
+    trpo = _final_parameters(TRPO("MlpPolicy", make_env(), **common), n_updates, kwargs["n_steps"])
+    # each model is built right before it learns: construction seeds (and then draws from) the global generators
+    for convention in (dict(kl_reduction="sb3_contrib"), dict(kl_direction="reverse", kl_reduction=reduction)):
+        model = KLTRPO("MlpPolicy", make_env(), **convention, **ours)
+        assert model.kl_settings.convention == f"reverse/analytic/{reduction}"
+        params = _final_parameters(model, n_updates, kwargs["n_steps"])
+        for key, value in trpo.items():
+            assert th.allclose(value, params[key], rtol=0, atol=2e-5), key
+        assert model.logger.name_to_value["train/kl_convention"] == f"reverse/analytic/{reduction}"
+    initial = TRPO("MlpPolicy", make_env(), **common).policy.state_dict()
+    assert _max_difference(trpo, initial) > 1e-3, "no real step taken"
+    if model.dist_params.n_dims > 1:
+        other = "sum" if reduction == "mean" else "mean"
+        wrong = KLTRPO("MlpPolicy", make_env(), kl_direction="reverse", kl_reduction=other, **ours)
+        assert _max_difference(_final_parameters(wrong, n_updates, kwargs["n_steps"]), trpo) > 1e-3
+
+
+def test_sb3_contrib_convention_survives_save_load(tmp_path):
+    model = KLTRPO("MlpPolicy", IdentityEnvMultiBinary(3), kl_reduction="sb3_contrib", n_steps=64, **TINY)
+    assert model.kl_settings.convention == "reverse/analytic/mean"
+    model.save(tmp_path / "model.zip")
+    loaded = KLTRPO.load(tmp_path / "model.zip", env=IdentityEnvMultiBinary(3))
+    assert loaded.kl_settings.convention == "reverse/analytic/mean" and loaded.sb3_contrib_kl
+
+
+def test_sb3_contrib_convention_rejects_forward_direction():
+    with pytest.raises(ValueError, match="kl_direction"):
+        KLTRPO("MlpPolicy", "CartPole-v1", n_steps=64, kl_reduction="sb3_contrib", kl_direction="forward")
 
 
 def test_measuring_the_update_draws_no_random_numbers():
