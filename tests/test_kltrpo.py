@@ -392,11 +392,80 @@ def test_min_std_needs_box_actions():
         KLTRPO("MlpPolicy", "CartPole-v1", n_steps=64, min_std=0.1)
 
 
-def test_sub_sampling_runs_and_holds_on_the_subset():
+class LoggedValues(BaseCallback):
+    """Records the named ``train/...`` values of every update (read at the next rollout's start, or at the end)."""
+
+    def __init__(self, *keys: str):
+        super().__init__()
+        self.keys = keys
+        self.updates: list[dict[str, float]] = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_start(self) -> None:
+        if self.model._n_updates > len(self.updates):
+            self.updates.append({key: self.model.logger.name_to_value[key] for key in self.keys})
+
+    def _on_training_end(self) -> None:
+        self._on_rollout_start()
+
+
+def budget_used(kl: np.ndarray, target_kl: float, tail_kl: float | None, tail_quantile: float = 0.99) -> float:
+    """Fraction of the trust region an update used, measured from outside: the tighter of mean/target and tail/bound."""
+    used = kl.mean() / target_kl
+    return max(used, np.quantile(kl, tail_quantile) / tail_kl) if tail_kl is not None else used
+
+
+@pytest.mark.parametrize("tail_kl", [None, 0.025])
+def test_line_search_uses_the_trust_region_the_quadratic_model_leaves(tail_kl):
+    """
+    A large ``cg_damping`` makes the quadratic model overestimate the KL (it uses ``d^T (F + damping) d``), so the
+    model's step uses a fraction of the trust region: with ``line_search_grow_iter=0`` (TRPO's backtracking) under half
+    of it. The growing line search takes a step past the model's and uses >= 85% of the budget on every update,
+    and, measured from outside, never goes over ``target_kl`` nor ``tail_kl``.
+    """
+    target_kl = 0.01
+    kwargs = dict(n_steps=256, target_kl=target_kl, tail_kl=tail_kl, cg_damping=2.0, seed=0, **TINY)
+    used, ratios = {}, {}
+    for grow_iter in (0, 5):
+        kl_cb, logs = UpdateKLCallback(), LoggedValues("train/step_size_ratio", "train/line_search_steps")
+        model = KLTRPO("MlpPolicy", "CartPole-v1", line_search_grow_iter=grow_iter, **kwargs)
+        model.learn(6 * 256, callback=CallbackList([kl_cb, logs]))
+        assert len(kl_cb.updates) == 6
+        for kl in kl_cb.updates:
+            assert kl.mean() <= target_kl * (1 + REL_TOL), kl.mean()
+            if tail_kl is not None:
+                assert np.quantile(kl, 0.99) <= tail_kl * (1 + REL_TOL), np.quantile(kl, 0.99)
+        used[grow_iter] = np.array([budget_used(kl, target_kl, tail_kl) for kl in kl_cb.updates])
+        ratios[grow_iter] = np.array([entry["train/step_size_ratio"] for entry in logs.updates])
+        assert all(entry["train/line_search_steps"] <= model.line_search_max_iter + grow_iter for entry in logs.updates)
+    assert np.all(used[0] < 0.5), used[0]
+    assert np.all(ratios[0] == 1.0), "the quadratic model's step is accepted as it is"
+    assert np.all(used[5] >= 0.85), used[5]
+    assert np.all(ratios[5] > 1.0), ratios[5]
+
+
+@pytest.mark.parametrize(
+    "make_env,n_steps",
+    [(lambda: gym.make("Pendulum-v1"), 512), (lambda: TargetReachEnv(dim=4), 512)],
+)
+def test_sub_sampled_step_holds_on_the_whole_buffer(make_env, n_steps):
+    """
+    With ``sub_sampling_factor=8`` the gradient and the Fisher products use one state in 8, but the constraints are
+    checked on every state: measured from outside on the whole buffer, no update goes over ``target_kl`` nor
+    ``tail_kl``, while the steps use most of the budget (so a check on the subset alone would not hold).
+    """
+    target_kl, tail_kl = 0.01, 0.03
     callback = UpdateKLCallback()
-    model = KLTRPO("MlpPolicy", "CartPole-v1", n_steps=256, sub_sampling_factor=4, seed=0, **TINY)
-    model.learn(3 * 256, callback=callback)
-    assert len(callback.updates) == 3
-    # the constraint is checked on every 4th state of the shuffled buffer only: the full-buffer KL is close, not bound
-    assert all(kl.mean() < 3 * model.target_kl(1.0) for kl in callback.updates)
-    assert model.logger.name_to_value["train/line_search_success"] in (0.0, 1.0)
+    model = KLTRPO(
+        "MlpPolicy", make_env(), n_steps=n_steps, sub_sampling_factor=8, target_kl=target_kl, tail_kl=tail_kl, seed=0, **TINY
+    )
+    model.learn(8 * n_steps, callback=callback)
+    assert len(callback.updates) == 8
+    means = np.array([kl.mean() for kl in callback.updates])
+    tails = np.array([np.quantile(kl, 0.99) for kl in callback.updates])
+    assert np.all(means <= target_kl * (1 + REL_TOL)), means
+    assert np.all(tails <= tail_kl * (1 + REL_TOL)), tails
+    assert np.median([budget_used(kl, target_kl, tail_kl) for kl in callback.updates]) > 0.8
+    assert model.logger.name_to_value["train/kl_divergence_loss"] == pytest.approx(means[-1], rel=1e-3)
