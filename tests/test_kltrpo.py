@@ -93,8 +93,8 @@ def test_mean_kl_within_target_on_every_update(env_id, kwargs):
     means = np.array([kl.mean() for kl in callback.updates])
     assert len(means) == 8
     assert np.all(means <= target_kl * (1 + REL_TOL)), means
-    # Real steps: most updates use a good part of the trust region
-    assert np.median(means) > 0.2 * target_kl, means
+    # The line search grows the step to the measured bound: the updates use most of the trust region
+    assert np.median(means) >= 0.85 * target_kl, means
     # The logged KL is the one measured from outside (last update)
     assert model.logger.name_to_value["train/kl"] == pytest.approx(means[-1], rel=1e-3, abs=1e-8)
     assert model.logger.name_to_value["train/kl_convention"] == "forward/analytic/sum"
