@@ -19,7 +19,7 @@ from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
-from sb3_kl.common.validation import check_bool, check_int, check_range
+from sb3_kl.common.validation import check_bool, check_choice, check_int, check_range
 from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
 SelfKLTRPO = TypeVar("SelfKLTRPO", bound="KLTRPO")
@@ -237,6 +237,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
             check_range("tail_kl", tail_kl, 0.0, None, closed_low=False, hint="a positive finite number (None: no tail bound)")
         check_range("tail_quantile", tail_quantile, 0.0, 1.0, closed_low=False, hint="strictly between 0 and 1")
         check_int("line_search_grow_iter", line_search_grow_iter, 0)
+        check_choice("kl_reduction", kl_reduction, ("sum", "mean", SB3_CONTRIB_KL))
         sb3_contrib_kl = kl_reduction == SB3_CONTRIB_KL
         if sb3_contrib_kl:
             if kl_direction not in (None, "reverse"):
