@@ -143,6 +143,7 @@ ROWS: list[Row] = [
     *ok((KLTRPO,), "sub_sampling_factor", 0),
     *ok((KLTRPO,), "tail_kl", 0.0),
     *ok((KLTRPO,), "tail_quantile", 1.0),
+    *ok((KLTRPO,), "line_search_grow_iter", -1, 1.5),
     # --- reference-policy KL
     *ok(ALGOS, "ref_policy", 5),
     *ok(ALGOS, "ref_policy", "/nonexistent/model.zip"),

@@ -1,5 +1,7 @@
+import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -17,10 +19,35 @@ from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
-from sb3_kl.common.validation import check_bool, check_int, check_range
+from sb3_kl.common.validation import check_bool, check_choice, check_int, check_range
 from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
 SelfKLTRPO = TypeVar("SelfKLTRPO", bound="KLTRPO")
+
+#: ``kl_reduction`` value that constrains the KL sb3-contrib's TRPO constrains, whatever the action space
+SB3_CONTRIB_KL = "sb3_contrib"
+#: The line search stops growing the step once the accepted candidate uses this fraction of the KL budget
+BUDGET_STOP = 0.95
+#: Fraction of the KL budget a grown candidate aims at (a little under the bound, so an accurate guess is accepted)
+BUDGET_AIM = 0.98
+#: Largest growth of the step per forward pass while no larger step has been rejected
+MAX_GROWTH = 4.0
+
+
+def sb3_contrib_kl_reduction(action_space: spaces.Space) -> str:
+    """
+    The reduction over action dimensions of the KL sb3-contrib's TRPO constrains on an action space.
+
+    TRPO bounds ``kl_divergence(new, old).mean()`` (SB3's ``kl_divergence``, i.e. KL(new||old)). For a
+    ``MultiDiscrete`` space SB3 sums the KL of the sub-actions, so the ``.mean()`` runs over states only: the joint
+    KL (``"sum"``; ``Discrete`` has one dimension, where sum and mean agree). For ``Box`` (with or without gSDE) and
+    ``MultiBinary``, PyTorch returns one KL per action dimension and ``.mean()`` averages over states *and*
+    dimensions: ``"mean"``.
+
+    :param action_space: The action space
+    :return: ``"sum"`` or ``"mean"``
+    """
+    return "sum" if isinstance(action_space, (spaces.Discrete, spaces.MultiDiscrete)) else "mean"
 
 
 @th.no_grad()
@@ -40,16 +67,25 @@ class KLTRPO(KLOnPolicyAlgorithm):
 
     Each update maximizes the surrogate ``E[r A]`` subject to ``mean_s KL(s) <= target_kl``, where ``KL(s)`` is the
     exact per-state KL between the rollout and the updated policy in the algorithm's convention: by default
-    forward ``KL(pi_old || pi_new)`` summed over action dimensions, i.e. the KL of the joint action distribution
-    (sb3-contrib's TRPO constrains ``KL(pi_new || pi_old)`` averaged over action dimensions, which lets the joint
-    KL reach ``action_dim * target_kl``; ``kl_direction="reverse", kl_reduction="mean"`` reproduces it).
+    forward ``KL(pi_old || pi_new)`` summed over action dimensions, i.e. the KL of the joint action distribution.
+
+    sb3-contrib's TRPO constrains ``KL(pi_new || pi_old)`` reduced the way SB3's ``kl_divergence(...).mean()``
+    reduces it, which depends on the action space: summed over the sub-actions of ``Discrete``/``MultiDiscrete``,
+    averaged over the dimensions of ``Box`` (with or without gSDE) and ``MultiBinary`` (there the joint KL may reach
+    ``action_dim * target_kl``). ``kl_reduction="sb3_contrib"`` constrains exactly that KL on every space (it
+    implies ``kl_direction="reverse"``); with ``line_search_grow_iter=0`` KLTRPO then takes TRPO's updates.
 
     1. Conjugate gradient on Fisher-vector products (Hessian-vector products of the mean analytic KL, plus
        ``cg_damping``) gives the natural-gradient direction ``d``.
-    2. The maximal step meets the quadratic model of the KL: ``beta = sqrt(2 target_kl / d^T (F + damping) d)``.
-    3. Backtracking line search from ``beta d``, shrinking by ``line_search_shrinking_factor``: a step is accepted
-       only if the surrogate improves, the measured mean KL is ``<= target_kl`` and, when ``tail_kl`` is set,
-       the ``tail_quantile`` of the per-state KL is ``<= tail_kl``. If no step is accepted the policy is unchanged.
+    2. The quadratic model of the KL gives the step ``beta d``, ``beta = sqrt(2 target_kl / d^T (F + damping) d)``.
+    3. Line search along ``d`` for the largest step whose *measured* KL meets the constraints (mean KL
+       ``<= target_kl`` and, when ``tail_kl`` is set, ``tail_quantile`` of the per-state KL ``<= tail_kl``, both
+       on the whole buffer even when the policy step is sub-sampled) and whose surrogate improves: TRPO's
+       backtracking from ``beta d`` (shrinking by ``line_search_shrinking_factor``, at most ``line_search_max_iter``
+       candidates) finds a first acceptable step; then up to ``line_search_grow_iter`` more candidates grow it
+       toward the bound, past ``beta d`` when the quadratic model overestimated the KL, interpolating on the
+       measured KL between the largest accepted and the smallest rejected step. Only a measured, accepted
+       candidate is kept; if none is accepted the policy is unchanged.
     4. The critic is fitted by ``n_critic_updates`` epochs of Adam on minibatches (the actor's gradients removed).
 
     Paper: https://arxiv.org/abs/1502.05477 (and John Schulman's thesis, http://joschu.net/docs/thesis.pdf, p40-42)
@@ -81,13 +117,23 @@ class KLTRPO(KLOnPolicyAlgorithm):
     :param normalize_advantage: Whether to normalize or not the advantage
     :param target_kl: Bound on the mean per-state KL of each update (number or schedule of progress remaining),
         the delta of the trust region. Default 0.01
-    :param sub_sampling_factor: Use one state in ``sub_sampling_factor`` for the policy step, to make computation
-        faster (see p40-42 of John Schulman's thesis); the constraints are then checked on that subset only
+    :param sub_sampling_factor: Use one state in ``sub_sampling_factor`` for the gradient, the Fisher-vector
+        products and the surrogate of the policy step, to make computation faster (see p40-42 of John Schulman's
+        thesis); the KL constraints are still checked on every state of the buffer (forward passes only)
     :param kl_estimator: Must be ``"analytic"``: the trust region needs the exact KL and its Hessian
-    :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
-    :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
+    :param kl_direction: ``"forward"`` = KL(old||new) or ``"reverse"`` = KL(new||old). None (default):
+        ``"forward"``, or ``"reverse"`` with ``kl_reduction="sb3_contrib"``
+    :param kl_reduction: ``"sum"`` (joint KL, default), ``"mean"`` over action dimensions, or ``"sb3_contrib"``:
+        the KL sb3-contrib's TRPO constrains on this action space (KL(new||old), ``"sum"`` for ``Discrete`` and
+        ``MultiDiscrete``, ``"mean"`` for ``Box`` and ``MultiBinary``; see :func:`sb3_contrib_kl_reduction`). It is
+        resolved when the action space is known: ``train/kl_convention`` and ``kl_settings`` show the resolved
+        convention, e.g. ``reverse/analytic/mean``
     :param tail_kl: When set, a step is also rejected if the ``tail_quantile`` of the per-state KL exceeds it
     :param tail_quantile: Quantile of the per-state KL bounded by ``tail_kl`` (default 0.99)
+    :param line_search_grow_iter: Largest number of extra candidates (one forward pass each, two with
+        sub-sampling) the line search spends growing the first accepted step toward the KL bound, past the
+        quadratic model's step when the model overestimates the KL; it stops earlier once a step uses 95% of the
+        budget. With ``line_search_max_iter`` it bounds the forward passes of an update. 0: TRPO's backtracking only
     :param min_std: Variance floor for Gaussian policies: std >= min_std after every accepted step (``log_std`` of
         each candidate of the line search is clamped, so the constraints hold for the floored policy; a std that starts
         below the floor is never lowered further). With gSDE it floors the std of the exploration weights. None = no floor
@@ -149,10 +195,11 @@ class KLTRPO(KLOnPolicyAlgorithm):
         target_kl: float | Schedule = 0.01,
         sub_sampling_factor: int = 1,
         kl_estimator: str = "analytic",
-        kl_direction: str = "forward",
+        kl_direction: str | None = None,
         kl_reduction: str = "sum",
         tail_kl: float | None = None,
         tail_quantile: float = 0.99,
+        line_search_grow_iter: int = 5,
         min_std: float | None = None,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
         ref_policy: ReferenceSource | None = None,
@@ -189,6 +236,19 @@ class KLTRPO(KLOnPolicyAlgorithm):
         if tail_kl is not None:
             check_range("tail_kl", tail_kl, 0.0, None, closed_low=False, hint="a positive finite number (None: no tail bound)")
         check_range("tail_quantile", tail_quantile, 0.0, 1.0, closed_low=False, hint="strictly between 0 and 1")
+        check_int("line_search_grow_iter", line_search_grow_iter, 0)
+        check_choice("kl_reduction", kl_reduction, ("sum", "mean", SB3_CONTRIB_KL))
+        sb3_contrib_kl = kl_reduction == SB3_CONTRIB_KL
+        if sb3_contrib_kl:
+            if kl_direction not in (None, "reverse"):
+                raise ValueError(
+                    f"`kl_reduction`={SB3_CONTRIB_KL!r} constrains sb3-contrib TRPO's KL, which is KL(new||old): "
+                    f"pass kl_direction='reverse' (or leave it None), got kl_direction={kl_direction!r}."
+                )
+            kl_direction = "reverse"
+            kl_reduction = "sum"  # resolved for the action space below (or in _setup_model when it is not known yet)
+        elif kl_direction is None:
+            kl_direction = "forward"
 
         super().__init__(
             policy,
@@ -263,9 +323,23 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self.sub_sampling_factor = sub_sampling_factor
         self.tail_kl = None if tail_kl is None else float(tail_kl)
         self.tail_quantile = float(tail_quantile)
+        self.line_search_grow_iter = line_search_grow_iter
+        self.sb3_contrib_kl = sb3_contrib_kl
+        self._resolve_kl_convention()
 
         if _init_setup_model:
             self._setup_model()
+
+    def _resolve_kl_convention(self) -> None:
+        """With ``kl_reduction="sb3_contrib"``, set the constrained (and reference) KL's reduction for the action space."""
+        if getattr(self, "sb3_contrib_kl", False) and self.action_space is not None:
+            reduction = sb3_contrib_kl_reduction(self.action_space)
+            self.kl_settings = dataclasses.replace(self.kl_settings, reduction=reduction)
+            self.ref_kl_settings = dataclasses.replace(self.ref_kl_settings, reduction=reduction)
+
+    def _setup_model(self) -> None:
+        self._resolve_kl_convention()
+        super()._setup_model()
 
     def _actor_parameters(self) -> list[nn.Parameter]:
         """
@@ -336,6 +410,87 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 self.policy.optimizer.step()
         return value_losses
 
+    def _budget_used(self, mean_kl: float, tail: float | None, target_kl: float) -> float:
+        """
+        The fraction of the trust region a candidate uses: its measured mean KL over ``target_kl`` or, with
+        ``tail_kl``, its ``tail_quantile`` over ``tail_kl`` when that is larger. The constraints hold iff it is <= 1.
+        """
+        used = mean_kl / target_kl
+        if tail is not None and self.tail_kl is not None:
+            used = max(used, tail / self.tail_kl)
+        return used if math.isfinite(used) else math.inf
+
+    def _search_step_size(
+        self,
+        evaluate: Callable[[float], tuple[float, float, float | None]],
+        max_step_size: float,
+        old_objective: float,
+        target_kl: float,
+    ) -> tuple[float, float, float, int]:
+        """
+        The largest step size along the natural-gradient direction whose measured KL (and tail quantile) meets the
+        constraints and whose objective improves, within ``line_search_max_iter + line_search_grow_iter`` forward
+        passes. Every candidate is measured (:meth:`_budget_used`); only a measured feasible one is returned.
+
+        1. TRPO's backtracking: ``max_step_size`` (the quadratic model's step), shrunk by
+           ``line_search_shrinking_factor`` until a candidate is accepted.
+        2. Growth toward the bound, at most ``line_search_grow_iter`` more candidates, until the accepted step uses
+           ``BUDGET_STOP`` of the budget. Without a rejected step above the accepted one, the step grows past it
+           by ``sqrt(BUDGET_AIM / used)`` (the KL is quadratic in the step size near 0; at most ``MAX_GROWTH``
+           per pass); once one is rejected, the next candidate is interpolated between the two on the square root
+           of the budget used (roughly linear in the step size), or bisected when the rejection was the objective's.
+
+        :param evaluate: Sets the actor to ``step_size`` along the direction; returns the objective, the mean KL and
+            the tail quantile (None without ``tail_kl``) of that candidate
+        :param max_step_size: The quadratic model's step size
+        :param old_objective: The objective of the rollout policy, to improve on
+        :param target_kl: The bound on the mean KL
+        :return: the accepted step size (0 when none), its objective and mean KL, and the number of candidates tried
+        """
+        n_tried = 0
+        accepted: tuple[float, float, float, float] | None = None  # step size, objective, mean KL, budget used
+        rejected: tuple[float, float] | None = None  # smallest rejected step size above the accepted one, budget used
+        backtrack_coeff = 1.0
+        for _ in range(self.line_search_max_iter):
+            step_size = backtrack_coeff * max_step_size
+            objective, mean_kl, tail = evaluate(step_size)
+            n_tried += 1
+            used = self._budget_used(mean_kl, tail, target_kl)
+            if objective > old_objective and used <= 1.0:
+                accepted = (step_size, objective, mean_kl, used)
+                break
+            rejected = (step_size, used)
+            backtrack_coeff *= self.line_search_shrinking_factor
+        if accepted is None:
+            return 0.0, old_objective, 0.0, n_tried
+
+        for _ in range(self.line_search_grow_iter):
+            low, _, _, low_used = accepted
+            if low_used >= BUDGET_STOP:
+                break
+            if rejected is None:
+                growth = MAX_GROWTH if low_used <= 0 else min(MAX_GROWTH, math.sqrt(BUDGET_AIM / low_used))
+                step_size = low * growth
+            else:
+                high, high_used = rejected
+                if high <= low * (1.0 + 1e-3):
+                    break
+                if high_used > 1.0 and math.isfinite(high_used):
+                    # secant on sqrt(budget used), which is close to linear in the step size
+                    root_low, root_high = math.sqrt(low_used), math.sqrt(high_used)
+                    fraction = (math.sqrt(BUDGET_AIM) - root_low) / (root_high - root_low)
+                else:
+                    fraction = 0.5  # rejected for the objective (or a non-finite KL): bisect
+                step_size = low + min(max(fraction, 0.1), 0.9) * (high - low)
+            objective, mean_kl, tail = evaluate(step_size)
+            n_tried += 1
+            used = self._budget_used(mean_kl, tail, target_kl)
+            if objective > old_objective and used <= 1.0:
+                accepted = (step_size, objective, mean_kl, used)
+            elif rejected is None or step_size < rejected[0]:
+                rejected = (step_size, used)
+        return accepted[0], accepted[1], accepted[2], n_tried
+
     def train(self) -> None:
         """
         Update policy using the currently gathered rollout buffer.
@@ -395,44 +550,49 @@ class KLTRPO(KLOnPolicyAlgorithm):
         search_direction = conjugate_gradient_solver(
             fisher_vector_product, policy_objective_gradient, max_iter=self.cg_max_steps
         )
-        # Largest step meeting the quadratic model of the KL: 1/2 (beta d)^T F (beta d) = target_kl
+        # Step meeting the quadratic model of the KL: 1/2 (beta d)^T F (beta d) = target_kl
         curvature = float(th.dot(search_direction, fisher_vector_product(search_direction, retain_graph=False)))
         max_step_size = math.sqrt(2.0 * target_kl / curvature) if curvature > 0 and math.isfinite(curvature) else 0.0
+
+        # The constraints are checked on the whole buffer even when the policy step is sub-sampled (forward passes only)
+        full_observations = rollout_data.observations if step > 1 else None
+        constraint_old_params = rollout_data.old_dist_params if step > 1 else old_params
 
         with th.no_grad():
             original_flat = nn.utils.parameters_to_vector(actor_params).clone()
             log_std_floor = self._candidate_log_std_floor()
             old_objective = policy_objective.item()
-            backtrack_coeff = 1.0
-            success = False
-            steps_tried = 0
-            accepted_kl, accepted_objective, step_size = 0.0, old_objective, 0.0
-            if max_step_size > 0:
-                for _ in range(self.line_search_max_iter):
-                    steps_tried += 1
-                    candidate = original_flat + (backtrack_coeff * max_step_size) * search_direction
-                    _copy_flat_to_parameters(candidate, actor_params)
-                    # The variance floor is applied to the candidate, so what is checked is what is kept
-                    if log_std_floor is not None:
-                        self.policy.log_std.copy_(th.maximum(self.policy.log_std, log_std_floor))
-                    distribution = self.policy.get_distribution(observations)
-                    log_prob = distribution.log_prob(actions)
-                    new_objective = (advantages * th.exp(log_prob - old_log_prob)).mean().item()
-                    if ref_kl_coef > 0:
-                        candidate_ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob)
-                        new_objective -= ref_kl_coef * candidate_ref_kl.mean().item()
-                    per_state = self._constrained_kl(old_params, distribution)
-                    mean_kl = per_state.mean().item()
-                    tail_ok = self.tail_kl is None or th.quantile(per_state, self.tail_quantile).item() <= self.tail_kl
-                    # Accept only if the surrogate improves and the measured KL meets every constraint
-                    if new_objective > old_objective and mean_kl <= target_kl and tail_ok:
-                        success = True
-                        accepted_kl, accepted_objective = mean_kl, new_objective
-                        step_size = backtrack_coeff * max_step_size
-                        break
-                    backtrack_coeff *= self.line_search_shrinking_factor
-            if not success:
-                # No acceptable step: the policy is left exactly as it was
+
+            def set_candidate(step_size: float) -> None:
+                _copy_flat_to_parameters(original_flat + step_size * search_direction, actor_params)
+                # The variance floor is applied to the candidate, so what is checked is what is kept
+                if log_std_floor is not None:
+                    self.policy.log_std.copy_(th.maximum(self.policy.log_std, log_std_floor))
+
+            def evaluate(step_size: float) -> tuple[float, float, float | None]:
+                set_candidate(step_size)
+                candidate_distribution = self.policy.get_distribution(observations)
+                candidate_log_prob = candidate_distribution.log_prob(actions)
+                objective = (advantages * th.exp(candidate_log_prob - old_log_prob)).mean().item()
+                if ref_kl_coef > 0:
+                    candidate_ref_kl = self._reference_kl(ref_params, candidate_distribution, candidate_log_prob, ref_log_prob)
+                    objective -= ref_kl_coef * candidate_ref_kl.mean().item()
+                if full_observations is not None:
+                    candidate_distribution = self.policy.get_distribution(full_observations)
+                per_state = self._constrained_kl(constraint_old_params, candidate_distribution)
+                tail = th.quantile(per_state, self.tail_quantile).item() if self.tail_kl is not None else None
+                return objective, per_state.mean().item(), tail
+
+            step_size, accepted_objective, accepted_kl, steps_tried = (
+                self._search_step_size(evaluate, max_step_size, old_objective, target_kl)
+                if max_step_size > 0
+                else (0.0, old_objective, 0.0, 0)
+            )
+            success = step_size > 0
+            # Keep the accepted candidate; if none was accepted the policy is left exactly as it was
+            if success:
+                set_candidate(step_size)
+            else:
                 _copy_flat_to_parameters(original_flat, actor_params)
 
         value_losses = self._fit_critic(actor_params)
@@ -454,6 +614,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self.logger.record("train/line_search_success", float(success))
         self.logger.record("train/line_search_steps", steps_tried)
         self.logger.record("train/step_size", step_size)
+        self.logger.record("train/step_size_ratio", step_size / max_step_size if max_step_size > 0 else 0.0)
         if self.tail_kl is not None:
             self.logger.record("train/kl_tail", float(np.quantile(update_kl, self.tail_quantile)))
             self.logger.record("train/tail_kl", self.tail_kl)
