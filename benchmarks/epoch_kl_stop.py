@@ -22,6 +22,7 @@ Example::
 """
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -43,8 +44,12 @@ ALGOS = ("clip_klppo", "klppo_noclip")
 BAND = (0.5, 2.0)
 
 
+@functools.cache
 def code_version() -> str:
-    """The commit that ran, ``+modified`` when the package or this script had uncommitted changes."""
+    """
+    The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
+    process starts its first run (the package is imported then: later edits of the checkout do not change the run).
+    """
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -257,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="only regenerate the report from the records")
     args = parser.parse_args(argv)
     if not args.report:
+        code_version()
         for seed in args.seeds:
             for algo in args.algos:
                 for rule in args.rules:

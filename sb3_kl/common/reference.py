@@ -17,7 +17,6 @@ This module holds what the algorithms share for it:
 import copy
 import math
 import os
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from sb3_kl.common.kl import (
     check_choice,
     kl_quantiles,
     make_distribution_params,
+    per_state_importance_sampled_kl,
     per_state_kl,
     per_state_kl_to,
 )
@@ -319,20 +319,24 @@ class ReferenceKLMixin:
         distribution: Distribution | th.Tensor,
         log_prob: th.Tensor | None = None,
         ref_log_prob: th.Tensor | None = None,
+        old_log_prob: th.Tensor | None = None,
     ) -> th.Tensor:
         """
         Per-state KL between the current policy and the reference, with the KL core (no second implementation).
 
-        Analytic: the reference takes the "old" slot of the core's convention, so ``"reverse"`` is KL(pi || pi_ref)
-        and ``"forward"`` KL(pi_ref || pi). Sample estimators: the stored actions were drawn by the rollout policy,
-        which is (up to one update) the current policy, not the reference; so the current policy takes the
-        "old" (sampling) slot, the reference the "new" slot, and the direction flips: the core's forward estimator
-        of KL(old || new) with ``log r = log pi_ref - log pi`` estimates KL(pi || pi_ref).
+        Analytic: the exact KL; the reference takes the "old" slot of the core's convention, so ``"reverse"`` is
+        KL(pi || pi_ref) and ``"forward"`` KL(pi_ref || pi). Sample estimators: the stored actions were drawn by the
+        rollout policy pi_old, neither by pi nor by pi_ref, so the estimate is importance-weighted to pi_old
+        (:func:`~sb3_kl.common.kl.importance_sampled_kl`): ``"reverse"`` ``(pi / pi_old) k(pi_ref / pi)``,
+        ``"forward"`` ``(pi_ref / pi_old) k(pi / pi_ref)``. Its expectation over the stored actions is the KL it names
+        for every pi, so its expected gradient is that KL's gradient (the weight ``pi / pi_old`` carries the
+        score-function part).
 
         :param ref_params: Reference parameters on the states, ``(batch, n_params)``
         :param distribution: The current policy's live distribution (loss path, gradients flow) or its parameters
         :param log_prob: ``log pi(a|s)`` of the stored actions (sample estimators)
         :param ref_log_prob: ``log pi_ref(a|s)`` of the stored actions (sample estimators)
+        :param old_log_prob: ``log pi_old(a|s)`` of the stored actions, from the rollout (sample estimators)
         :return: ``(batch,)``
         """
         settings = self.ref_kl_settings
@@ -341,27 +345,35 @@ class ReferenceKLMixin:
             if isinstance(distribution, th.Tensor):
                 return per_state_kl(settings, layout, ref_params, distribution)
             return per_state_kl_to(settings, layout, ref_params, distribution)
-        if log_prob is None or ref_log_prob is None:
+        if log_prob is None or ref_log_prob is None or old_log_prob is None:
             raise ValueError(
-                f"The {settings.estimator!r} reference-KL estimator needs the log-probabilities of the stored actions."
+                f"The {settings.estimator!r} reference-KL estimator needs the log-probabilities of the stored actions "
+                "under the current policy, the reference and the rollout policy that drew them."
             )
-        flipped = replace(settings, direction="forward" if settings.direction == "reverse" else "reverse")
-        return per_state_kl(flipped, layout, ref_params, ref_params, log_ratio=ref_log_prob - log_prob)
+        return per_state_importance_sampled_kl(settings, layout, log_prob, ref_log_prob, old_log_prob)
 
     def _reference_penalty(
-        self, obs: PyTorchObs, actions: th.Tensor, distribution: Distribution, log_prob: th.Tensor
+        self,
+        obs: PyTorchObs,
+        actions: th.Tensor,
+        distribution: Distribution,
+        log_prob: th.Tensor,
+        old_log_prob: th.Tensor | None = None,
     ) -> th.Tensor:
         """
-        Mean reference KL of a minibatch (with gradients through ``distribution``); zero without a reference.
+        Mean reference KL of a minibatch (with gradients through ``distribution``).
+        Its expectation over the stored actions (drawn by the rollout policy) is the mean KL to the reference on
+        ``obs``, and its expected gradient that KL's gradient, for every ``ref_kl_direction`` and ``ref_kl_estimator``.
 
         :param obs: Observations of the minibatch
         :param actions: Its stored actions (as used by ``log_prob``)
         :param distribution: The current policy's distribution on ``obs``
         :param log_prob: ``log pi(a|s)`` of the stored actions
+        :param old_log_prob: ``log pi_old(a|s)`` of the stored actions, from the rollout (needed by k1/k3)
         :return: a scalar
         """
         ref_params, ref_log_prob = self._reference_distribution(obs, actions)
-        return self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean()
+        return self._reference_kl(ref_params, distribution, log_prob, ref_log_prob, old_log_prob).mean()
 
     # ----------------------------------------------------------------------------------------------------------
     # After the update
@@ -370,6 +382,9 @@ class ReferenceKLMixin:
     def _measure_reference_kl(self, chunk_size: int = 4096) -> np.ndarray:
         """
         One no-grad pass over the buffer with the updated policy (eval mode, as it will act) and the reference.
+        Analytic: the exact KL at each state. k1/k3: the importance-weighted estimate of :meth:`_reference_kl` at
+        each state's stored action (drawn by the rollout policy), whose mean over the buffer is unbiased for the mean
+        KL over its states.
 
         :return: the per-state reference KL
         """
@@ -384,7 +399,7 @@ class ReferenceKLMixin:
                 log_prob = distribution.log_prob(actions) if self.ref_kl_settings.estimator != "analytic" else None
                 new_params = self.dist_params.extract(distribution)  # type: ignore[attr-defined]
                 ref_params, ref_log_prob = self._reference_distribution(data.observations, actions)
-                kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob))
+                kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob))
         finally:
             policy.set_training_mode(was_training)
         return th.cat(kls).cpu().numpy()

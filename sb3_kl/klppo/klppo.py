@@ -340,7 +340,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                 loss = policy_loss + kl_loss + self.vf_coef * value_loss
                 if ref_kl_coef > 0:
                     # Anchor to the frozen reference policy (sb3_kl/common/reference.py)
-                    ref_kl = self._reference_penalty(rollout_data.observations, actions, distribution, log_prob)
+                    ref_kl = self._reference_penalty(
+                        rollout_data.observations, actions, distribution, log_prob, rollout_data.old_log_prob
+                    )
                     loss = loss + ref_kl_coef * ref_kl
                 if self.ent_coef != 0:
                     loss = loss + self.ent_coef * entropy_loss

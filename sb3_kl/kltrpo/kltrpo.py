@@ -369,7 +369,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
         if ref_kl_coef > 0:
             ref_params, ref_log_prob = self._reference_distribution(observations, actions)
-            ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean()
+            ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob, old_log_prob).mean()
             policy_objective = policy_objective - ref_kl_coef * ref_kl
         kl_div = self._constrained_kl(old_params, distribution).mean()
 
@@ -419,7 +419,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     log_prob = distribution.log_prob(actions)
                     new_objective = (advantages * th.exp(log_prob - old_log_prob)).mean().item()
                     if ref_kl_coef > 0:
-                        candidate_ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob)
+                        candidate_ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob, old_log_prob)
                         new_objective -= ref_kl_coef * candidate_ref_kl.mean().item()
                     per_state = self._constrained_kl(old_params, distribution)
                     mean_kl = per_state.mean().item()
