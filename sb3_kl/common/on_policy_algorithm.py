@@ -13,7 +13,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.distributions import Distribution, StateDependentNoiseDistribution
+from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
@@ -24,6 +24,7 @@ from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutB
 from sb3_kl.common.controllers import KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
+from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
     DistributionParams,
     GaussianParams,
@@ -508,16 +509,13 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     def _min_log_std_parameter(self) -> float | None:
         """
-        The value below which ``policy.log_std`` is clamped so that std >= min_std.
-        For gSDE this floors the std of the exploration weights (``expln`` taken into account).
+        The value below which ``policy.log_std`` is clamped so that std >= min_std (None without a floor).
+        For gSDE this floors the std of the exploration weights (``expln`` and its epsilon taken into account): the
+        same definition as ``VarianceFloorCallback``'s, :func:`~sb3_kl.common.variance.min_log_std_parameter`.
         """
         if self.min_std is None:
             return None
-        action_dist = self.policy.action_dist
-        if isinstance(action_dist, StateDependentNoiseDistribution) and action_dist.use_expln and self.min_std > 1.0:
-            # expln(x) = log1p(x) + 1 for x > 0
-            return math.expm1(self.min_std - 1.0)
-        return math.log(self.min_std)
+        return min_log_std_parameter(self.policy.action_dist, self.min_std)
 
     @th.no_grad()
     def _apply_variance_floor(self) -> None:
