@@ -395,3 +395,35 @@ def test_negligible_fixed_penalty_with_clip_is_ppo(env_id, kwargs):
         assert th.allclose(value, klppo.policy.state_dict()[key], rtol=0, atol=1e-6), key
     assert max(float((ppo.policy.state_dict()[k] - initial[k]).abs().max()) for k in initial) > 1e-3
     assert klppo.logger.name_to_value["train/kl"] > 0
+
+
+@pytest.mark.parametrize("algo_name", ["KLPPO", "ClipKLPPO"])  # KLTRPO has no penalty coefficient
+def test_kl_coef_keeps_its_bounds_after_construction(algo_name, tmp_path):
+    """
+    ``kl_coef`` set after construction (the property, ``load(path, kl_coef=...)`` and ``custom_objects``) gets the
+    constructor's checks, bounds included; values within the bounds are applied.
+    """
+    import sb3_kl
+    from sb3_kl.common.controllers import AdaptiveKLController
+
+    algo = getattr(sb3_kl, algo_name)
+    model = algo(
+        "MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, kl_coef_bounds=(1e-4, 10.0), policy_kwargs=dict(net_arch=[16])
+    )
+    for value in (1e-9, 100.0, 0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kl_coef"):
+            model.kl_coef = value
+        assert model.kl_coef == 1.0
+    model.kl_coef = 10.0
+    assert model.kl_controller.kl_coef == 10.0
+    model.kl_coef = 1e-4
+    model.save(tmp_path / "model.zip")
+    with pytest.raises(ValueError, match="kl_coef_bounds"):
+        algo.load(tmp_path / "model.zip", kl_coef=100.0)
+    with pytest.raises(ValueError, match="kl_coef_bounds"):
+        algo.load(tmp_path / "model.zip", custom_objects={"kl_coef": 100.0})
+    assert algo.load(tmp_path / "model.zip", custom_objects={"kl_coef": 0.5}).kl_coef == 0.5
+    assert algo.load(tmp_path / "model.zip", kl_coef=2.0).kl_coef == 2.0
+    # wider bounds: a new controller given at load time, then the coefficient within them
+    wide = AdaptiveKLController(kl_coef=1.0, kl_coef_bounds=(1e-4, 1000.0))
+    assert algo.load(tmp_path / "model.zip", kl_controller=wide, kl_coef=100.0).kl_coef == 100.0

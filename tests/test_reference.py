@@ -249,3 +249,46 @@ def test_logged_reference_kl_is_the_documented_quantity(direction, estimator):
         expected = (weight * k).mean().item()
     assert anchored.policy_version > 0 and logged > 0
     assert logged == pytest.approx(expected, rel=1e-4, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def saved_recurrent_reference(tmp_path_factory):
+    """A small sb3-contrib RecurrentPPO model on Pendulum, saved as a zip."""
+    from sb3_contrib import RecurrentPPO
+
+    path = tmp_path_factory.mktemp("recurrent") / "recurrent.zip"
+    kwargs = dict(net_arch=[8], lstm_hidden_size=8)
+    RecurrentPPO("MlpLstmPolicy", "Pendulum-v1", n_steps=32, batch_size=32, policy_kwargs=kwargs, device="cpu").save(path)
+    return path
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("form", ["model", "policy", "zip"])
+def test_recurrent_reference_is_refused_at_construction(algo, form, saved_recurrent_reference):
+    from sb3_contrib import RecurrentPPO
+
+    recurrent = RecurrentPPO.load(saved_recurrent_reference, device="cpu")
+    source = {"model": recurrent, "policy": recurrent.policy, "zip": saved_recurrent_reference}[form]
+    with pytest.raises(ValueError, match=r"recurrent policy .*RecurrentActorCriticPolicy.*feed-forward reference"):
+        make_model(algo, ref_policy=source)
+
+
+def test_recurrent_reference_check_is_overridable(saved_recurrent_reference):
+    """A recurrent algorithm accepts one by overriding ``_check_reference_policy``."""
+
+    class AcceptsRecurrent(KLPPO):
+        def _check_reference_policy(self, policy):
+            pass
+
+    model = make_model(AcceptsRecurrent, ref_policy=saved_recurrent_reference)
+    assert type(model.ref_policy).__name__ == "RecurrentActorCriticPolicy"
+
+
+def test_ref_kl_coef_override_at_load_keeps_its_bounds(saved_reference, tmp_path):
+    model = make_model(KLPPO, ref_policy=saved_reference, ref_kl_coef_bounds=(1e-3, 10.0))
+    model.save(tmp_path / "model.zip")
+    with pytest.raises(ValueError, match="ref_kl_coef_bounds"):
+        KLPPO.load(tmp_path / "model.zip", device="cpu", ref_kl_coef=100.0)
+    with pytest.raises(ValueError, match="ref_kl_coef_bounds"):
+        KLPPO.load(tmp_path / "model.zip", device="cpu", custom_objects={"ref_kl_coef": 1e-6})
+    assert KLPPO.load(tmp_path / "model.zip", device="cpu", custom_objects={"ref_kl_coef": 0.5}).ref_kl_coef == 0.5

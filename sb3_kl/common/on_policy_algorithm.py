@@ -5,8 +5,10 @@ measurement after each update with its logs, the variance floor and the count of
 """
 
 import functools
+import io
 import math
-from typing import Any
+import pathlib
+from typing import Any, TypeVar
 
 import numpy as np
 import torch as th
@@ -16,7 +18,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
+from stable_baselines3.common.type_aliases import GymEnv, PyTorchObs, Schedule
 from stable_baselines3.common.utils import FloatSchedule
 from stable_baselines3.common.vec_env import VecEnv
 
@@ -34,6 +36,8 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
+
+SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
 DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
@@ -317,9 +321,49 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
-        if not math.isfinite(value) or value <= 0:
+        # The constructor's checks (KLController.__init__): a positive finite number within ``kl_coef_bounds``
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"`kl_coef` must be a positive finite number, got {value!r}.")
+        low, high = getattr(self.kl_controller, "kl_coef_bounds", (0.0, math.inf))
+        if not low <= value <= high:
+            raise ValueError(
+                f"`kl_coef`={value!r} lies outside `kl_coef_bounds`={(low, high)} of the KL controller: pass a value "
+                "within the bounds, or give the model a controller with wider bounds (e.g. "
+                "`model.kl_controller = AdaptiveKLController(kl_coef, kl_coef_bounds=(low, high))`, or the same as a "
+                "keyword of `load`)."
+            )
         self.kl_controller.kl_coef = float(value)
+
+    @classmethod
+    def load(
+        cls: type[SelfKLOnPolicyAlgorithm],
+        path: str | pathlib.Path | io.BufferedIOBase,
+        env: GymEnv | None = None,
+        device: th.device | str = "auto",
+        custom_objects: dict[str, Any] | None = None,
+        print_system_info: bool = False,
+        force_reset: bool = True,
+        **kwargs: Any,
+    ) -> SelfKLOnPolicyAlgorithm:
+        """
+        SB3's ``load``. ``kl_coef`` and ``ref_kl_coef`` live in their controllers, not in the saved data, where SB3's
+        ``custom_objects`` (which only replaces saved entries) would ignore them silently: given there, they are
+        applied like keyword overrides (``load(path, kl_coef=x)``), with the constructor's checks (bounds included).
+        """
+        if custom_objects is not None and isinstance(custom_objects, dict):
+            custom_objects = dict(custom_objects)
+            for name in ("kl_coef", "ref_kl_coef"):
+                if name in custom_objects:
+                    kwargs.setdefault(name, custom_objects.pop(name))
+        return super().load(
+            path,
+            env=env,
+            device=device,
+            custom_objects=custom_objects,
+            print_system_info=print_system_info,
+            force_reset=force_reset,
+            **kwargs,
+        )
 
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)

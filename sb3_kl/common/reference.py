@@ -15,6 +15,7 @@ This module holds what the algorithms share for it:
 """
 
 import copy
+import inspect
 import math
 import os
 from typing import Any
@@ -152,6 +153,26 @@ def load_reference_policy(source: ReferenceSource, device: th.device | str = "cp
     return frozen
 
 
+def is_recurrent_policy(policy: Any) -> bool:
+    """
+    Whether ``policy`` needs a recurrent state besides the observations to give its action distribution
+    (sb3-contrib's ``RecurrentActorCriticPolicy``, or any policy whose ``get_distribution`` has a required argument
+    after ``obs``, e.g. ``lstm_states``).
+    """
+    try:
+        from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
+
+        if isinstance(policy, RecurrentActorCriticPolicy):
+            return True
+    except ImportError:  # pragma: no cover - sb3-contrib is a dependency
+        pass
+    get_distribution = getattr(policy, "get_distribution", None)
+    if get_distribution is None:
+        return False
+    extra = list(inspect.signature(get_distribution).parameters.values())[1:]
+    return any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in extra)
+
+
 def check_reference_spaces(reference: ActorCriticPolicy, observation_space: spaces.Space, action_space: spaces.Space) -> None:
     """
     :raises ValueError: when the reference was trained on another action or observation space
@@ -267,6 +288,12 @@ class ReferenceKLMixin:
                 raise ValueError(
                     f"`ref_kl_coef`={value!r} can only override a positive coefficient of a model with a reference."
                 )
+            low, high = self.ref_kl_controller.kl_coef_bounds
+            if not low <= value <= high:
+                raise ValueError(
+                    f"`ref_kl_coef`={value!r} lies outside `ref_kl_coef_bounds`={(low, high)}: pass a value within "
+                    "them, or a `ref_kl_controller` with wider bounds as another keyword of `load`."
+                )
             self.ref_kl_controller.kl_coef = value
         source = self.ref_policy
         device = self.device  # type: ignore[attr-defined]
@@ -278,7 +305,11 @@ class ReferenceKLMixin:
         elif is_frozen_reference(source):
             reference = source.to(device)  # type: ignore[union-attr]
         else:
+            if isinstance(source, (BaseAlgorithm, BasePolicy)):
+                # before copying it: a policy that cannot be evaluated on observations alone may not copy cleanly
+                self._check_reference_policy(source.policy if isinstance(source, BaseAlgorithm) else source)
             reference = load_reference_policy(source, device)
+        self._check_reference_policy(reference)
         check_reference_spaces(reference, self.observation_space, self.action_space)  # type: ignore[attr-defined]
         ref_layout = make_distribution_params(reference.action_dist)
         own_layout: DistributionParams = self.dist_params  # type: ignore[attr-defined]
@@ -291,6 +322,25 @@ class ReferenceKLMixin:
         self.ref_policy = reference
         self.ref_policy_class, self.ref_policy_kwargs = reference_spec(reference)
         self.ref_dist_params = ref_layout
+
+    def _check_reference_policy(self, policy: BasePolicy) -> None:
+        """
+        Refuse a reference this algorithm cannot evaluate. Called at construction (and in ``load``) on the policy
+        passed as ``ref_policy`` (or rebuilt from its zip), before anything else uses it. The feed-forward algorithms
+        evaluate the reference on the buffer's observations alone, so a recurrent policy (its distribution depends on
+        LSTM states the buffer does not hold for it) is refused; a recurrent algorithm that keeps those states
+        overrides this method.
+
+        :param policy: The reference policy
+        :raises ValueError: for a recurrent reference
+        """
+        if is_recurrent_policy(policy):
+            raise ValueError(
+                f"`ref_policy` is a recurrent policy ({type(policy).__name__}, e.g. from sb3-contrib's RecurrentPPO): its "
+                f"action distribution depends on LSTM states, which {type(self).__name__} does not keep for the "
+                "reference, so the KL to it cannot be computed from the observations alone. Pass a feed-forward "
+                "reference (a model saved by PPO, A2C, TRPO, KLPPO, ClipKLPPO or KLTRPO, or its ActorCriticPolicy)."
+            )
 
     # ----------------------------------------------------------------------------------------------------------
     # The term inside the losses
