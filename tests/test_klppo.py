@@ -395,3 +395,73 @@ def test_negligible_fixed_penalty_with_clip_is_ppo(env_id, kwargs):
         assert th.allclose(value, klppo.policy.state_dict()[key], rtol=0, atol=1e-6), key
     assert max(float((ppo.policy.state_dict()[k] - initial[k]).abs().max()) for k in initial) > 1e-3
     assert klppo.logger.name_to_value["train/kl"] > 0
+
+
+@pytest.mark.parametrize("algo_name", ["KLPPO", "ClipKLPPO"])  # KLTRPO has no penalty coefficient
+def test_kl_coef_keeps_its_bounds_after_construction(algo_name, tmp_path):
+    """
+    ``kl_coef`` set after construction (the property, ``load(path, kl_coef=...)`` and ``custom_objects``) gets the
+    constructor's checks, bounds included; values within the bounds are applied.
+    """
+    import sb3_kl
+    from sb3_kl.common.controllers import AdaptiveKLController
+
+    algo = getattr(sb3_kl, algo_name)
+    model = algo(
+        "MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, kl_coef_bounds=(1e-4, 10.0), policy_kwargs=dict(net_arch=[16])
+    )
+    for value in (1e-9, 100.0, 0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kl_coef"):
+            model.kl_coef = value
+        assert model.kl_coef == 1.0
+    model.kl_coef = 10.0
+    assert model.kl_controller.kl_coef == 10.0
+    model.kl_coef = 1e-4
+    model.save(tmp_path / "model.zip")
+    with pytest.raises(ValueError, match="kl_coef_bounds"):
+        algo.load(tmp_path / "model.zip", kl_coef=100.0)
+    with pytest.raises(ValueError, match="kl_coef_bounds"):
+        algo.load(tmp_path / "model.zip", custom_objects={"kl_coef": 100.0})
+    assert algo.load(tmp_path / "model.zip", custom_objects={"kl_coef": 0.5}).kl_coef == 0.5
+    assert algo.load(tmp_path / "model.zip", kl_coef=2.0).kl_coef == 2.0
+    # wider bounds: a new controller given at load time, then the coefficient within them
+    wide = AdaptiveKLController(kl_coef=1.0, kl_coef_bounds=(1e-4, 1000.0))
+    assert algo.load(tmp_path / "model.zip", kl_controller=wide, kl_coef=100.0).kl_coef == 100.0
+
+
+def test_early_stop_judges_the_kl_the_epoch_leaves():
+    """
+    The per-epoch early stop judges the KL between the rollout policy and the policy each epoch leaves, over the whole
+    buffer: recomputed here with ``torch.distributions`` from a snapshot of the policy after every epoch. With one
+    minibatch per epoch, a lagging judge (the KL before each step) would see 0 after the first epoch and never stop
+    there; this one stops after the first step that crosses ``kl_stop_factor * target_kl``.
+    """
+    judged, snapshots = [], []
+
+    class Recording(KLPPO):
+        def _kl_ran_away(self, *args, **kwargs):
+            stop = super()._kl_ran_away(*args, **kwargs)
+            judged.append(float(np.mean(self._epoch_end_kl[0])))
+            snapshots.append(copy.deepcopy(self.policy))
+            return stop
+
+    kwargs = dict(n_steps=64, batch_size=64, n_epochs=5, policy_kwargs=dict(net_arch=[16]), seed=0)
+    model = Recording("MlpPolicy", "CartPole-v1", learning_rate=0.05, target_kl=1e-3, kl_stop_factor=2.0, **kwargs)
+    model.learn(64)
+    logs = model.logger.name_to_value
+    assert logs["train/early_stop_epoch"] == len(judged) == 1 < kwargs["n_epochs"]
+    obs = th.as_tensor(model.rollout_buffer.observations.reshape(64, -1))
+    old = th.distributions.Categorical(logits=th.as_tensor(model.rollout_buffer.old_dist_params.reshape(64, -1)))
+    for value, policy in zip(judged, snapshots, strict=True):
+        with th.no_grad():
+            new = th.distributions.Categorical(logits=policy.get_distribution(obs).distribution.logits)
+        assert value == pytest.approx(th.distributions.kl_divergence(old, new).mean().item(), rel=1e-5)
+    assert judged[-1] > 2.0 * 1e-3
+    assert logs["train/kl"] == pytest.approx(judged[-1], rel=1e-6)  # the last judgement's pass is the logged KL
+
+    # Below the threshold it runs every epoch, each judged on the policy that epoch left
+    judged.clear(), snapshots.clear()
+    calm = Recording("MlpPolicy", "CartPole-v1", learning_rate=1e-4, target_kl=0.02, kl_stop_factor=2.0, **kwargs)
+    calm.learn(64)
+    assert calm.logger.name_to_value["train/early_stop_epoch"] == len(judged) == kwargs["n_epochs"]
+    assert judged == sorted(judged) and judged[0] > 0  # one step per epoch at a small rate: the KL grows

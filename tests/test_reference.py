@@ -93,10 +93,11 @@ def test_reference_kl_direction_matches_sb3():
         assert th.allclose(ours, expected, atol=1e-5), direction
 
 
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
-def test_sample_estimators_run(estimator):
-    model = make_model(KLPPO, ref_policy=None)
-    anchored = make_model(KLPPO, ref_policy=shifted_reference(model, shift=0.3), ref_kl_estimator=estimator, ref_kl_coef=1.0)
+def test_sample_estimators_run(algo, estimator):
+    model = make_model(algo, ref_policy=None)
+    anchored = make_model(algo, ref_policy=shifted_reference(model, shift=0.3), ref_kl_estimator=estimator, ref_kl_coef=1.0)
     anchored.learn(64)
     values = anchored.logger.name_to_value
     assert np.isfinite(values["train/ref_kl"])
@@ -204,3 +205,90 @@ def test_invalid_arguments(tmp_path):
     SAC("MlpPolicy", "Pendulum-v1", policy_kwargs=dict(POLICY_KWARGS), device="cpu").save(sac_path)
     with pytest.raises(ValueError, match="ActorCriticPolicy"):
         make_model(KLPPO, ref_policy=sac_path)
+
+
+@pytest.mark.parametrize("estimator", ["analytic", "k1", "k3"])
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_logged_reference_kl_is_the_documented_quantity(direction, estimator):
+    """
+    ``train/ref_kl`` (which drives beta_ref) after an update, recomputed with ``torch.distributions`` from the
+    buffer: analytic, the exact mean KL between the updated policy and the reference over the buffer's states;
+    k1/k3, the mean over the buffer of the importance-weighted estimate at each stored action (drawn by the
+    rollout policy, weight pi/pi_old for reverse, pi_ref/pi_old for forward).
+    """
+    model = make_model(KLPPO, ref_policy=None)
+    anchored = make_model(
+        KLPPO,
+        ref_policy=shifted_reference(model, shift=0.4),
+        ref_kl_direction=direction,
+        ref_kl_estimator=estimator,
+        ref_kl_coef=1.0,
+        learning_rate=3e-3,
+    )
+    anchored.learn(64)
+    logged = anchored.logger.name_to_value["train/ref_kl"]
+    buffer = anchored.rollout_buffer
+    obs = th.as_tensor(buffer.observations.reshape(-1, *anchored.observation_space.shape))
+    actions = th.as_tensor(buffer.actions.reshape(len(obs), -1))
+    old_log_prob = th.as_tensor(buffer.log_probs.reshape(-1))
+    with th.no_grad():
+        pi_normal = anchored.policy.get_distribution(obs).distribution
+        pi = th.distributions.Normal(pi_normal.loc.clone(), pi_normal.scale.clone())
+        ref_normal = anchored.ref_policy.get_distribution(obs).distribution
+        pi_ref = th.distributions.Normal(ref_normal.loc.clone(), ref_normal.scale.clone())
+    if estimator == "analytic":
+        first, second = (pi, pi_ref) if direction == "reverse" else (pi_ref, pi)
+        expected = th.distributions.kl_divergence(first, second).sum(-1).mean().item()
+    else:
+        log_pi, log_ref = pi.log_prob(actions).sum(-1), pi_ref.log_prob(actions).sum(-1)
+        if direction == "reverse":
+            weight, log_rho = th.exp(log_pi - old_log_prob), log_ref - log_pi
+        else:
+            weight, log_rho = th.exp(log_ref - old_log_prob), log_pi - log_ref
+        k = -log_rho if estimator == "k1" else th.exp(log_rho) - 1 - log_rho
+        expected = (weight * k).mean().item()
+    assert anchored.policy_version > 0 and logged > 0
+    assert logged == pytest.approx(expected, rel=1e-4, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def saved_recurrent_reference(tmp_path_factory):
+    """A small sb3-contrib RecurrentPPO model on Pendulum, saved as a zip."""
+    from sb3_contrib import RecurrentPPO
+
+    path = tmp_path_factory.mktemp("recurrent") / "recurrent.zip"
+    kwargs = dict(net_arch=[8], lstm_hidden_size=8)
+    RecurrentPPO("MlpLstmPolicy", "Pendulum-v1", n_steps=32, batch_size=32, policy_kwargs=kwargs, device="cpu").save(path)
+    return path
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("form", ["model", "policy", "zip"])
+def test_recurrent_reference_is_refused_at_construction(algo, form, saved_recurrent_reference):
+    from sb3_contrib import RecurrentPPO
+
+    recurrent = RecurrentPPO.load(saved_recurrent_reference, device="cpu")
+    source = {"model": recurrent, "policy": recurrent.policy, "zip": saved_recurrent_reference}[form]
+    with pytest.raises(ValueError, match=r"recurrent policy .*RecurrentActorCriticPolicy.*feed-forward reference"):
+        make_model(algo, ref_policy=source)
+
+
+def test_recurrent_reference_check_is_overridable(saved_recurrent_reference):
+    """A recurrent algorithm accepts one by overriding ``_check_reference_policy``."""
+
+    class AcceptsRecurrent(KLPPO):
+        def _check_reference_policy(self, policy):
+            pass
+
+    model = make_model(AcceptsRecurrent, ref_policy=saved_recurrent_reference)
+    assert type(model.ref_policy).__name__ == "RecurrentActorCriticPolicy"
+
+
+def test_ref_kl_coef_override_at_load_keeps_its_bounds(saved_reference, tmp_path):
+    model = make_model(KLPPO, ref_policy=saved_reference, ref_kl_coef_bounds=(1e-3, 10.0))
+    model.save(tmp_path / "model.zip")
+    with pytest.raises(ValueError, match="ref_kl_coef_bounds"):
+        KLPPO.load(tmp_path / "model.zip", device="cpu", ref_kl_coef=100.0)
+    with pytest.raises(ValueError, match="ref_kl_coef_bounds"):
+        KLPPO.load(tmp_path / "model.zip", device="cpu", custom_objects={"ref_kl_coef": 1e-6})
+    assert KLPPO.load(tmp_path / "model.zip", device="cpu", custom_objects={"ref_kl_coef": 0.5}).ref_kl_coef == 0.5

@@ -20,9 +20,10 @@ class ClipKLPPO(KLPPO):
     Loss per minibatch: ``-E[min(r A, clip(r, 1 - eps, 1 + eps) A)] + beta * KL + vf_coef * L_V - ent_coef * H``.
     Clipping bounds each sample's ratio; the KL penalty (by default exact, forward ``KL(pi_old || pi_new)``, summed
     over action dimensions) keeps the policy close on the distribution as a whole, and beta is adapted after each
-    update so that the update's KL tracks ``target_kl``. Once the KL of the states seen in an epoch exceeds
-    ``kl_stop_factor * target_kl``, the remaining epochs are skipped (judged once per epoch, over all its states,
-    because the KL of a single minibatch is too noisy to stop on); ``train/early_stop_epoch`` logs the epoch at
+    update so that the update's KL tracks ``target_kl``. Once the KL between the rollout policy and the policy an epoch
+    leaves exceeds ``kl_stop_factor * target_kl``, the remaining epochs are skipped: it is judged after each epoch, on
+    the mean per-state KL over the whole buffer (the quantity ``train/kl`` reports, one no-grad pass; a single
+    minibatch's KL is too noisy to stop on); ``train/early_stop_epoch`` logs the epoch at
     which the update stopped (``n_epochs`` when it did not). An optional hinge (``kl_hinge_coef``), as in Schulman's
     modular_rl, adds a steep quadratic penalty on the minibatch KL above ``kl_hinge_factor * target_kl``.
 
@@ -67,8 +68,9 @@ class ClipKLPPO(KLPPO):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: The remaining epochs are skipped once the KL of the states seen in an epoch exceeds
-        ``kl_stop_factor * target_kl`` (default 2.0); None disables the early stop
+    :param kl_stop_factor: The remaining epochs are skipped once the KL of the policy an epoch leaves (mean per-state
+        KL over the whole buffer, judged after each epoch) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
+        None disables the early stop
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2); 0 disables it (default)
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
@@ -87,7 +89,7 @@ class ClipKLPPO(KLPPO):
     :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
     :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default, as in RLHF) or ``"forward"`` = KL(pi_ref || pi)
     :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
-        the rollout policy)
+        the rollout policy, importance-weighted to it: unbiased in value and gradient, see docs/reference.md)
         With a reference, ``beta_ref * KL_ref`` is added to the loss as in :class:`~sb3_kl.KLPPO`
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over

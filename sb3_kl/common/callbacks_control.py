@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.distributions import DiagGaussianDistribution, Distribution, StateDependentNoiseDistribution
+from stable_baselines3.common.distributions import DiagGaussianDistribution, StateDependentNoiseDistribution
 from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import FloatSchedule, update_learning_rate
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
 from sb3_kl.common.validation import check_int, check_pair, check_positive
+from sb3_kl.common.variance import min_log_std_parameter
 
 
 class AdaptiveLRSchedule:
@@ -133,16 +134,6 @@ class KLAdaptiveLRCallback(MonitorUser):
             self._original_schedule = None
 
 
-def _min_log_std_parameter(action_dist: Distribution, min_std: float) -> float:
-    """
-    The value of ``policy.log_std`` whose std is ``min_std``. For gSDE with ``use_expln`` the std of the exploration
-    weights is ``exp(x)`` for x <= 0 and ``log1p(x + epsilon) + 1`` above.
-    """
-    if isinstance(action_dist, StateDependentNoiseDistribution) and action_dist.use_expln and min_std > 1.0:
-        return math.expm1(min_std - 1.0) - action_dist.epsilon
-    return math.log(min_std)
-
-
 class VarianceFloorCallback(BaseCallback):
     """
     Keep a Gaussian policy's standard deviation at or above ``min_std`` after every optimizer step.
@@ -150,7 +141,8 @@ class VarianceFloorCallback(BaseCallback):
     An optimizer step post-hook (``torch.optim.Optimizer.register_step_post_hook``) clamps ``policy.log_std`` in place
     after each step of ``model.policy.optimizer``, so neither the rest of the update nor the next rollout sees a
     collapsed Gaussian; the floor is also applied once at the start of training. The hook is removed at the end of
-    training. With gSDE the floor applies to the std of the exploration weights (``use_expln`` taken into account);
+    training. With gSDE the floor applies to the std of the exploration weights (``use_expln`` taken into account,
+    with SB3's epsilon; the same floor as the algorithms' ``min_std``, :func:`~sb3_kl.common.variance.min_log_std_parameter`);
     the action std also scales with the state features.
 
     Logs after each update ``variance/std_min`` (the smallest std parameter) and ``variance/floored_dims`` (how many
@@ -181,7 +173,7 @@ class VarianceFloorCallback(BaseCallback):
                 f"actions); this policy's action distribution is {type(action_dist).__name__}, which has no variance to "
                 "floor. Remove the callback for discrete action spaces."
             )
-        self._floor = _min_log_std_parameter(action_dist, self.min_std)
+        self._floor = min_log_std_parameter(action_dist, self.min_std)
 
     def _clamp(self) -> None:
         with th.no_grad():

@@ -16,6 +16,8 @@ Conventions (each is an option with a documented default):
   Forward: k1 = -log r, k3 = (r - 1) - log r.
   Reverse (importance-weighted by r, since actions come from pi_old): k1 = r log r, k3 = r log r - (r - 1).
   Both k3 forms are never negative; k1 may be negative on a single sample.
+  The KL to a *reference* policy from the rollout policy's samples (a third distribution) needs importance weights:
+  :func:`importance_sampled_kl`.
 - **reduction** over action dimensions: ``"sum"`` is the joint KL of the action distribution (default);
   ``"mean"`` divides it by the number of independent action dimensions (one for ``Discrete``,
   ``len(nvec)`` for ``MultiDiscrete``, ``n`` for ``MultiBinary``, the action size for ``Box``).
@@ -397,6 +399,69 @@ def sample_kl(log_ratio: th.Tensor, estimator: str, direction: str, log_ratio_cl
     if estimator == "k1":
         return ratio * log_ratio
     return ratio * log_ratio - th.expm1(log_ratio)
+
+
+def importance_sampled_kl(
+    log_prob: th.Tensor,
+    ref_log_prob: th.Tensor,
+    sampler_log_prob: th.Tensor,
+    estimator: str,
+    direction: str,
+    log_ratio_clip: float = 20.0,
+) -> th.Tensor:
+    """
+    Per-sample estimate of the KL between a policy ``pi`` and a reference ``pi_ref`` from actions drawn by a third
+    policy ``mu`` (the rollout policy), importance-weighted so that its expectation over ``a ~ mu`` is the KL exactly,
+    for every ``pi``: its expected gradient (``mu`` fixed) is then the gradient of that KL.
+
+    - ``"reverse"``, KL(pi || pi_ref) = E_pi[k(pi_ref / pi)] = E_mu[(pi / mu) k(pi_ref / pi)];
+    - ``"forward"``, KL(pi_ref || pi) = E_pi_ref[k(pi / pi_ref)] = E_mu[(pi_ref / mu) k(pi / pi_ref)];
+
+    with ``k1(rho) = -log rho`` and ``k3(rho) = (rho - 1) - log rho`` (each has expectation KL under the
+    distribution it is written for). The weight ``pi / mu`` of the reverse direction depends on ``pi``: that is the
+    score-function part of the gradient, which a plain log-ratio estimator on ``mu``'s samples misses.
+    With ``mu = pi_ref`` this is :func:`sample_kl` (``pi`` in its "new" slot).
+
+    :param log_prob: ``log pi(a|s)`` (gradients flow through it), ``(batch,)``
+    :param ref_log_prob: ``log pi_ref(a|s)``, ``(batch,)``
+    :param sampler_log_prob: ``log mu(a|s)`` of the policy that drew the actions, ``(batch,)``
+    :param estimator: ``"k1"`` or ``"k3"``
+    :param direction: ``"reverse"`` = KL(pi || pi_ref) or ``"forward"`` = KL(pi_ref || pi)
+    :param log_ratio_clip: clamp of every log-ratio before exponentiation
+    :return: ``(batch,)``
+    """
+    check_choice("estimator", estimator, ("k1", "k3"))
+    check_choice("direction", direction, KL_DIRECTIONS)
+    if direction == "reverse":
+        weight_log, log_rho = log_prob - sampler_log_prob, ref_log_prob - log_prob
+    else:
+        weight_log, log_rho = ref_log_prob - sampler_log_prob, log_prob - ref_log_prob
+    weight = th.exp(th.clamp(weight_log, -log_ratio_clip, log_ratio_clip))
+    log_rho = th.clamp(log_rho, -log_ratio_clip, log_ratio_clip)
+    if estimator == "k1":
+        return -weight * log_rho
+    return weight * (th.expm1(log_rho) - log_rho)
+
+
+def per_state_importance_sampled_kl(
+    settings: KLSettings,
+    dist_params: DistributionParams,
+    log_prob: th.Tensor,
+    ref_log_prob: th.Tensor,
+    sampler_log_prob: th.Tensor,
+) -> th.Tensor:
+    """
+    :func:`importance_sampled_kl` in the estimator, direction and reduction of ``settings`` (the direction as for a
+    reference: ``"reverse"`` = KL(pi || pi_ref), ``"forward"`` = KL(pi_ref || pi)).
+
+    :return: ``(batch,)``
+    """
+    if settings.estimator == "analytic":
+        raise ValueError("The analytic KL needs no samples: use per_state_kl or per_state_kl_to.")
+    joint = importance_sampled_kl(
+        log_prob, ref_log_prob, sampler_log_prob, settings.estimator, settings.direction, settings.log_ratio_clip
+    )
+    return _reduce(settings, dist_params, joint)
 
 
 def per_state_kl(

@@ -5,18 +5,20 @@ measurement after each update with its logs, the variance floor and the count of
 """
 
 import functools
+import io
 import math
-from typing import Any
+import pathlib
+from typing import Any, TypeVar
 
 import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.distributions import Distribution, StateDependentNoiseDistribution
+from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
+from stable_baselines3.common.type_aliases import GymEnv, PyTorchObs, Schedule
 from stable_baselines3.common.utils import FloatSchedule
 from stable_baselines3.common.vec_env import VecEnv
 
@@ -24,6 +26,7 @@ from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutB
 from sb3_kl.common.controllers import KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
+from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
     DistributionParams,
     GaussianParams,
@@ -33,6 +36,8 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
+
+SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
 DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
@@ -316,9 +321,49 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
-        if not math.isfinite(value) or value <= 0:
+        # The constructor's checks (KLController.__init__): a positive finite number within ``kl_coef_bounds``
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"`kl_coef` must be a positive finite number, got {value!r}.")
+        low, high = getattr(self.kl_controller, "kl_coef_bounds", (0.0, math.inf))
+        if not low <= value <= high:
+            raise ValueError(
+                f"`kl_coef`={value!r} lies outside `kl_coef_bounds`={(low, high)} of the KL controller: pass a value "
+                "within the bounds, or give the model a controller with wider bounds (e.g. "
+                "`model.kl_controller = AdaptiveKLController(kl_coef, kl_coef_bounds=(low, high))`, or the same as a "
+                "keyword of `load`)."
+            )
         self.kl_controller.kl_coef = float(value)
+
+    @classmethod
+    def load(
+        cls: type[SelfKLOnPolicyAlgorithm],
+        path: str | pathlib.Path | io.BufferedIOBase,
+        env: GymEnv | None = None,
+        device: th.device | str = "auto",
+        custom_objects: dict[str, Any] | None = None,
+        print_system_info: bool = False,
+        force_reset: bool = True,
+        **kwargs: Any,
+    ) -> SelfKLOnPolicyAlgorithm:
+        """
+        SB3's ``load``. ``kl_coef`` and ``ref_kl_coef`` live in their controllers, not in the saved data, where SB3's
+        ``custom_objects`` (which only replaces saved entries) would ignore them silently: given there, they are
+        applied like keyword overrides (``load(path, kl_coef=x)``), with the constructor's checks (bounds included).
+        """
+        if custom_objects is not None and isinstance(custom_objects, dict):
+            custom_objects = dict(custom_objects)
+            for name in ("kl_coef", "ref_kl_coef"):
+                if name in custom_objects:
+                    kwargs.setdefault(name, custom_objects.pop(name))
+        return super().load(
+            path,
+            env=env,
+            device=device,
+            custom_objects=custom_objects,
+            print_system_info=print_system_info,
+            force_reset=force_reset,
+            **kwargs,
+        )
 
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
@@ -508,16 +553,13 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     def _min_log_std_parameter(self) -> float | None:
         """
-        The value below which ``policy.log_std`` is clamped so that std >= min_std.
-        For gSDE this floors the std of the exploration weights (``expln`` taken into account).
+        The value below which ``policy.log_std`` is clamped so that std >= min_std (None without a floor).
+        For gSDE this floors the std of the exploration weights (``expln`` and its epsilon taken into account): the
+        same definition as ``VarianceFloorCallback``'s, :func:`~sb3_kl.common.variance.min_log_std_parameter`.
         """
         if self.min_std is None:
             return None
-        action_dist = self.policy.action_dist
-        if isinstance(action_dist, StateDependentNoiseDistribution) and action_dist.use_expln and self.min_std > 1.0:
-            # expln(x) = log1p(x) + 1 for x > 0
-            return math.expm1(self.min_std - 1.0)
-        return math.log(self.min_std)
+        return min_log_std_parameter(self.policy.action_dist, self.min_std)
 
     @th.no_grad()
     def _apply_variance_floor(self) -> None:

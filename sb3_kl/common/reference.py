@@ -15,9 +15,9 @@ This module holds what the algorithms share for it:
 """
 
 import copy
+import inspect
 import math
 import os
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from sb3_kl.common.kl import (
     check_choice,
     kl_quantiles,
     make_distribution_params,
+    per_state_importance_sampled_kl,
     per_state_kl,
     per_state_kl_to,
 )
@@ -150,6 +151,26 @@ def load_reference_policy(source: ReferenceSource, device: th.device | str = "cp
     frozen = build_reference_policy(policy_class, kwargs, device)
     frozen.load_state_dict(copy.deepcopy(policy.state_dict()))
     return frozen
+
+
+def is_recurrent_policy(policy: Any) -> bool:
+    """
+    Whether ``policy`` needs a recurrent state besides the observations to give its action distribution
+    (sb3-contrib's ``RecurrentActorCriticPolicy``, or any policy whose ``get_distribution`` has a required argument
+    after ``obs``, e.g. ``lstm_states``).
+    """
+    try:
+        from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
+
+        if isinstance(policy, RecurrentActorCriticPolicy):
+            return True
+    except ImportError:  # pragma: no cover - sb3-contrib is a dependency
+        pass
+    get_distribution = getattr(policy, "get_distribution", None)
+    if get_distribution is None:
+        return False
+    extra = list(inspect.signature(get_distribution).parameters.values())[1:]
+    return any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in extra)
 
 
 def check_reference_spaces(reference: ActorCriticPolicy, observation_space: spaces.Space, action_space: spaces.Space) -> None:
@@ -267,6 +288,12 @@ class ReferenceKLMixin:
                 raise ValueError(
                     f"`ref_kl_coef`={value!r} can only override a positive coefficient of a model with a reference."
                 )
+            low, high = self.ref_kl_controller.kl_coef_bounds
+            if not low <= value <= high:
+                raise ValueError(
+                    f"`ref_kl_coef`={value!r} lies outside `ref_kl_coef_bounds`={(low, high)}: pass a value within "
+                    "them, or a `ref_kl_controller` with wider bounds as another keyword of `load`."
+                )
             self.ref_kl_controller.kl_coef = value
         source = self.ref_policy
         device = self.device  # type: ignore[attr-defined]
@@ -278,7 +305,11 @@ class ReferenceKLMixin:
         elif is_frozen_reference(source):
             reference = source.to(device)  # type: ignore[union-attr]
         else:
+            if isinstance(source, (BaseAlgorithm, BasePolicy)):
+                # before copying it: a policy that cannot be evaluated on observations alone may not copy cleanly
+                self._check_reference_policy(source.policy if isinstance(source, BaseAlgorithm) else source)
             reference = load_reference_policy(source, device)
+        self._check_reference_policy(reference)
         check_reference_spaces(reference, self.observation_space, self.action_space)  # type: ignore[attr-defined]
         ref_layout = make_distribution_params(reference.action_dist)
         own_layout: DistributionParams = self.dist_params  # type: ignore[attr-defined]
@@ -291,6 +322,25 @@ class ReferenceKLMixin:
         self.ref_policy = reference
         self.ref_policy_class, self.ref_policy_kwargs = reference_spec(reference)
         self.ref_dist_params = ref_layout
+
+    def _check_reference_policy(self, policy: BasePolicy) -> None:
+        """
+        Refuse a reference this algorithm cannot evaluate. Called at construction (and in ``load``) on the policy
+        passed as ``ref_policy`` (or rebuilt from its zip), before anything else uses it. The feed-forward algorithms
+        evaluate the reference on the buffer's observations alone, so a recurrent policy (its distribution depends on
+        LSTM states the buffer does not hold for it) is refused; a recurrent algorithm that keeps those states
+        overrides this method.
+
+        :param policy: The reference policy
+        :raises ValueError: for a recurrent reference
+        """
+        if is_recurrent_policy(policy):
+            raise ValueError(
+                f"`ref_policy` is a recurrent policy ({type(policy).__name__}, e.g. from sb3-contrib's RecurrentPPO): its "
+                f"action distribution depends on LSTM states, which {type(self).__name__} does not keep for the "
+                "reference, so the KL to it cannot be computed from the observations alone. Pass a feed-forward "
+                "reference (a model saved by PPO, A2C, TRPO, KLPPO, ClipKLPPO or KLTRPO, or its ActorCriticPolicy)."
+            )
 
     # ----------------------------------------------------------------------------------------------------------
     # The term inside the losses
@@ -319,20 +369,24 @@ class ReferenceKLMixin:
         distribution: Distribution | th.Tensor,
         log_prob: th.Tensor | None = None,
         ref_log_prob: th.Tensor | None = None,
+        old_log_prob: th.Tensor | None = None,
     ) -> th.Tensor:
         """
         Per-state KL between the current policy and the reference, with the KL core (no second implementation).
 
-        Analytic: the reference takes the "old" slot of the core's convention, so ``"reverse"`` is KL(pi || pi_ref)
-        and ``"forward"`` KL(pi_ref || pi). Sample estimators: the stored actions were drawn by the rollout policy,
-        which is (up to one update) the current policy, not the reference; so the current policy takes the
-        "old" (sampling) slot, the reference the "new" slot, and the direction flips: the core's forward estimator
-        of KL(old || new) with ``log r = log pi_ref - log pi`` estimates KL(pi || pi_ref).
+        Analytic: the exact KL; the reference takes the "old" slot of the core's convention, so ``"reverse"`` is
+        KL(pi || pi_ref) and ``"forward"`` KL(pi_ref || pi). Sample estimators: the stored actions were drawn by the
+        rollout policy pi_old, neither by pi nor by pi_ref, so the estimate is importance-weighted to pi_old
+        (:func:`~sb3_kl.common.kl.importance_sampled_kl`): ``"reverse"`` ``(pi / pi_old) k(pi_ref / pi)``,
+        ``"forward"`` ``(pi_ref / pi_old) k(pi / pi_ref)``. Its expectation over the stored actions is the KL it names
+        for every pi, so its expected gradient is that KL's gradient (the weight ``pi / pi_old`` carries the
+        score-function part).
 
         :param ref_params: Reference parameters on the states, ``(batch, n_params)``
         :param distribution: The current policy's live distribution (loss path, gradients flow) or its parameters
         :param log_prob: ``log pi(a|s)`` of the stored actions (sample estimators)
         :param ref_log_prob: ``log pi_ref(a|s)`` of the stored actions (sample estimators)
+        :param old_log_prob: ``log pi_old(a|s)`` of the stored actions, from the rollout (sample estimators)
         :return: ``(batch,)``
         """
         settings = self.ref_kl_settings
@@ -341,27 +395,35 @@ class ReferenceKLMixin:
             if isinstance(distribution, th.Tensor):
                 return per_state_kl(settings, layout, ref_params, distribution)
             return per_state_kl_to(settings, layout, ref_params, distribution)
-        if log_prob is None or ref_log_prob is None:
+        if log_prob is None or ref_log_prob is None or old_log_prob is None:
             raise ValueError(
-                f"The {settings.estimator!r} reference-KL estimator needs the log-probabilities of the stored actions."
+                f"The {settings.estimator!r} reference-KL estimator needs the log-probabilities of the stored actions "
+                "under the current policy, the reference and the rollout policy that drew them."
             )
-        flipped = replace(settings, direction="forward" if settings.direction == "reverse" else "reverse")
-        return per_state_kl(flipped, layout, ref_params, ref_params, log_ratio=ref_log_prob - log_prob)
+        return per_state_importance_sampled_kl(settings, layout, log_prob, ref_log_prob, old_log_prob)
 
     def _reference_penalty(
-        self, obs: PyTorchObs, actions: th.Tensor, distribution: Distribution, log_prob: th.Tensor
+        self,
+        obs: PyTorchObs,
+        actions: th.Tensor,
+        distribution: Distribution,
+        log_prob: th.Tensor,
+        old_log_prob: th.Tensor | None = None,
     ) -> th.Tensor:
         """
-        Mean reference KL of a minibatch (with gradients through ``distribution``); zero without a reference.
+        Mean reference KL of a minibatch (with gradients through ``distribution``).
+        Its expectation over the stored actions (drawn by the rollout policy) is the mean KL to the reference on
+        ``obs``, and its expected gradient that KL's gradient, for every ``ref_kl_direction`` and ``ref_kl_estimator``.
 
         :param obs: Observations of the minibatch
         :param actions: Its stored actions (as used by ``log_prob``)
         :param distribution: The current policy's distribution on ``obs``
         :param log_prob: ``log pi(a|s)`` of the stored actions
+        :param old_log_prob: ``log pi_old(a|s)`` of the stored actions, from the rollout (needed by k1/k3)
         :return: a scalar
         """
         ref_params, ref_log_prob = self._reference_distribution(obs, actions)
-        return self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean()
+        return self._reference_kl(ref_params, distribution, log_prob, ref_log_prob, old_log_prob).mean()
 
     # ----------------------------------------------------------------------------------------------------------
     # After the update
@@ -370,6 +432,9 @@ class ReferenceKLMixin:
     def _measure_reference_kl(self, chunk_size: int = 4096) -> np.ndarray:
         """
         One no-grad pass over the buffer with the updated policy (eval mode, as it will act) and the reference.
+        Analytic: the exact KL at each state. k1/k3: the importance-weighted estimate of :meth:`_reference_kl` at
+        each state's stored action (drawn by the rollout policy), whose mean over the buffer is unbiased for the mean
+        KL over its states.
 
         :return: the per-state reference KL
         """
@@ -384,7 +449,7 @@ class ReferenceKLMixin:
                 log_prob = distribution.log_prob(actions) if self.ref_kl_settings.estimator != "analytic" else None
                 new_params = self.dist_params.extract(distribution)  # type: ignore[attr-defined]
                 ref_params, ref_log_prob = self._reference_distribution(data.observations, actions)
-                kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob))
+                kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob))
         finally:
             policy.set_training_mode(was_training)
         return th.cat(kls).cpu().numpy()

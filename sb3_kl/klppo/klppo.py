@@ -76,8 +76,10 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
-        exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
+    :param kl_stop_factor: When set, the remaining epochs are skipped once the KL between the rollout policy and the
+        policy an epoch leaves exceeds ``kl_stop_factor * target_kl``: judged after each epoch on the mean per-state KL
+        over the whole buffer (the quantity ``train/kl`` logs, one extra no-grad pass per epoch; the last one is
+        reused for the logs)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2); 0 disables it (default)
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
@@ -96,7 +98,7 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
     :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default, as in RLHF) or ``"forward"`` = KL(pi_ref || pi)
     :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
-        the rollout policy)
+        the rollout policy, importance-weighted to it: unbiased in value and gradient, see docs/reference.md)
         With a reference, ``beta_ref * KL_ref`` (mean over the minibatch's states) is added to the loss, next to
         ``beta * KL``: the update KL limits each step, the reference KL limits the drift accumulated over all
         updates. The reference is evaluated per minibatch under ``no_grad``
@@ -117,6 +119,9 @@ class KLPPO(KLOnPolicyAlgorithm):
         "CnnPolicy": CnnPolicy,
         "MultiInputPolicy": MultiInputPolicy,
     }
+    #: What the per-epoch early stop judges: ``"epoch_end"`` (the KL the epoch leaves, over the whole buffer) or
+    #: ``"minibatch_mean"`` (the lagging mean of per-minibatch KLs; kept to compare the rules, see ``_kl_ran_away``)
+    _kl_stop_judge: ClassVar[str] = "epoch_end"
 
     def __init__(
         self,
@@ -267,6 +272,8 @@ class KLPPO(KLOnPolicyAlgorithm):
         self.kl_stop_factor = kl_stop_factor
         self.kl_hinge_coef = float(kl_hinge_coef)
         self.kl_hinge_factor = float(kl_hinge_factor)
+        # The early stop's measurement of the policy the last epoch left (per-state KL, parameters), reused by the logs
+        self._epoch_end_kl: tuple[np.ndarray, np.ndarray] | None = None
 
         if _init_setup_model:
             self._setup_model()
@@ -298,6 +305,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         target_kl = self._current_target_kl()
         kl_coef = self.kl_coef
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
+        self._epoch_end_kl = None
 
         entropy_losses, pg_losses, value_losses, kl_losses, clip_fractions = [], [], [], [], []
         approx_kl_divs: list[float] = []
@@ -332,7 +340,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                 loss = policy_loss + kl_loss + self.vf_coef * value_loss
                 if ref_kl_coef > 0:
                     # Anchor to the frozen reference policy (sb3_kl/common/reference.py)
-                    ref_kl = self._reference_penalty(rollout_data.observations, actions, distribution, log_prob)
+                    ref_kl = self._reference_penalty(
+                        rollout_data.observations, actions, distribution, log_prob, rollout_data.old_log_prob
+                    )
                     loss = loss + ref_kl_coef * ref_kl
                 if self.ent_coef != 0:
                     loss = loss + self.ent_coef * entropy_loss
@@ -341,7 +351,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                 # https://github.com/DLR-RM/stable-baselines3/issues/417 and http://joschu.net/blog/kl-approx.html
                 with th.no_grad():
                     approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
-                    if self.kl_stop_factor is not None:
+                    if self.kl_stop_factor is not None and self._kl_stop_judge == "minibatch_mean":
                         # summed as a tensor: one synchronisation per epoch, not per minibatch
                         epoch_kl_sum += kl.detach() * len(advantages)
                         epoch_states += len(advantages)
@@ -361,7 +371,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                     nonfinite_steps += 1
 
             self._n_updates += 1
-            # Early stop judged once per epoch on the KL of all the states seen in it (one minibatch is too noisy)
+            # Early stop judged once per epoch on the KL the epoch leaves, over the whole buffer (see _kl_ran_away)
             if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if epoch < self.n_epochs - 1:
@@ -376,7 +386,9 @@ class KLPPO(KLOnPolicyAlgorithm):
             )
         self.nonfinite_steps_total += nonfinite_steps
 
-        per_state, new_params = self._measure_update_kl()
+        # The early stop's last pass measured the final policy already: reuse it
+        per_state, new_params = self._epoch_end_kl or self._measure_update_kl()
+        self._epoch_end_kl = None
         self._finish_update()
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
 
@@ -404,17 +416,27 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     def _kl_ran_away(self, epoch_kl_sum: th.Tensor, epoch_states: int, target_kl: float, epoch: int) -> bool:
         """
-        Whether the epoch loop stops here: the mean KL over the states of the epoch exceeds
-        ``kl_stop_factor * target_kl`` (never when ``kl_stop_factor`` is None).
+        Whether the epoch loop stops here (never when ``kl_stop_factor`` is None): the mean per-state KL between the
+        rollout policy and the policy this epoch leaves, over all the buffer's states, in the algorithm's convention
+        (one no-grad pass with the policy in eval mode, as ``train/kl`` is measured), exceeds
+        ``kl_stop_factor * target_kl``. The pass is kept in ``_epoch_end_kl`` so that the update's logs reuse it.
 
-        :param epoch_kl_sum: Sum over the epoch's states of their KL
-        :param epoch_states: Number of states seen in the epoch
+        ``_kl_stop_judge = "minibatch_mean"`` judges instead the mean of the per-minibatch KLs of the epoch, each taken
+        before that minibatch's step (it lags: the first minibatch of an update contributes 0, the epoch's last step is
+        never seen); kept only to compare the two rules (``benchmarks/epoch_kl_stop.py``).
+
+        :param epoch_kl_sum: Sum over the epoch's states of their minibatch KL (``"minibatch_mean"`` only)
+        :param epoch_states: Number of states seen in the epoch (``"minibatch_mean"`` only)
         :param target_kl: The current target
         :param epoch: Index of the epoch (for the verbose message)
         """
         if self.kl_stop_factor is None:
             return False
-        epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1)
+        if self._kl_stop_judge == "minibatch_mean":
+            epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1)
+        else:
+            self._epoch_end_kl = self._measure_update_kl()
+            epoch_kl = float(np.mean(self._epoch_end_kl[0]))
         if epoch_kl <= self.kl_stop_factor * target_kl:
             return False
         if self.verbose >= 1:

@@ -524,7 +524,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
         if ref_kl_coef > 0:
             ref_params, ref_log_prob = self._reference_distribution(observations, actions)
-            ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob).mean()
+            ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob, old_log_prob).mean()
             policy_objective = policy_objective - ref_kl_coef * ref_kl
         kl_div = self._constrained_kl(old_params, distribution).mean()
 
@@ -575,7 +575,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 candidate_log_prob = candidate_distribution.log_prob(actions)
                 objective = (advantages * th.exp(candidate_log_prob - old_log_prob)).mean().item()
                 if ref_kl_coef > 0:
-                    candidate_ref_kl = self._reference_kl(ref_params, candidate_distribution, candidate_log_prob, ref_log_prob)
+                    candidate_ref_kl = self._reference_kl(
+                        ref_params, candidate_distribution, candidate_log_prob, ref_log_prob, old_log_prob
+                    )
                     objective -= ref_kl_coef * candidate_ref_kl.mean().item()
                 if full_observations is not None:
                     candidate_distribution = self.policy.get_distribution(full_observations)

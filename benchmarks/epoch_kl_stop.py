@@ -1,0 +1,275 @@
+"""
+Which KL should the per-epoch early stop (``kl_stop_factor``) judge?
+
+Two rules, same runs otherwise (same seeds, hyperparameters, budget):
+
+- ``epoch_end``: after each epoch, one no-grad pass over the whole buffer measures the KL between the rollout policy
+  and the policy the epoch leaves (the quantity ``train/kl`` logs);
+- ``minibatch_mean``: the mean of the epoch's per-minibatch KLs, each taken *before* that minibatch's step (the rule
+  of sb3-kl up to 0.x: it lags by one step, the first minibatch of an update contributes 0).
+
+Setting: Pendulum-v1 at 10x rl-zoo's learning rate (the stress setting of ``learning.py``), ClipKLPPO (its default
+``kl_stop_factor=2``) and KLPPO without ratio clipping with ``kl_stop_factor=2``. For every judged epoch the script
+records the judged KL and the actual KL of the policy the epoch left (measured for both rules; for
+``minibatch_mean`` that measurement is extra and excluded from the timings), and the time spent judging.
+
+Each run writes a JSON record under ``benchmarks/results/epoch_kl_stop_runs/`` (naming the commit);
+``--report`` (also run at the end) writes ``benchmarks/results/epoch_kl_stop.md`` from the records.
+
+Example::
+
+    nice -n 5 python benchmarks/epoch_kl_stop.py --seeds 0 1 2
+"""
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+RESULTS = HERE / "results"
+RUNS = RESULTS / "epoch_kl_stop_runs"
+ENV_ID = "Pendulum-v1"
+LR_MULT = 10.0
+KL_STOP_FACTOR = 2.0
+RULES = ("epoch_end", "minibatch_mean")
+ALGOS = ("clip_klppo", "klppo_noclip")
+BAND = (0.5, 2.0)
+
+
+@functools.cache
+def code_version() -> str:
+    """
+    The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
+    process starts its first run (the package is imported then: later edits of the checkout do not change the run).
+    """
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        modified = git("status", "--porcelain", "--", "../sb3_kl", "settings.py", "learning.py", "epoch_kl_stop.py")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+
+
+def instrumented(base: type, rule: str) -> type:
+    """``base`` whose early stop uses ``rule`` and records, per judged epoch, the judged and the actual KL."""
+
+    class Instrumented(base):  # type: ignore[misc, valid-type]
+        _kl_stop_judge = rule
+
+        def _setup_model(self) -> None:
+            super()._setup_model()
+            self.judgements: list[dict[str, Any]] = []
+            self.judge_seconds = 0.0
+            self.train_seconds = 0.0
+
+        def train(self) -> None:
+            start = time.perf_counter()
+            super().train()
+            self.train_seconds += time.perf_counter() - start
+
+        def _kl_ran_away(self, epoch_kl_sum: Any, epoch_states: int, target_kl: float, epoch: int) -> bool:
+            start = time.perf_counter()
+            stop = super()._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
+            self.judge_seconds += time.perf_counter() - start
+            # the actual KL of the policy this epoch left (already measured by the epoch_end rule)
+            measured = self._epoch_end_kl
+            extra = time.perf_counter()
+            actual = float(np.mean((measured or self._measure_update_kl())[0]))
+            if measured is None:
+                self.train_seconds -= time.perf_counter() - extra  # not part of the minibatch_mean rule's cost
+            judged = actual if rule == "epoch_end" else float(epoch_kl_sum.item()) / max(epoch_states, 1)
+            self.judgements.append(
+                dict(update=self._n_updates, epoch=epoch, judged=judged, actual=actual, target=target_kl, stop=bool(stop))
+            )
+            return stop
+
+    Instrumented.__name__ = f"{base.__name__}_{rule}"
+    return Instrumented
+
+
+def run_one(algo: str, rule: str, seed: int, budget: int = 100_000, runs: Path = RUNS) -> dict[str, Any]:
+    import torch as th
+
+    th.set_num_threads(1)
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.evaluation import evaluate_policy
+
+    import sb3_kl
+    from learning import N_EVAL_EPISODES, scale_learning_rate
+    from settings import settings_for
+
+    setting = settings_for(algo, ENV_ID)
+    kwargs = dict(setting["kwargs"])
+    scale_learning_rate(kwargs, LR_MULT)
+    kwargs["kl_stop_factor"] = KL_STOP_FACTOR
+    base = sb3_kl.ClipKLPPO if algo == "clip_klppo" else sb3_kl.KLPPO
+    env = make_vec_env(ENV_ID, n_envs=setting["n_envs"], seed=seed)
+    updates: list[dict[str, Any]] = []
+
+    class Updates(BaseCallback):
+        """The logs of the update that just ended (read at the next rollout's start)."""
+
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:
+            values = self.model.logger.name_to_value
+            if "train/kl" in values and self.model._n_updates > sum(u["epochs"] for u in updates):
+                updates.append(
+                    dict(
+                        kl=float(values["train/kl"]),
+                        target=float(values["train/target_kl"]),
+                        epochs=int(values["train/early_stop_epoch"]),
+                        return_mean=(
+                            float(np.mean([i["r"] for i in self.model.ep_info_buffer]))
+                            if self.model.ep_info_buffer
+                            else float("nan")
+                        ),
+                    )
+                )
+
+        def _on_training_end(self) -> None:
+            self._on_rollout_start()
+
+    model = instrumented(base, rule)("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    start = time.perf_counter()
+    model.learn(budget, callback=Updates())
+    wall = time.perf_counter() - start
+    eval_env = make_vec_env(ENV_ID, n_envs=1, seed=10_000 + seed)
+    returns, _ = evaluate_policy(model, eval_env, n_eval_episodes=N_EVAL_EPISODES["full"], deterministic=True)
+    record = dict(
+        question="which KL the per-epoch early stop judges",
+        algo=algo,
+        rule=rule,
+        env=ENV_ID,
+        lr_mult=LR_MULT,
+        kl_stop_factor=KL_STOP_FACTOR,
+        seed=seed,
+        budget=budget,
+        eval_mean=float(returns),
+        updates=updates,
+        judgements=model.judgements,
+        train_seconds=model.train_seconds,
+        judge_seconds=model.judge_seconds,
+        wall_seconds=wall,
+        torch_threads=1,
+        code_version=code_version(),
+    )
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / f"{algo}__{rule}__s{seed}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _fmt(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "n/a"
+    return f"{np.mean(values):.{digits}g} ± {np.std(values):.{digits - 1}g}" if len(values) > 1 else f"{values[0]:.{digits}g}"
+
+
+def summarize(record: dict[str, Any]) -> dict[str, float]:
+    """Per-run figures (KLs as multiples of the target)."""
+    updates = record["updates"]
+    ratios = np.array([u["kl"] / u["target"] for u in updates])
+    judged = record["judgements"]
+    first = [j for j in judged if j["epoch"] == 0]
+    return dict(
+        eval_mean=record["eval_mean"],
+        in_band=float(np.mean((ratios >= BAND[0]) & (ratios <= BAND[1]))),
+        over_stop=float(np.mean(ratios > KL_STOP_FACTOR)),
+        kl_ratio_mean=float(ratios.mean()),
+        kl_ratio_max=float(ratios.max()),
+        epochs=float(np.mean([u["epochs"] for u in updates])),
+        judged_over_actual=float(np.sum([j["judged"] for j in judged]) / max(np.sum([j["actual"] for j in judged]), 1e-12)),
+        first_epoch_judged=float(np.mean([j["judged"] / j["target"] for j in first])),
+        first_epoch_actual=float(np.mean([j["actual"] / j["target"] for j in first])),
+        judge_cost=record["judge_seconds"] / record["train_seconds"],
+        train_seconds=record["train_seconds"],
+    )
+
+
+def report() -> str:
+    records = [json.loads(path.read_text()) for path in sorted(RUNS.glob("*.json"))]
+    versions = sorted({r["code_version"] for r in records})
+    budgets = ", ".join(f"{b:,}" for b in sorted({r["budget"] for r in records}))
+    lines = [
+        "# Which KL should the per-epoch early stop judge?",
+        "",
+        f"Produced by `python benchmarks/epoch_kl_stop.py` (records in `benchmarks/results/epoch_kl_stop_runs/`, "
+        f"code version(s): {', '.join(versions)}). {ENV_ID}, rl-zoo settings with the learning rate x{LR_MULT:g}, "
+        f"`kl_stop_factor={KL_STOP_FACTOR:g}`, {budgets} environment steps per run, one torch thread, mean ± std over seeds.",
+        "",
+        "- `epoch_end`: after each epoch, the mean per-state KL of the policy the epoch leaves over the whole buffer "
+        "(one no-grad pass);",
+        "- `minibatch_mean`: the mean of the epoch's per-minibatch KLs, each taken before that minibatch's step.",
+        "",
+        "KLs are multiples of the target. `update KL` is `train/kl` (exact, over the buffer, after the update); "
+        f"`in band` the share of updates with KL in [{BAND[0]}, {BAND[1]}] x target; `over stop` the share above "
+        f"`kl_stop_factor` x target; `judged / actual` the sum over judged epochs of the judged KL over the sum of the "
+        "actual KL of the policy the epoch left; `1st epoch` the judged vs actual KL after the first epoch of an "
+        "update; `judge cost` the time spent judging over the time in `train()` (for `minibatch_mean` the extra "
+        "measurement of the actual KL is excluded).",
+        "",
+        "| algo | rule | seeds | eval return | update KL (mean) | update KL (max) | in band | over stop | epochs run "
+        "| judged / actual | 1st epoch judged | 1st epoch actual | judge cost |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for algo in ALGOS:
+        for rule in RULES:
+            group = [summarize(r) for r in records if r["algo"] == algo and r["rule"] == rule]
+            if not group:
+                continue
+
+            def col(name: str, digits: int = 3, group: list[dict[str, float]] = group) -> str:
+                return _fmt([g[name] for g in group], digits)
+
+            lines.append(
+                f"| {algo} | {rule} | {len(group)} | {col('eval_mean', 4)} | {col('kl_ratio_mean')} | {col('kl_ratio_max')} "
+                f"| {col('in_band')} | {col('over_stop')} | {col('epochs')} | {col('judged_over_actual')} "
+                f"| {col('first_epoch_judged')} | {col('first_epoch_actual')} | {col('judge_cost', 2)} |"
+            )
+    lines += ["", "Per run:", "", "| algo | rule | seed | eval return | in band | over stop | epochs run | code |"]
+    lines += ["| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        s = summarize(r)
+        lines.append(
+            f"| {r['algo']} | {r['rule']} | {r['seed']} | {s['eval_mean']:.1f} | {s['in_band']:.2f} | {s['over_stop']:.2f} "
+            f"| {s['epochs']:.2f} | {r['code_version']} |"
+        )
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "epoch_kl_stop.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    parser.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
+    parser.add_argument("--budget", type=int, default=100_000, help="environment steps per run")
+    parser.add_argument("--report", action="store_true", help="only regenerate the report from the records")
+    args = parser.parse_args(argv)
+    if not args.report:
+        code_version()
+        for seed in args.seeds:
+            for algo in args.algos:
+                for rule in args.rules:
+                    record = run_one(algo, rule, seed, args.budget)
+                    print(algo, rule, seed, f"{record['eval_mean']:.1f}", f"{record['train_seconds']:.0f}s", flush=True)
+    print(report())
+
+
+if __name__ == "__main__":
+    main()

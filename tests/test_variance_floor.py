@@ -1,0 +1,102 @@
+"""
+The variance floor: the algorithms' ``min_std`` and ``VarianceFloorCallback`` share one definition of the floor of
+``log_std`` (gSDE's ``expln`` with SB3's epsilon included), and a floored std equals ``min_std`` to float precision.
+"""
+
+import numpy as np
+import pytest
+import torch as th
+from stable_baselines3 import PPO
+from stable_baselines3.common.logger import configure
+
+from sb3_kl import KLPPO
+from sb3_kl.callbacks import VarianceFloorCallback
+
+# (use_sde, use_expln, min_std): plain Gaussian, gSDE with exp, gSDE with expln below and above 1 (its two branches)
+CASES = [(False, False, 0.3), (True, False, 0.3), (True, True, 0.3), (True, True, 1.1)]
+
+
+def policy_kwargs(use_sde: bool, use_expln: bool) -> dict:
+    kwargs = dict(net_arch=[16], log_std_init=-4.0)
+    if use_sde:
+        kwargs["use_expln"] = use_expln
+    return kwargs
+
+
+def std_parameters(policy) -> th.Tensor:
+    """The std the floor acts on, in float64 (only the float32 storage of ``log_std`` limits the precision)."""
+    log_std = policy.log_std.detach().double()
+    return policy.action_dist.get_std(log_std) if hasattr(policy.action_dist, "get_std") else th.exp(log_std)
+
+
+def per_state_std(policy, obs: th.Tensor, min_std: float) -> tuple[th.Tensor, th.Tensor]:
+    """
+    The action std at each state and what it must be when every std parameter is ``min_std``: ``min_std`` for a
+    plain Gaussian; for gSDE ``sqrt(min_std^2 |latent|^2 + epsilon)`` (SB3's action variance is
+    ``sum_j latent_j^2 std_jk^2``, plus its epsilon).
+    """
+    with th.no_grad():
+        scale = policy.get_distribution(obs).distribution.scale.double()
+        expected = th.full_like(scale, min_std)
+        if policy.use_sde:
+            latent_sq = (policy.action_dist._latent_sde.double() ** 2).sum(dim=-1, keepdim=True)
+            expected = th.sqrt(min_std**2 * latent_sq + policy.action_dist.epsilon).expand_as(scale)
+    return scale, expected
+
+
+def assert_floored(policy, min_std: float, obs: th.Tensor) -> None:
+    std = std_parameters(policy)
+    assert th.all(std >= min_std * (1 - 1e-7))
+    # every entry started far below the floor and sits on it: exactly min_std, up to float32 storage of log_std
+    np.testing.assert_allclose(std.numpy(), min_std, rtol=1e-7, atol=0)
+    scale, expected = per_state_std(policy, obs, min_std)
+    np.testing.assert_allclose(scale.numpy(), expected.numpy(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("use_sde, use_expln, min_std", CASES)
+def test_algorithm_floor_is_exact(use_sde, use_expln, min_std):
+    model = KLPPO(
+        "MlpPolicy",
+        "Pendulum-v1",
+        n_steps=64,
+        batch_size=32,
+        use_sde=use_sde,
+        min_std=min_std,
+        policy_kwargs=policy_kwargs(use_sde, use_expln),
+        seed=0,
+    )
+    assert float(std_parameters(model.policy).max()) < min_std  # starts below the floor
+    model._apply_variance_floor()
+    obs = th.as_tensor(np.stack([model.observation_space.sample() for _ in range(8)]))
+    assert_floored(model.policy, min_std, obs)
+
+
+@pytest.mark.parametrize("use_sde, use_expln, min_std", CASES)
+def test_callback_floor_is_exact_and_the_algorithms(use_sde, use_expln, min_std):
+    model = PPO(
+        "MlpPolicy",
+        "Pendulum-v1",
+        n_steps=64,
+        batch_size=32,
+        use_sde=use_sde,
+        policy_kwargs=policy_kwargs(use_sde, use_expln),
+        seed=0,
+    )
+    model.set_logger(configure(None, []))
+    callback = VarianceFloorCallback(min_std=min_std)
+    callback.init_callback(model)
+    callback.on_training_start(locals(), globals())  # applies the floor once (and hooks the optimizer)
+    obs = th.as_tensor(np.stack([model.observation_space.sample() for _ in range(8)]))
+    assert_floored(model.policy, min_std, obs)
+    callback.on_training_end()
+    # one definition: the callback's floor of log_std is the algorithms'
+    algorithm = KLPPO(
+        "MlpPolicy",
+        "Pendulum-v1",
+        n_steps=64,
+        batch_size=32,
+        use_sde=use_sde,
+        min_std=min_std,
+        policy_kwargs=policy_kwargs(use_sde, use_expln),
+    )
+    assert callback._floor == algorithm._min_log_std_parameter()
