@@ -113,7 +113,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     returns, _ = evaluate_policy(
         model, eval_env, n_eval_episodes=N_EVAL_EPISODES[tier], deterministic=True, return_episode_rewards=True
     )
-    version = code_version()
+    # the commit checked out when the batch started (the workers import the code then)
+    version = spec.get("code_version") or code_version()
     record = dict(
         variant=variant,
         options={k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[variant].items()},
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report:
         version = code_version()
         specs = [
-            dict(variant=v, algo=a, env=e, lr_mult=m, seed=s, tier=args.tier)
+            dict(variant=v, algo=a, env=e, lr_mult=m, seed=s, tier=args.tier, code_version=version)
             for v in args.variants
             for e in args.envs
             for m in args.lr_mults
