@@ -232,7 +232,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         train_seconds=train_seconds,
         env_steps_per_second=budget / train_seconds,
         torch_threads=1,
-        code_version=code_version(),
+        # the commit checked out when the batch started (the workers import the code then)
+        code_version=spec.get("code_version") or code_version(),
     )
     path = record_path(tier, algo, env_id, lr_mult, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -378,6 +379,11 @@ def welch_p_value(a: list[float], b: list[float]) -> float:
         return 1.0 if difference == 0 else 0.0
     t = difference / math.sqrt(var_a + var_b)
     dof = (var_a + var_b) ** 2 / (var_a**2 / (len(a) - 1) + var_b**2 / (len(b) - 1))
+    return t_two_sided_p(t, dof)
+
+
+def t_two_sided_p(t: float, dof: float) -> float:
+    """``P(|T| >= |t|)`` for Student's t with ``dof`` degrees of freedom."""
     return regularized_incomplete_beta(dof / 2.0, 0.5, dof / (dof + t * t))
 
 
@@ -767,15 +773,36 @@ def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def seed_list(tokens: list[str]) -> list[int]:
+    """Seeds from the command line: integers, or inclusive ranges ``a..b`` (``0..4`` = 0 1 2 3 4)."""
+    seeds: list[int] = []
+    for token in tokens:
+        first, _, last = token.partition("..")
+        try:
+            seeds += list(range(int(first), int(last) + 1)) if last else [int(first)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--seeds takes integers or ranges like 0..4, got {token!r}") from None
+    return sorted(set(seeds))
+
+
 def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from settings import clips
+
     if args.grid == "main":
         algos, envs, mults = MAIN_ALGOS, MAIN_ENVS, [1.0]
     else:
         algos, envs, mults = STRESS_ALGOS, STRESS_ENVS, STRESS_LR_MULTS
     algos, envs = args.algos or algos, args.envs or envs
     mults = args.lr_mults or mults
+    version = code_version()
     specs = [
-        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier) for e in envs for a in algos for m in mults for s in args.seeds
+        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier, code_version=version)
+        for e in envs
+        for a in algos
+        for m in mults
+        for s in seed_list(args.seeds)
+        # where PPO's zoo entry does not clip, klppo is already KLPPO without clipping
+        if not (a == "klppo_noclip" and not clips(e))
     ]
     if not args.force:
         specs = [s for s in specs if not record_path(args.tier, s["algo"], s["env"], s["lr_mult"], s["seed"]).exists()]
@@ -791,7 +818,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grid", choices=["main", "stress"], default="main")
     parser.add_argument("--algos", nargs="+", choices=ALL_ALGOS)
     parser.add_argument("--envs", nargs="+", choices=MAIN_ENVS)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", default=["0", "1", "2"], help="seeds, or inclusive ranges such as 0..4")
     parser.add_argument("--lr-mults", nargs="+", type=float)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--force", action="store_true", help="re-run runs that already have a record")
