@@ -149,20 +149,22 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 def misses(record: dict[str, Any], first: int = 2) -> dict[str, float]:
     """Shares of the run's updates in band, over and under it, misses in the first updates, beta at its bounds."""
     kl = np.array(record["kl"]) / record["target_kl"]
-    coef = np.array(record["kl_coef"])
-    low, high = record["kl_coef_bounds"]
+    # the learning grid's records (see grid_records) do not keep beta: its counts are then nan
+    coef = np.array(record.get("kl_coef", [np.nan] * len(kl)))
+    low, high = record.get("kl_coef_bounds", (np.nan, np.nan))
     # beta that drove each update: the initial one for the first, then the one left by the previous update
     driving = np.concatenate([[coef[0] if len(coef) else np.nan], coef[:-1]])[: len(kl)]
     out = ~((kl >= BAND[0]) & (kl <= BAND[1]))
+    known = 1.0 if "kl_coef" in record else float("nan")
     return dict(
         n=len(kl),
         in_band=float(np.mean(~out)),
         over=float(np.mean(kl > BAND[1])),
         under=float(np.mean(kl < BAND[0])),
         first_misses=float(np.sum(out[:first])),
-        under_at_floor=float(np.sum((kl < BAND[0]) & (driving <= low * 1.0001))),
-        over_at_floor=float(np.sum((kl > BAND[1]) & (driving <= low * 1.0001))),
-        over_at_ceiling=float(np.sum((kl > BAND[1]) & (driving >= high * 0.9999))),
+        under_at_floor=known * float(np.sum((kl < BAND[0]) & (driving <= low * 1.0001))),
+        over_at_floor=known * float(np.sum((kl > BAND[1]) & (driving <= low * 1.0001))),
+        over_at_ceiling=known * float(np.sum((kl > BAND[1]) & (driving >= high * 0.9999))),
         max_kl=float(np.max(kl)) if len(kl) else float("nan"),
     )
 
@@ -178,8 +180,33 @@ def load_records() -> list[dict[str, Any]]:
     return list(records.values())
 
 
+def grid_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """
+    The learning grid's committed records (``learning.py``, full tier) of the (algorithm, environment, learning rate)
+    cells measured here, as records of a variant named ``learning grid``: the state before this benchmark existed.
+    """
+    from learning import load_records as load_grid_records
+
+    cells = {(r["algo"], r["env"], r["lr_mult"]) for r in records}
+    out = []
+    for record in load_grid_records("full"):
+        if (record["algo"], record["env"], record["lr_mult"]) in cells:
+            kl = [u["mean"] for u in record["kl_updates"]]
+            out.append(
+                {
+                    **record,
+                    "variant": "learning grid",
+                    "options": {},
+                    "kl": kl,
+                    "code_version": record.get("code_version", "unrecorded"),
+                }
+            )
+    return out
+
+
 def report() -> str:
     records = load_records()
+    records += grid_records(records)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
         key = (record["env"], record["lr_mult"], record["algo"], record["variant"], record["code_version"])
@@ -194,7 +221,11 @@ def report() -> str:
         f"KL: exact per-update KL(old||new) of `KLMonitorCallback`; band [{BAND[0]}, {BAND[1]}] x target; shares pooled "
         "over the seeds' updates. *first*: misses among the first 2 updates of each seed; *under/over at floor*: misses "
         "with beta at its lower bound during the update; *max*: largest per-update KL / target. Return: "
-        f"{N_EVAL_EPISODES['full']} deterministic evaluation episodes, mean ± std over seeds.",
+        f"{N_EVAL_EPISODES['full']} deterministic evaluation episodes, mean ± std over seeds. Variant *learning grid*: "
+        "the learning grid's committed records of the same cells (`benchmarks/results/runs/full/`; they keep no beta, "
+        "so its counts are nan). The KL options' defaults up to commit `cb2e099`: `kl_band=(0.5, 1.5)`, "
+        "`kl_hinge_coef=0`; from `21c1b9d` on: `kl_band=(0.8, 1.25)`, `kl_hinge_coef=1000` (the variant "
+        "`band_0.8_1.25+hinge`).",
         "",
         "| env | lr | algo | variant (KL options) | commit | seeds | in band | over | under | first | under at floor "
         "| over at floor | max | eval return | AUC | collapses |",
@@ -211,7 +242,7 @@ def report() -> str:
 
         evals = [r["eval_mean"] for r in runs]
         aucs = [area_under_curve(r["curve"], r["budget"]) for r in runs]
-        options = ", ".join(f"{k}={v}" for k, v in runs[0]["options"].items()) or "shipped defaults"
+        options = ", ".join(f"{k}={v}" for k, v in runs[0]["options"].items()) or "defaults of that commit"
         lines.append(
             f"| {env_id} | x{lr_mult:g} | {algo} | {variant} ({options}) | `{version}` | "
             f"{','.join(str(r['seed']) for r in runs)} | {pooled('in_band')} | {pooled('over')} | {pooled('under')} | "
