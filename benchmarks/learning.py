@@ -14,6 +14,8 @@ Examples::
     python benchmarks/learning.py --tier full --algos ppo klppo --envs CartPole-v1 Pendulum-v1 --seeds 0 1 2
     # the stress grid (learning rate x3 and x10)
     python benchmarks/learning.py --tier full --grid stress
+    # five seeds ("a..b" is an inclusive range) on the environments where algorithms are close
+    python benchmarks/learning.py --tier full --seeds 0..4 --envs Pendulum-v1 LunarLanderContinuous-v3
     # only regenerate tables and figures from the records
     python benchmarks/learning.py --report --tier full
 """
@@ -35,12 +37,16 @@ sys.path.insert(0, str(HERE))
 RESULTS = HERE / "results"
 
 MAIN_ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5", "Hopper-v5"]
-MAIN_ALGOS = ["ppo", "trpo", "klppo", "clip_klppo", "kltrpo"]
-# not in the default grid; reported when records exist
-EXTRA_ALGOS = ["klppo_noclip"]
+# ppo_target_kl: stock PPO with SB3's KL early stop at KLPPO's target (see settings.settings_for);
+# klppo_noclip runs only where PPO's zoo entry clips (elsewhere klppo is already KLPPO without clipping)
+MAIN_ALGOS = ["ppo", "ppo_target_kl", "trpo", "klppo", "klppo_noclip", "clip_klppo", "kltrpo"]
+# not in the default grid (it needs TRPO's records first: ``--algos kltrpo_matched``); reported when records exist
+EXTRA_ALGOS = ["kltrpo_matched"]
 ALL_ALGOS = MAIN_ALGOS + EXTRA_ALGOS
+# the algorithms of sb3-kl (the others run no sb3-kl code: only the KL monitor watches them)
+SB3_KL_ALGOS = ("klppo", "klppo_noclip", "clip_klppo", "kltrpo", "kltrpo_matched")
 STRESS_ENVS = ["Pendulum-v1", "HalfCheetah-v5"]
-STRESS_ALGOS = ["ppo", "klppo", "clip_klppo"]
+STRESS_ALGOS = ["ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo"]
 STRESS_LR_MULTS = [3.0, 10.0]
 # Budget (environment steps) per tier: "full" is what the results report; MuJoCo runs below rl-zoo's 1M steps to fit
 # 2 CPU cores; "quick" runs the whole grid in minutes; "tiny" is for the test suite.
@@ -59,11 +65,13 @@ BUDGETS = {
 N_EVAL_EPISODES = {"full": 10, "quick": 3, "tiny": 1}
 # The KL band of the goals: [0.5, 2] x target
 BAND = (0.5, 2.0)
+# Two-sided Welch t-test level under which a difference between two algorithms counts as significant
+SIGNIFICANCE = 0.05
 
 
 def algorithm_class(algo: str) -> type:
     """:return: the class behind a benchmark name"""
-    if algo == "ppo":
+    if algo in ("ppo", "ppo_target_kl"):
         from stable_baselines3 import PPO
 
         return PPO
@@ -73,7 +81,14 @@ def algorithm_class(algo: str) -> type:
         return TRPO
     import sb3_kl
 
-    return getattr(sb3_kl, {"klppo": "KLPPO", "klppo_noclip": "KLPPO", "clip_klppo": "ClipKLPPO", "kltrpo": "KLTRPO"}[algo])
+    names = {
+        "klppo": "KLPPO",
+        "klppo_noclip": "KLPPO",
+        "clip_klppo": "ClipKLPPO",
+        "kltrpo": "KLTRPO",
+        "kltrpo_matched": "KLTRPO",
+    }
+    return getattr(sb3_kl, names[algo])
 
 
 def scale_learning_rate(kwargs: dict[str, Any], lr_mult: float) -> None:
@@ -106,7 +121,7 @@ def default_target_kl(algo: str, env_id: str, kwargs: dict[str, Any]) -> float:
 
     if "target_kl" in kwargs and kwargs["target_kl"] is not None:
         return float(kwargs["target_kl"])
-    if algo in ("trpo", "kltrpo"):
+    if algo in ("trpo", "kltrpo", "kltrpo_matched"):
         return 0.01
     continuous = isinstance(gym.make(env_id).action_space, gym.spaces.Box)
     return 0.03 if continuous else 0.02
@@ -114,6 +129,23 @@ def default_target_kl(algo: str, env_id: str, kwargs: dict[str, Any]) -> float:
 
 def record_path(tier: str, algo: str, env_id: str, lr_mult: float, seed: int) -> Path:
     return RESULTS / "runs" / tier / f"{algo}__{env_id}__lr{lr_mult:g}__s{seed}.json"
+
+
+def matched_target_kl(tier: str, env_id: str, lr_mult: float = 1.0) -> float:
+    """
+    The KL sb3-contrib's TRPO actually took per update on ``env_id`` (mean over its recorded updates and seeds of the
+    monitor's exact joint KL(old||new), summed over action dimensions): ``kltrpo_matched``'s ``target_kl``, so that
+    KLTRPO takes steps of the same size and only the constraint differs.
+    """
+    kls = [
+        u["mean"]
+        for r in load_records(tier)
+        if (r["algo"], r["env"], r["lr_mult"]) == ("trpo", env_id, lr_mult)
+        for u in r["kl_updates"]
+    ]
+    if not kls:
+        raise SystemExit(f"kltrpo_matched on {env_id} needs TRPO's records of the {tier} tier first (--algos trpo).")
+    return float(np.mean(kls))
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +165,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(setting["kwargs"])
     if lr_mult != 1.0:
         scale_learning_rate(kwargs, lr_mult)
+    if algo == "kltrpo_matched":
+        kwargs["target_kl"] = matched_target_kl(tier, env_id, lr_mult)
     budget = BUDGETS[tier][env_id]
     env = make_vec_env(env_id, n_envs=setting["n_envs"], seed=seed)
     if setting["normalize"]:
@@ -198,7 +232,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         train_seconds=train_seconds,
         env_steps_per_second=budget / train_seconds,
         torch_threads=1,
-        code_version=code_version(),
+        # the commit checked out when the batch started (the workers import the code then)
+        code_version=spec.get("code_version") or code_version(),
     )
     path = record_path(tier, algo, env_id, lr_mult, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,6 +314,7 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
         summary["kl_mean"] = float(np.mean(means))
         summary["kl_p99"] = float(np.mean([u["p99"] for u in kl]))
         summary["in_band"] = float(np.mean((means >= BAND[0] * target) & (means <= BAND[1] * target)))
+        summary["budget_use"] = float(np.mean(means)) / target
     return summary
 
 
@@ -298,6 +334,76 @@ def fmt(values: list[float], digits: int = 1, percent: bool = False) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}{suffix}"
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Significance
+
+
+def regularized_incomplete_beta(a: float, b: float, x: float) -> float:
+    """``I_x(a, b)``, by its continued fraction (modified Lentz), on the side of ``x`` where it converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - regularized_incomplete_beta(b, a, 1.0 - x)
+    tiny = 1e-300
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-13:
+            break
+    return math.exp(log_front) * fraction / a
+
+
+def welch_p_value(a: list[float], b: list[float]) -> float:
+    """
+    Two-sided p-value of Welch's t-test of equal means (unequal variances); ``nan`` with fewer than 2 values on a
+    side. A difference with p >= ``SIGNIFICANCE`` is inside the seed noise: a tie.
+    """
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    var_a, var_b = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
+    difference = float(np.mean(a) - np.mean(b))
+    if var_a + var_b == 0:
+        return 1.0 if difference == 0 else 0.0
+    t = difference / math.sqrt(var_a + var_b)
+    dof = (var_a + var_b) ** 2 / (var_a**2 / (len(a) - 1) + var_b**2 / (len(b) - 1))
+    return t_two_sided_p(t, dof)
+
+
+def t_two_sided_p(t: float, dof: float) -> float:
+    """``P(|T| >= |t|)`` for Student's t with ``dof`` degrees of freedom."""
+    return regularized_incomplete_beta(dof / 2.0, 0.5, dof / (dof + t * t))
+
+
+def verdict(ours: list[float], theirs: list[float], higher_is_better: bool = True) -> tuple[str, str]:
+    """
+    :return: ``("+12.3 (p=0.04)", "better" | "worse" | "tie")``: the difference of the means (ours - theirs), its
+        Welch p-value, and whether it is significant and in whose favour
+    """
+    difference = float(np.mean(ours) - np.mean(theirs))
+    p = welch_p_value(ours, theirs)
+    digits = 4 if max(abs(np.mean(ours)), abs(np.mean(theirs))) < 1 else 1
+    text = f"{difference:+.{digits}f} (p={p:.2f})" if not math.isnan(p) else f"{difference:+.{digits}f} (p n/a)"
+    if math.isnan(p) or p >= SIGNIFICANCE:
+        return text, "tie"
+    return text, "better" if (difference > 0) == higher_is_better else "worse"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
 def report(tier: str) -> str:
     """Write ``results/learning[_<tier>].md`` and the figures from the records of a tier."""
     records = load_records(tier)
@@ -315,18 +421,25 @@ def report(tier: str) -> str:
         "Generated by `python benchmarks/learning.py --report --tier " + tier + "` from the JSON records in "
         f"`benchmarks/results/runs/{tier}/`. Hyperparameters: rl-baselines3-zoo's tuned settings (`benchmarks/settings.py`); "
         "`klppo` is the drop-in swap (PPO's entry unchanged: where it sets `clip_range`, KLPPO clips and penalizes); "
-        "`klppo_noclip` is KLPPO with its own default `clip_range=None`. Evaluation: "
+        "`klppo_noclip` is KLPPO with its own default `clip_range=None` (run only where PPO's entry clips: elsewhere "
+        "`klppo` is that run); `ppo_target_kl` is stock PPO with SB3's KL early stop, `target_kl` set to the target "
+        "KLPPO controls toward (0.02 discrete, 0.03 continuous) and PPO's clip, the baseline an SB3 user would pick "
+        "instead; `kltrpo_matched` is KLTRPO with `target_kl` set to the joint KL TRPO took per update on that "
+        "environment (from TRPO's records), so both take steps of the same size. Evaluation: "
         f"{N_EVAL_EPISODES[tier]} deterministic episodes after training. AUC: mean training episode return over the run. "
         f"KL: exact per-update KL(old||new) from KLMonitorCallback, mean over updates of the per-update mean and p99; "
         f"in-band: share of updates whose KL lies in [{BAND[0]}, {BAND[1]}] x target (target: the algorithm's, or the "
         "family default 0.02 discrete / 0.03 continuous for PPO and 0.01 for TRPO). Collapses: see `count_collapses`. "
-        "Values are mean ± std over seeds; the best evaluation return per row is in bold.",
+        "Values are mean ± std over seeds; the best evaluation return and AUC per row are in bold, and a cell marked ≈ "
+        f"is not significantly different from the best (two-sided Welch t-test, p ≥ {SIGNIFICANCE}): a difference "
+        "inside the seed noise is a tie.",
         "",
         "KLTRPO and TRPO get the same `target_kl` but do not constrain the same number: KLTRPO holds the joint"
         " KL(old||new), summed over action dimensions, at or below it, while sb3-contrib's TRPO holds KL(new||old)"
         " averaged over action dimensions. On a d-dimensional action space TRPO's joint KL per update can reach about"
         " d times the target (see the KL tables: Hopper has 3 action dimensions, HalfCheetah 6), so at equal settings"
-        ' KLTRPO takes smaller steps; `kl_reduction="mean"` gives it TRPO\'s budget per dimension.',
+        ' KLTRPO takes smaller steps; `kl_reduction="mean"` gives it TRPO\'s budget per dimension, and `kltrpo_matched`'
+        " TRPO's measured step size.",
         "",
         "Budgets (environment steps per run, the same for every algorithm and learning rate): "
         + ", ".join(f"{env} {steps:,}" for env, steps in BUDGETS[tier].items())
@@ -343,39 +456,10 @@ def report(tier: str) -> str:
     for lr_mult in sorted({k[2] for k in groups}):
         title = "Main grid (base learning rate)" if lr_mult == 1.0 else f"Stress grid: learning rate x{lr_mult:g}"
         lines += [f"## {title}", ""]
-        header = "| env | budget | " + " | ".join(algos) + " |"
-        lines += ["### Evaluation return", "", header, "|" + "---|" * (len(algos) + 2)]
-        for env in envs:
-            cells, means = [], []
-            for algo in algos:
-                runs = groups.get((env, algo, lr_mult), [])
-                values = [r["eval_mean"] for r in runs]
-                means.append(np.mean(values) if values else -np.inf)
-                cells.append(fmt(values) + (f" (n={len(values)})" if values else ""))
-            if all(m == -np.inf for m in means):
-                continue
-            best = int(np.argmax(means))
-            cells[best] = f"**{cells[best]}**"
-            budget = next(r["budget"] for a in algos for r in groups.get((env, a, lr_mult), []))
-            lines.append(f"| {env} | {budget:,} | " + " | ".join(cells) + " |")
-        for metric, label, kwargs in (
-            ("auc", "Area under the learning curve", {}),
-            ("kl_mean", "Per-update KL, mean", {"digits": 4}),
-            ("kl_p99", "Per-update KL, p99 over states", {"digits": 4}),
-            ("in_band", "Updates with KL in band", {"percent": True, "digits": 0}),
-            ("collapses", "Collapses", {"digits": 1}),
-        ):
-            lines += ["", f"### {label}", "", header, "|" + "---|" * (len(algos) + 2)]
-            for env in envs:
-                cells = []
-                for algo in algos:
-                    runs = groups.get((env, algo, lr_mult), [])
-                    values = [summarize(r).get(metric) for r in runs]
-                    cells.append(fmt(values, **kwargs) if runs else "")
-                if any(cells):
-                    budget = next(r["budget"] for a in algos for r in groups.get((env, a, lr_mult), []))
-                    lines.append(f"| {env} | {budget:,} | " + " | ".join(cells) + " |")
+        lines += grid_tables(groups, envs, algos, lr_mult)
         lines.append("")
+    lines += baseline_comparison(groups, envs), ""
+    lines += budget_use(groups, envs), ""
     lines += goals(groups), ""
     text = "\n".join(lines)
     (RESULTS / f"learning{suffix}.md").write_text(text)
@@ -383,8 +467,102 @@ def report(tier: str) -> str:
     return text
 
 
+def grid_tables(
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str], algos: list[str], lr_mult: float
+) -> list[str]:
+    """The tables of one grid (one learning-rate multiple): a row per environment, a column per algorithm."""
+    lines: list[str] = []
+    header = "| env | budget | " + " | ".join(algos) + " |"
+    for metric, label, kwargs in (
+        ("eval_mean", "Evaluation return", {}),
+        ("auc", "Area under the learning curve", {}),
+        ("kl_mean", "Per-update KL, mean", {"digits": 4}),
+        ("kl_p99", "Per-update KL, p99 over states", {"digits": 4}),
+        ("in_band", "Updates with KL in band", {"percent": True, "digits": 0}),
+        ("collapses", "Collapses", {"digits": 1}),
+    ):
+        lines += [f"### {label}", "", header, "|" + "---|" * (len(algos) + 2)]
+        for env in envs:
+            runs = [groups.get((env, algo, lr_mult), []) for algo in algos]
+            if not any(runs):
+                continue
+            values = [[summarize(r).get(metric) for r in algo_runs] for algo_runs in runs]
+            cells = [fmt(v, **kwargs) + (f" (n={len(v)})" if v and metric == "eval_mean" else "") if v else "" for v in values]
+            if metric in ("eval_mean", "auc"):
+                means = [float(np.mean(v)) if v else -np.inf for v in values]
+                best = int(np.argmax(means))
+                for i, v in enumerate(values):
+                    if i != best and v and not welch_p_value(v, values[best]) < SIGNIFICANCE:
+                        cells[i] = f"≈ {cells[i]}"
+                cells[best] = f"**{cells[best]}**"
+            budget = next(r["budget"] for algo_runs in runs for r in algo_runs)
+            lines.append(f"| {env} | {budget:,} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def baseline_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str]) -> str:
+    """KLPPO and ClipKLPPO against stock PPO with SB3's ``target_kl`` early stop, on return, AUC and KL tail."""
+    out = [
+        "## Against stock PPO with `target_kl`",
+        "",
+        "Difference of the seed means (sb3-kl algorithm - `ppo_target_kl`) with the Welch p-value; *better* / *worse* "
+        f"only when p < {SIGNIFICANCE}, *tie* otherwise. KL tail: the per-update p99 of the per-state KL (lower is "
+        "better).",
+        "",
+        "| grid | env | algorithm | return | AUC | KL p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    not_beaten: list[str] = []
+    for lr_mult in sorted({k[2] for k in groups}):
+        for env in envs:
+            baseline = groups.get((env, "ppo_target_kl", lr_mult), [])
+            if not baseline:
+                continue
+            for ours in ("klppo", "klppo_noclip", "clip_klppo"):
+                runs = groups.get((env, ours, lr_mult), [])
+                if not runs:
+                    continue
+                cells = []
+                for metric, higher_is_better in (("eval_mean", True), ("auc", True), ("kl_p99", False)):
+                    a = [summarize(r).get(metric, float("nan")) for r in runs]
+                    b = [summarize(r).get(metric, float("nan")) for r in baseline]
+                    text, result = verdict(a, b, higher_is_better)
+                    cells.append(f"{text}: {'**' + result + '**' if result == 'worse' else result}")
+                    if result != "better":
+                        label = {"eval_mean": "return", "auc": "AUC", "kl_p99": "KL tail"}[metric]
+                        not_beaten.append(f"{ours} on {env} (x{lr_mult:g}), {label}: {result}")
+                out.append(f"| x{lr_mult:g} | {env} | {ours} | " + " | ".join(cells) + " |")
+    if not any(line.startswith("| x") for line in out):
+        return "\n".join([*out[:2], "No `ppo_target_kl` records yet."])
+    out += ["", "Where KLPPO/ClipKLPPO do not beat stock PPO with `target_kl` (tie or worse):", ""]
+    out += [f"- {line}" for line in not_beaten] or ["- nowhere: they beat it on every metric of every cell"]
+    return "\n".join(out)
+
+
+def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str]) -> str:
+    """How much of its KL budget each KLTRPO variant (and TRPO, in the joint convention) uses per update."""
+    out = [
+        "## KLTRPO's KL budget use",
+        "",
+        "Mean over updates and seeds of the measured per-update KL divided by the algorithm's `target_kl` (TRPO's"
+        " target bounds its per-dimension reverse KL, so its joint forward KL can exceed 1).",
+        "",
+        "| env | algorithm | target_kl | mean KL / target |",
+        "|---|---|---|---|",
+    ]
+    for env in envs:
+        for algo in ("kltrpo", "kltrpo_matched", "trpo"):
+            runs = groups.get((env, algo, 1.0), [])
+            if runs:
+                uses = [summarize(r).get("budget_use") for r in runs]
+                targets = sorted({f"{r['target_kl']:.4g}" for r in runs})
+                out.append(f"| {env} | {algo} | {', '.join(targets)} | {fmt(uses, digits=2)} |")
+    return "\n".join(out)
+
+
 # Stock algorithms: their records do not depend on the sb3-kl version
-STOCK = ("ppo", "trpo")
+STOCK = ("ppo", "ppo_target_kl", "trpo")
 
 
 def code_versions(records: list[dict[str, Any]]) -> dict[str, int]:
@@ -396,42 +574,153 @@ def code_versions(records: list[dict[str, Any]]) -> dict[str, int]:
     return counts
 
 
+def overhead_ratios(ours: str, stock: str) -> dict[str, float]:
+    """Median steps/s ratio per environment of a pair from ``results/overhead.md`` (``overhead.py``'s output)."""
+    path = RESULTS / "overhead.md"
+    ratios: dict[str, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 7 and cells[0] == ours and cells[1] == stock:
+                ratios[cells[2]] = float(cells[6])
+    return ratios
+
+
+def status(met: bool | None) -> str:
+    return "not measured" if met is None else ("**met**" if met else "**NOT met**")
+
+
 def goals(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
-    """The issue's goals, each stated as met / not met / not measured from the records."""
+    """The goals, each stated as met / NOT met / not measured from the records."""
     out = ["## Goals", ""]
+    out += goal_trust_region(groups) + goal_fair_trpo(groups) + goal_stress(groups) + goal_collapses(groups)
+    out += goal_baseline(groups) + goal_seeds(groups) + standing_checks(groups)
+    return "\n".join(out)
 
-    def evals(env: str, algo: str, mult: float = 1.0) -> list[float]:
-        return [r["eval_mean"] for r in groups.get((env, algo, mult), [])]
 
+def _evals(groups: dict[tuple[str, str, float], list[dict[str, Any]]], env: str, algo: str, mult: float = 1.0) -> list[float]:
+    return [r["eval_mean"] for r in groups.get((env, algo, mult), [])]
+
+
+def goal_trust_region(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """KLTRPO uses its trust region: mean per-update KL >= 0.85 x target on every environment, and its speed."""
+    uses = {env: [summarize(r)["budget_use"] for r in groups.get((env, "kltrpo", 1.0), [])] for env in MAIN_ENVS}
+    measured = {env: float(np.mean(u)) for env, u in uses.items() if u}
+    met = None if len(measured) < len(MAIN_ENVS) else all(u >= 0.85 for u in measured.values())
+    detail = ", ".join(f"{env} {u:.2f}" for env, u in measured.items()) or "no records"
+    out = [
+        "- KLTRPO uses its trust region: mean per-update KL / target_kl ≥ 0.85 on all six environments: "
+        f"{status(met)} ({detail})"
+    ]
+    ratios = overhead_ratios("KLTRPO", "TRPO (sb3-contrib)")
+    speed_met = None if not ratios else all(r >= 1.0 for r in ratios.values())
+    detail = ", ".join(f"{env} {r:.3f}" for env, r in ratios.items()) or "no overhead.md rows"
+    out.append(f"- KLTRPO ≥ 1.0 x TRPO's env-steps/s (`overhead.md`, median paired ratio): {status(speed_met)} ({detail})")
+    return out
+
+
+def goal_fair_trpo(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """KLTRPO's return >= TRPO's minus one std on all six environments, with 5 seeds (and the matched-KL variant)."""
+    out = []
+    for algo in ("kltrpo", "kltrpo_matched"):
+        cells, met = [], True
+        for env in MAIN_ENVS:
+            a, b = _evals(groups, env, algo), _evals(groups, env, "trpo")
+            if not a or not b:
+                met = None if met is not False else False
+                continue
+            ok = np.mean(a) >= np.mean(b) - np.std(b) and min(len(a), len(b)) >= 5
+            met = met and ok if met is not None else met
+            cells.append(f"{env} {np.mean(a):.1f} vs {np.mean(b):.1f} ± {np.std(b):.1f} (n={len(a)}/{len(b)})")
+        out.append(
+            f"- {algo}'s return ≥ TRPO's minus one std on all six environments, 5 seeds each: {status(met)} "
+            f"({'; '.join(cells) or 'no records'})"
+        )
+    return out
+
+
+def goal_stress(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """x10 learning rate: >= 90 % of KLPPO's updates in band (3 seeds pooled) and a return within 20 % of x1."""
+    out = []
+    for env in STRESS_ENVS:
+        for ours in ("klppo_noclip", "klppo"):
+            runs, base = groups.get((env, ours, 10.0), []), _evals(groups, env, ours)
+            if not runs or not base:
+                out.append(f"- x10, {env}, {ours}: updates in band ≥ 90%, return within 20% of x1: {status(None)}")
+                continue
+            kls = [(u["mean"], r["target_kl"]) for r in runs for u in r["kl_updates"]]
+            share = float(np.mean([BAND[0] * t <= k <= BAND[1] * t for k, t in kls]))
+            x10 = float(np.mean([r["eval_mean"] for r in runs]))
+            return_ok = x10 >= np.mean(base) - 0.2 * abs(np.mean(base))
+            out.append(
+                f"- x10, {env}, {ours} ({len(runs)} seeds pooled): updates in band {100 * share:.0f}% "
+                f"({status(share >= 0.9)}, goal ≥ 90%); return {x10:.1f} vs x1 {np.mean(base):.1f} "
+                f"({status(bool(return_ok))}, goal: within 20%)"
+            )
+    return out
+
+
+def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """No collapse of any sb3-kl algorithm anywhere in the grid."""
+    runs = [r for (_, algo, _), rs in groups.items() if algo in SB3_KL_ALGOS for r in rs]
+    collapsed = [r for r in runs if count_collapses(r["curve"]) > 0]
+    detail = ", ".join(f"{r['algo']} {r['env']} x{r['lr_mult']:g} s{r['seed']}" for r in collapsed) or "none"
+    return [
+        f"- No collapse of any sb3-kl algorithm in the grid ({len(runs)} runs): "
+        f"{status(not collapsed if runs else None)} (collapsed: {detail})"
+    ]
+
+
+def goal_baseline(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """Stock PPO with ``target_kl`` is a row of the main and stress grids."""
+    grids = {mult for (_, algo, mult) in groups if algo == "ppo_target_kl"}
+    met = {1.0, 10.0} <= grids
+    return [
+        f"- Stock PPO with `target_kl` in the main and stress grids, compared above: {status(met)} (grids with its "
+        f"records: {', '.join(f'x{m:g}' for m in sorted(grids)) or 'none'})"
+    ]
+
+
+def goal_seeds(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """
+    5 seeds for every main-grid cell where two algorithms are within two standard deviations of each other, and for
+    every cell on LunarLanderContinuous, Hopper, HalfCheetah and Pendulum.
+    """
+    needed = set()
+    for env in MAIN_ENVS:
+        cells = {algo: _evals(groups, env, algo) for algo in ALL_ALGOS if _evals(groups, env, algo)}
+        for a in cells:
+            if env in ("LunarLanderContinuous-v3", "Hopper-v5", "HalfCheetah-v5", "Pendulum-v1"):
+                needed.add((env, a))
+            for b in cells:
+                spread = 2 * max(np.std(cells[a]), np.std(cells[b]))
+                if a < b and abs(np.mean(cells[a]) - np.mean(cells[b])) <= spread:
+                    needed |= {(env, a), (env, b)}
+    short = sorted(f"{a} on {env} (n={len(_evals(groups, env, a))})" for env, a in needed if len(_evals(groups, env, a)) < 5)
+    met = None if not needed else not short
+    return [
+        f"- 5 seeds in every close cell: {status(met)} ({len(needed)} cells; fewer than 5 seeds: {', '.join(short) or 'none'})"
+    ]
+
+
+def standing_checks(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """Earlier checks: CartPole solved on every seed; each sb3-kl algorithm within one std of its stock counterpart."""
+    out = ["", "Standing checks:", ""]
+    for algo in SB3_KL_ALGOS:
+        scores = _evals(groups, "CartPole-v1", algo)
+        if scores:
+            out.append(f"- CartPole-v1, {algo}: every seed ≥ 475: {status(min(scores) >= 475)} (min {min(scores):.1f})")
     for env in MAIN_ENVS:
         for ours, stock in (("klppo", "ppo"), ("klppo_noclip", "ppo"), ("clip_klppo", "ppo"), ("kltrpo", "trpo")):
-            a, b = evals(env, ours), evals(env, stock)
-            if not a or not b:
-                continue
-            met = np.mean(a) >= np.mean(b) - np.std(b)
-            out.append(
-                f"- x1, {env}: {ours} {np.mean(a):.1f} vs {stock} {np.mean(b):.1f} ± {np.std(b):.1f} -> "
-                f"{'met' if met else 'NOT met'} (within one std of {stock} or better)"
-            )
-    for env in STRESS_ENVS:
-        for ours in ("klppo", "clip_klppo"):
-            runs = groups.get((env, ours, 10.0), [])
-            base = evals(env, ours)
-            if not runs or not base:
-                continue
-            in_band = [summarize(r).get("in_band") for r in runs]
-            x10 = np.mean([r["eval_mean"] for r in runs])
-            band_txt = "n/a" if None in in_band else f"{100 * np.mean(in_band):.0f}%"
-            band_ok = None not in in_band and np.mean(in_band) >= 0.8
-            # "lose <= 20 % of the x1 return", measured as a share of |x1 return|
-            loss_ok = x10 >= np.mean(base) - 0.2 * abs(np.mean(base))
-            out.append(
-                f"- x10, {env}, {ours}: updates in band {band_txt} ({'met' if band_ok else 'NOT met'}, goal >= 80%); "
-                f"return {x10:.1f} vs x1 {np.mean(base):.1f} ({'met' if loss_ok else 'NOT met'}, goal: lose <= 20%)"
-            )
-    if len(out) == 2:
-        out.append("- No pair of runs to compare yet.")
-    return "\n".join(out)
+            a, b = _evals(groups, env, ours), _evals(groups, env, stock)
+            if a and b:
+                text, result = verdict(a, b)
+                met = np.mean(a) >= np.mean(b) - np.std(b)
+                out.append(
+                    f"- x1, {env}: {ours} {np.mean(a):.1f} vs {stock} {np.mean(b):.1f} ± {np.std(b):.1f}: within one std "
+                    f"of {stock} or better: {status(bool(met))} (difference {text}: {result})"
+                )
+    return out
 
 
 def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str], algos: list[str], suffix: str) -> None:
@@ -441,7 +730,8 @@ def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(ALL_ALGOS, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:olive"], strict=True))
+    palette = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:red", "tab:purple", "tab:pink"]
+    colors = dict(zip(ALL_ALGOS, palette, strict=True))
     for lr_mult in sorted({k[2] for k in groups}):
         grid_envs = [e for e in envs if any((e, a, lr_mult) in groups for a in algos)]
         if not grid_envs:
@@ -483,15 +773,36 @@ def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def seed_list(tokens: list[str]) -> list[int]:
+    """Seeds from the command line: integers, or inclusive ranges ``a..b`` (``0..4`` = 0 1 2 3 4)."""
+    seeds: list[int] = []
+    for token in tokens:
+        first, _, last = token.partition("..")
+        try:
+            seeds += list(range(int(first), int(last) + 1)) if last else [int(first)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--seeds takes integers or ranges like 0..4, got {token!r}") from None
+    return sorted(set(seeds))
+
+
 def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from settings import clips
+
     if args.grid == "main":
         algos, envs, mults = MAIN_ALGOS, MAIN_ENVS, [1.0]
     else:
         algos, envs, mults = STRESS_ALGOS, STRESS_ENVS, STRESS_LR_MULTS
     algos, envs = args.algos or algos, args.envs or envs
     mults = args.lr_mults or mults
+    version = code_version()
     specs = [
-        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier) for e in envs for a in algos for m in mults for s in args.seeds
+        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier, code_version=version)
+        for e in envs
+        for a in algos
+        for m in mults
+        for s in seed_list(args.seeds)
+        # where PPO's zoo entry does not clip, klppo is already KLPPO without clipping
+        if not (a == "klppo_noclip" and not clips(e))
     ]
     if not args.force:
         specs = [s for s in specs if not record_path(args.tier, s["algo"], s["env"], s["lr_mult"], s["seed"]).exists()]
@@ -507,7 +818,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grid", choices=["main", "stress"], default="main")
     parser.add_argument("--algos", nargs="+", choices=ALL_ALGOS)
     parser.add_argument("--envs", nargs="+", choices=MAIN_ENVS)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", default=["0", "1", "2"], help="seeds, or inclusive ranges such as 0..4")
     parser.add_argument("--lr-mults", nargs="+", type=float)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--force", action="store_true", help="re-run runs that already have a record")

@@ -6,6 +6,8 @@ documented default ``clip_range=None``: the KL penalty replaces the ratio clip).
 
 Pairs: KLPPO vs PPO, ClipKLPPO vs PPO, KLTRPO vs sb3-contrib TRPO, PPO + KLMonitorCallback vs PPO,
 on CartPole-v1 and Pendulum-v1. Writes ``benchmarks/results/overhead.md`` (median ratio, min-max, per-pair ratios).
+For the monitor, a third figure that other load on the machine does not disturb: the share of ``learn()``'s wall-clock
+time spent inside the monitor's own hooks (snapshot and measurement), whose complement is the steps/s ratio it implies.
 
     python benchmarks/overhead.py [--pairs 5] [--steps-scale 1.0] [--comparisons klppo clip_klppo kltrpo monitor]
 """
@@ -39,6 +41,30 @@ LABELS = {
 }
 
 
+def timed_monitor() -> Any:
+    """:return: a ``KLMonitorCallback`` that adds up the wall-clock time spent in its hooks (``hook_time``)"""
+    from sb3_kl.callbacks import KLMonitorCallback
+
+    class TimedKLMonitor(KLMonitorCallback):
+        hook_time = 0.0
+
+        def _timed(self, hook: Any) -> None:
+            start = time.perf_counter()
+            hook()
+            self.hook_time += time.perf_counter() - start
+
+        def _on_rollout_start(self) -> None:
+            self._timed(super()._on_rollout_start)
+
+        def _on_rollout_end(self) -> None:
+            self._timed(super()._on_rollout_end)
+
+        def _on_training_end(self) -> None:
+            self._timed(super()._on_training_end)
+
+    return TimedKLMonitor()
+
+
 def build(comparison: str, side: str, env_id: str, seed: int) -> tuple[Any, Any]:
     """:return: (model, callback) for one side ("ours" or "stock") of a comparison"""
     from sb3_contrib import TRPO
@@ -65,23 +91,24 @@ def build(comparison: str, side: str, env_id: str, seed: int) -> tuple[Any, Any]
     if side == "stock":
         cls = TRPO if comparison == "kltrpo" else PPO
     elif comparison == "monitor":
-        from sb3_kl.callbacks import KLMonitorCallback
-
-        cls, callback = PPO, KLMonitorCallback()
+        cls, callback = PPO, timed_monitor()
     else:
         cls = getattr(sb3_kl, LABELS[comparison][0])
     return cls("MlpPolicy", env, seed=seed, device="cpu", **kwargs), callback
 
 
-def timed_run(comparison: str, side: str, env_id: str, seed: int, steps: int) -> tuple[float, float]:
+def timed_run(comparison: str, side: str, env_id: str, seed: int, steps: int) -> tuple[float, float, float]:
     """
     :return: environment steps per second of ``learn`` (model construction excluded), by wall clock and by this
-        process's CPU time (the latter is less disturbed by other load on the machine)
+        process's CPU time (the latter is less disturbed by other load on the machine), and the share of ``learn``'s
+        wall-clock time spent in the KL monitor's hooks (``nan`` without a monitor)
     """
     model, callback = build(comparison, side, env_id, seed)
     start, start_cpu = time.perf_counter(), time.process_time()
     model.learn(steps, callback=callback)
-    return steps / (time.perf_counter() - start), steps / (time.process_time() - start_cpu)
+    elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    share = callback.hook_time / elapsed if hasattr(callback, "hook_time") else float("nan")
+    return steps / elapsed, steps / elapsed_cpu, share
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     for comparison in args.comparisons:
         for env_id in args.envs:
             steps = int(STEPS[env_id] * args.steps_scale)
-            ratios, cpu_ratios, ours_sps, stock_sps = [], [], [], []
+            ratios, cpu_ratios, ours_sps, stock_sps, shares = [], [], [], [], []
             for pair in range(args.pairs):
                 order = ("ours", "stock") if pair % 2 == 0 else ("stock", "ours")
                 result = {side: timed_run(comparison, side, env_id, seed=pair, steps=steps) for side in order}
@@ -109,12 +136,13 @@ def main(argv: list[str] | None = None) -> None:
                 stock_sps.append(result["stock"][0])
                 ratios.append(result["ours"][0] / result["stock"][0])
                 cpu_ratios.append(result["ours"][1] / result["stock"][1])
+                shares.append(result["ours"][2])
                 print(
                     f"{comparison} {env_id} pair {pair}: ours {ours_sps[-1]:.0f} steps/s, stock {stock_sps[-1]:.0f} "
                     f"steps/s, ratio {ratios[-1]:.3f} (CPU-time ratio {cpu_ratios[-1]:.3f})",
                     flush=True,
                 )
-            rows.append((comparison, env_id, steps, ratios, cpu_ratios, ours_sps, stock_sps))
+            rows.append((comparison, env_id, steps, ratios, cpu_ratios, ours_sps, stock_sps, shares))
 
     lines = [
         "# Overhead of KL control",
@@ -138,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         "| CPU-time ratio median | goal | met (wall) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for comparison, env_id, steps, ratios, cpu_ratios, ours_sps, stock_sps in rows:
+    for comparison, env_id, steps, ratios, cpu_ratios, ours_sps, stock_sps, _ in rows:
         ours, stock = LABELS[comparison]
         median = float(np.median(ratios))
         goal = GOALS.get(comparison)
@@ -147,8 +175,26 @@ def main(argv: list[str] | None = None) -> None:
             f"| {ours} | {stock} | {env_id} | {steps:,} | {np.median(ours_sps):.0f} | {np.median(stock_sps):.0f} | "
             f"{median:.3f} | {min(ratios):.3f}-{max(ratios):.3f} | {np.median(cpu_ratios):.3f} | {goal_text} | {met} |"
         )
+    monitor_rows = [row for row in rows if row[0] == "monitor"]
+    if monitor_rows:
+        lines += [
+            "",
+            "KLMonitorCallback's own cost, insensitive to other load: the share of `learn()`'s wall-clock time spent"
+            " inside its hooks (snapshot of the rollout policy and the KL measurement) in the monitored runs above, and"
+            " the steps/s ratio it implies (1 - share).",
+            "",
+            "| env | runs | hook share median | implied ratio median | implied ratio min-max | goal | met |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for _, env_id, _, _, _, _, _, shares in monitor_rows:
+            implied = [1.0 - share for share in shares]
+            lines.append(
+                f"| {env_id} | {len(shares)} | {np.median(shares):.4f} | {np.median(implied):.3f} | "
+                f"{min(implied):.3f}-{max(implied):.3f} | ≥ {GOALS['monitor']} | "
+                f"{'yes' if np.median(implied) >= GOALS['monitor'] else 'NO'} |"
+            )
     lines += ["", "Per-pair ratios:", ""]
-    for comparison, env_id, _, ratios, _, _, _ in rows:
+    for comparison, env_id, _, ratios, _, _, _, _ in rows:
         lines.append(
             f"- {LABELS[comparison][0]} / {LABELS[comparison][1]}, {env_id}: " + ", ".join(f"{r:.3f}" for r in ratios)
         )

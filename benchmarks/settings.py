@@ -134,16 +134,35 @@ TRPO_SETTINGS: dict[str, dict[str, Any]] = {
     "Hopper-v5": _TRPO_MUJOCO,
 }
 
-PPO_FAMILY = ("ppo", "klppo", "klppo_noclip", "clip_klppo")
-TRPO_FAMILY = ("trpo", "kltrpo")
+PPO_FAMILY = ("ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo")
+TRPO_FAMILY = ("trpo", "kltrpo", "kltrpo_matched")
 # ``klppo`` is the drop-in swap: PPO's zoo entry unchanged, so where the zoo sets ``clip_range`` KLPPO clips *and*
 # penalizes. ``klppo_noclip`` drops these arguments, i.e. KLPPO with its own default of no ratio clipping.
 KLPPO_DROPPED = ("clip_range",)
 
 
+def klppo_default_target(env_id: str) -> float:
+    """KLPPO's target when ``target_kl=None``: 0.02 for discrete action spaces, 0.03 for ``Box``."""
+    import gymnasium as gym
+
+    env = gym.make(env_id)
+    continuous = isinstance(env.action_space, gym.spaces.Box)
+    env.close()
+    return 0.03 if continuous else 0.02
+
+
+def clips(env_id: str) -> bool:
+    """Whether PPO's zoo entry sets ``clip_range`` (elsewhere ``klppo`` already runs without clipping)."""
+    return any(name in PPO_SETTINGS[env_id]["kwargs"] for name in KLPPO_DROPPED)
+
+
 def settings_for(algo: str, env_id: str) -> dict[str, Any]:
     """
-    :param algo: benchmark name of the algorithm (``ppo``, ``klppo``, ``klppo_noclip``, ``clip_klppo``, ``trpo``, ``kltrpo``)
+    :param algo: benchmark name of the algorithm (``ppo``, ``ppo_target_kl``, ``klppo``, ``klppo_noclip``,
+        ``clip_klppo``, ``trpo``, ``kltrpo``, ``kltrpo_matched``). ``ppo_target_kl`` is stock PPO with SB3's KL early
+        stop (``target_kl``, judged on its approximate KL per minibatch) at the target KLPPO controls toward, with PPO's
+        zoo entry (so the same clip as ``klppo`` and ``clip_klppo``). ``kltrpo_matched`` gets TRPO's settings; its
+        ``target_kl`` is set by the benchmark from TRPO's records
     :param env_id: Gymnasium id
     :return: ``dict(n_timesteps, n_envs, normalize, kwargs)`` (kwargs copied, safe to modify)
     """
@@ -153,4 +172,6 @@ def settings_for(algo: str, env_id: str) -> dict[str, Any]:
     if algo == "klppo_noclip":
         for name in KLPPO_DROPPED:
             kwargs.pop(name, None)
+    if algo == "ppo_target_kl":
+        kwargs["target_kl"] = klppo_default_target(env_id)
     return {**entry, "kwargs": kwargs}

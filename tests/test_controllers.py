@@ -43,7 +43,7 @@ def test_ppo_paper_rule():
 
 
 def test_window_averages_recent_kls():
-    controller = AdaptiveKLController(kl_coef=1.0, kl_window=3)
+    controller = AdaptiveKLController(kl_coef=1.0, kl_window=3, kl_band=(0.5, 1.5))
     controller.update(0.0, 0.01)  # mean 0 -> shrink
     assert controller.kl_coef == pytest.approx(1 / 1.5)
     controller.update(0.03, 0.01)  # mean 0.015: in band

@@ -222,8 +222,8 @@ class StdRecorder(BaseCallback):
 
 @pytest.mark.parametrize("use_sde", [False, True])
 def test_variance_floor_holds_under_a_loss_that_pushes_std_down(use_sde):
-    # a strongly negative entropy coefficient drives the std down
-    kwargs = dict(SMALL, learning_rate=5e-2, ent_coef=-5.0, use_sde=use_sde)
+    # a strongly negative entropy coefficient drives the std down (the KL hinge, which would hold it back, is off)
+    kwargs = dict(SMALL, learning_rate=5e-2, ent_coef=-5.0, use_sde=use_sde, kl_hinge_coef=0.0)
     unfloored, recorder = KLPPO("MlpPolicy", "Pendulum-v1", **kwargs), StdRecorder()
     unfloored.learn(6 * SMALL["n_steps"], callback=recorder)
     floor = 0.6
@@ -465,3 +465,42 @@ def test_early_stop_judges_the_kl_the_epoch_leaves():
     calm.learn(64)
     assert calm.logger.name_to_value["train/early_stop_epoch"] == len(judged) == kwargs["n_epochs"]
     assert judged == sorted(judged) and judged[0] > 0  # one step per epoch at a small rate: the KL grows
+
+
+class RolloutDistributionSnapshot(BaseCallback):
+    """Keeps the rollout policy's action probabilities on the buffer's observations (CartPole)."""
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        self.observations = th.as_tensor(self.model.rollout_buffer.observations.reshape(-1, 4))
+        with th.no_grad():
+            self.probs = self.model.policy.get_distribution(self.observations).distribution.probs.clone()
+
+
+@pytest.mark.parametrize("kl_hinge_coef", [0.0, None])
+def test_default_hinge_holds_the_update_kl_with_beta_at_its_floor(kl_hinge_coef):
+    """
+    beta at its floor (where it sinks after many low-KL updates) and a learning rate that moves the policy far in
+    one update: without the hinge the update overshoots the target 20 times over or more; the default hinge keeps
+    it under twice the target. The KL is checked against torch.distributions on snapshots of both policies.
+    """
+    hinge = {} if kl_hinge_coef is None else dict(kl_hinge_coef=kl_hinge_coef)
+    model = KLPPO(
+        "MlpPolicy", "CartPole-v1", n_steps=256, batch_size=64, n_epochs=10, learning_rate=1e-2, kl_controller="fixed",
+        kl_coef=1e-4, target_kl=0.02, policy_kwargs=dict(net_arch=[32]), seed=0, **hinge,
+    )  # fmt: skip
+    snapshot = RolloutDistributionSnapshot()
+    model.learn(256, callback=snapshot)
+    with th.no_grad():
+        new_probs = model.policy.get_distribution(snapshot.observations).distribution.probs
+    expected = th.distributions.kl_divergence(
+        th.distributions.Categorical(probs=snapshot.probs), th.distributions.Categorical(probs=new_probs)
+    ).mean()
+    kl = model.logger.name_to_value["train/kl"]
+    assert kl == pytest.approx(expected.item(), rel=1e-4)
+    if kl_hinge_coef is None:
+        assert model.kl_hinge_coef == 1000.0 and kl < 2 * 0.02
+    else:
+        assert kl > 20 * 0.02

@@ -24,7 +24,7 @@ class ClipKLPPO(KLPPO):
     leaves exceeds ``kl_stop_factor * target_kl``, the remaining epochs are skipped: it is judged after each epoch, on
     the mean per-state KL over the whole buffer (the quantity ``train/kl`` reports, one no-grad pass; a single
     minibatch's KL is too noisy to stop on); ``train/early_stop_epoch`` logs the epoch at
-    which the update stopped (``n_epochs`` when it did not). An optional hinge (``kl_hinge_coef``), as in Schulman's
+    which the update stopped (``n_epochs`` when it did not). A hinge (``kl_hinge_coef``), as in Schulman's
     modular_rl, adds a steep quadratic penalty on the minibatch KL above ``kl_hinge_factor * target_kl``.
 
     This is :class:`~sb3_kl.KLPPO` with ratio clipping and early stopping switched on by default; the loss is KLPPO's.
@@ -61,6 +61,7 @@ class ClipKLPPO(KLPPO):
         (rate-limited rule of Ziegler et al. 2019) or a ``KLController`` instance
     :param kl_adapt_factor: Adaptive controller: beta is multiplied/divided by this factor (> 1)
     :param kl_band: Adaptive controller: beta grows when KL > band[1] * target, shrinks when KL < band[0] * target
+        (default ``(0.8, 1.25)``, centred on the target on a log scale)
     :param kl_coef_bounds: Bounds (min, max) of beta
     :param kl_window: Adaptive controller: number of recent update KLs averaged (1 = last update)
     :param kl_horizon: Proportional controller: horizon in environment steps
@@ -72,7 +73,8 @@ class ClipKLPPO(KLPPO):
         KL over the whole buffer, judged after each epoch) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
         None disables the early stop
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
-        (Schulman's modular_rl uses 1000 and 2); 0 disables it (default)
+        (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
+        within the update, when beta alone would react only at the next one; 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std
         (``log_std`` clamped in place; with gSDE the std of the exploration weights). None = no floor
@@ -127,7 +129,7 @@ class ClipKLPPO(KLPPO):
         kl_coef: float = 1.0,
         kl_controller: str | KLController = "adaptive",
         kl_adapt_factor: float = 1.5,
-        kl_band: tuple[float, float] = (0.5, 1.5),
+        kl_band: tuple[float, float] = (0.8, 1.25),
         kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         kl_window: int = 1,
         kl_horizon: int = 10_000,
@@ -136,7 +138,7 @@ class ClipKLPPO(KLPPO):
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
         kl_stop_factor: float | None = 2.0,
-        kl_hinge_coef: float = 0.0,
+        kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),

@@ -192,6 +192,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     :param kl_controller: ``"adaptive"``, ``"fixed"``, ``"proportional"`` or a :class:`~sb3_kl.common.controllers.KLController`
     :param kl_adapt_factor: Multiplicative step of the adaptive controller (> 1)
     :param kl_band: Band (low, high) around the target, as multiples of it, where beta stays unchanged
+        (default ``(0.8, 1.25)``)
     :param kl_coef_bounds: Bounds (min, max) of beta
     :param kl_window: Number of recent update KLs averaged to drive the adaptive controller
     :param kl_horizon: Horizon (environment steps) of the proportional controller
@@ -221,7 +222,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         kl_coef: float = 1.0,
         kl_controller: "str | KLController" = "adaptive",
         kl_adapt_factor: float = 1.5,
-        kl_band: tuple[float, float] = (0.5, 1.5),
+        kl_band: tuple[float, float] = (0.8, 1.25),
         kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         kl_window: int = 1,
         kl_horizon: int = 10_000,

@@ -33,7 +33,8 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     Loss per minibatch: ``-E[r A] + beta * KL + vf_coef * L_V - ent_coef * H`` where ``r`` is the probability ratio
     between the current and the rollout policy, and ``KL`` is the per-state KL between them averaged over the
-    minibatch (by default exact, forward ``KL(pi_old || pi_new)``, summed over action dimensions).
+    minibatch (by default exact, forward ``KL(pi_old || pi_new)``, summed over action dimensions), plus a steep hinge
+    ``kl_hinge_coef * max(0, KL - kl_hinge_factor * target_kl)^2`` that holds the KL within the update.
     After each update, beta is adapted so that the update's KL tracks ``target_kl``.
 
     Paper: https://arxiv.org/abs/1707.06347 (section 4, "Adaptive KL Penalty Coefficient")
@@ -69,6 +70,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         (rate-limited rule of Ziegler et al. 2019) or a ``KLController`` instance
     :param kl_adapt_factor: Adaptive controller: beta is multiplied/divided by this factor (> 1)
     :param kl_band: Adaptive controller: beta grows when KL > band[1] * target, shrinks when KL < band[0] * target
+        (default ``(0.8, 1.25)``, centred on the target on a log scale)
     :param kl_coef_bounds: Bounds (min, max) of beta
     :param kl_window: Adaptive controller: number of recent update KLs averaged (1 = last update)
     :param kl_horizon: Proportional controller: horizon in environment steps
@@ -81,7 +83,8 @@ class KLPPO(KLOnPolicyAlgorithm):
         over the whole buffer (the quantity ``train/kl`` logs, one extra no-grad pass per epoch; the last one is
         reused for the logs)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
-        (Schulman's modular_rl uses 1000 and 2); 0 disables it (default)
+        (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
+        within the update, when beta alone would react only at the next one; 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std
         (``log_std`` clamped in place; with gSDE the std of the exploration weights). None = no floor
@@ -147,7 +150,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         kl_coef: float = 1.0,
         kl_controller: str | KLController = "adaptive",
         kl_adapt_factor: float = 1.5,
-        kl_band: tuple[float, float] = (0.5, 1.5),
+        kl_band: tuple[float, float] = (0.8, 1.25),
         kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         kl_window: int = 1,
         kl_horizon: int = 10_000,
@@ -156,7 +159,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
         kl_stop_factor: float | None = None,
-        kl_hinge_coef: float = 0.0,
+        kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),

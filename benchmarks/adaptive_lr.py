@@ -2,9 +2,9 @@
 Stock PPO with a too-high learning rate (3e-2) on Pendulum-v1, with and without KLAdaptiveLRCallback: the exact KL of
 every update (KLMonitorCallback) and the learning rate, and the median KL over the second half of training.
 
-    nice -n 10 python benchmarks/issue4_adaptive_lr.py [--steps 40960] [--target-kl 0.01] [--seeds 0]
+    nice -n 10 python benchmarks/adaptive_lr.py [--steps 40960] [--target-kl 0.01] [--seeds 0]
 
-Goal (issue 4): with the callback, the late-training median KL is within ~3x the target.
+Goal: with the callback, the late-training median KL is within ~3x the target.
 """
 
 import argparse
@@ -34,15 +34,15 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=3e-2)
     parser.add_argument("--target-kl", type=float, default=0.01)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "issue4_adaptive_lr.md"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "adaptive_lr.md"))
     args = parser.parse_args()
     th.set_num_threads(1)
     os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
 
     lines = [
-        "# Issue 4: KLAdaptiveLRCallback on stock PPO with a too-high learning rate",
+        "# KLAdaptiveLRCallback on stock PPO with a too-high learning rate",
         "",
-        f"Command: `nice -n 10 python benchmarks/issue4_adaptive_lr.py --steps {args.steps} --target-kl {args.target_kl} "
+        f"Command: `nice -n 10 python benchmarks/adaptive_lr.py --steps {args.steps} --target-kl {args.target_kl} "
         f"--seeds {' '.join(map(str, args.seeds))}`",
         "",
         f"PPO defaults on Pendulum-v1 except learning_rate={args.learning_rate}; KL = exact mean per-state "

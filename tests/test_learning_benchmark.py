@@ -1,0 +1,126 @@
+"""
+The learning benchmark's code (``benchmarks/learning.py``): the significance test its report uses to call a difference
+a tie, the stock PPO + ``target_kl`` baseline row, seed ranges, and the report's comparison and goals on records whose
+numbers are known.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import learning  # noqa: E402
+import settings  # noqa: E402
+
+
+@pytest.mark.parametrize("t", [0.0, 0.3, 1.0, 2.5, 12.7, -4.0])
+def test_t_p_value_matches_closed_forms(t):
+    # Student's t with 1 degree of freedom is the Cauchy distribution; with 2 its CDF is elementary
+    assert learning.t_two_sided_p(t, 1.0) == pytest.approx(1.0 - 2.0 * math.atan(abs(t)) / math.pi, abs=1e-10)
+    assert learning.t_two_sided_p(t, 2.0) == pytest.approx(1.0 - abs(t) / math.sqrt(2.0 + t * t), abs=1e-10)
+
+
+@pytest.mark.parametrize("t, dof", [(2.776445, 4), (2.228139, 10), (1.959964, 1e6), (4.302653, 2.0)])
+def test_t_p_value_at_tabulated_critical_values(t, dof):
+    assert learning.t_two_sided_p(t, dof) == pytest.approx(0.05, abs=1e-5)
+
+
+def test_welch_p_value_against_numerical_integration():
+    a, b = [1.0, 2.0, 3.5, 2.2], [4.0, 5.5, 3.1]
+    va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
+    t = (np.mean(a) - np.mean(b)) / math.sqrt(va + vb)
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    # two-sided tail of the t density, integrated on a fine grid
+    x = np.linspace(abs(t), 2000.0, 2_000_001)
+    log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+    density = np.exp(log_norm - (dof + 1) / 2 * np.log1p(x**2 / dof))
+    assert learning.welch_p_value(a, b) == pytest.approx(2 * np.trapezoid(density, x), rel=1e-4)
+    assert learning.welch_p_value(a, b) == pytest.approx(learning.welch_p_value(b, a))
+    assert math.isnan(learning.welch_p_value([1.0], b))
+    assert learning.welch_p_value([2.0, 2.0], [2.0, 2.0]) == 1.0
+    assert learning.welch_p_value([2.0, 2.0], [3.0, 3.0]) == 0.0
+
+
+def test_verdict_calls_noise_a_tie():
+    assert learning.verdict([1.0, 2.0, 3.0], [1.5, 2.5, 2.0])[1] == "tie"
+    assert learning.verdict([10.0, 10.1, 9.9], [1.0, 1.1, 0.9])[1] == "better"
+    assert learning.verdict([10.0, 10.1, 9.9], [1.0, 1.1, 0.9], higher_is_better=False)[1] == "worse"
+
+
+def test_seed_ranges():
+    assert learning.seed_list(["0..4"]) == [0, 1, 2, 3, 4]
+    assert learning.seed_list(["3", "0..1", "1"]) == [0, 1, 3]
+    with pytest.raises(Exception, match=r"0\.\.4"):
+        learning.seed_list(["a..b"])
+
+
+@pytest.mark.parametrize("env_id, target", [("CartPole-v1", 0.02), ("Pendulum-v1", 0.03)])
+def test_ppo_target_kl_is_ppo_at_klppo_target_and_clip(env_id, target):
+    ppo, baseline = settings.settings_for("ppo", env_id), settings.settings_for("ppo_target_kl", env_id)
+    assert baseline["kwargs"].pop("target_kl") == target
+    assert baseline == ppo  # everything else, the clip included, is PPO's zoo entry
+    assert learning.algorithm_class("ppo_target_kl").__name__ == "PPO"
+    assert learning.default_target_kl("klppo", env_id, {}) == target
+
+
+def test_grid_skips_noclip_where_the_zoo_does_not_clip():
+    args = learning.argparse.Namespace(
+        grid="main", algos=["klppo_noclip"], envs=["Pendulum-v1", "Acrobot-v1"], lr_mults=None, seeds=["0..1"],
+        tier="tiny", force=True,
+    )  # fmt: skip
+    specs = learning.grid_specs(args)
+    assert {(s["env"], s["seed"]) for s in specs} == {("Pendulum-v1", 0), ("Pendulum-v1", 1)}
+
+
+def test_ppo_target_kl_run_records_the_monitored_kl(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    record = learning.run_one(dict(algo="ppo_target_kl", env="CartPole-v1", seed=0, lr_mult=1.0, tier="tiny"))
+    assert record["hyperparameters"]["target_kl"] == 0.02 and record["target_kl"] == 0.02
+    assert record["kl_source"].startswith("sb3_kl.callbacks.KLMonitorCallback")
+    # CartPole's zoo rollout is 8 x 32 steps: one measured update per rollout of the tiny budget
+    assert len(record["kl_updates"]) == 1024 // 256
+    assert all(u["mean"] >= 0 and u["p99"] >= 0 for u in record["kl_updates"])
+    written = learning.record_path("tiny", "ppo_target_kl", "CartPole-v1", 1.0, 0).read_text()
+    assert json.loads(written) == json.loads(json.dumps(record))
+
+
+def _record(algo, env, seed, eval_mean, kls, target, lr_mult=1.0, curve=None):
+    return dict(
+        algo=algo, env=env, seed=seed, lr_mult=lr_mult, tier="tiny", budget=1000, target_kl=target, eval_mean=eval_mean,
+        curve=curve or [[100 * i, eval_mean * i / 10] for i in range(1, 11)], env_steps_per_second=1.0,
+        kl_updates=[dict(timesteps=i, mean=k, p99=3 * k) for i, k in enumerate(kls)], code_version="test",
+    )  # fmt: skip
+
+
+def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    folder = tmp_path / "runs" / "tiny"
+    folder.mkdir(parents=True)
+    records = []
+    for seed in range(3):
+        # KLPPO: same return as the baseline up to noise, far smaller KL tail; in band on every update at x10
+        records.append(_record("ppo_target_kl", "Pendulum-v1", seed, -200.0 + seed, [0.06, 0.07], 0.03))
+        records.append(_record("klppo", "Pendulum-v1", seed, -199.0 - seed, [0.03, 0.02], 0.03))
+        records.append(_record("klppo", "Pendulum-v1", seed, -210.0, [0.03, 0.02], 0.03, lr_mult=10.0))
+        records.append(_record("klppo_noclip", "Pendulum-v1", seed, -205.0, [0.03, 0.1], 0.03, lr_mult=10.0))
+        records.append(_record("klppo_noclip", "Pendulum-v1", seed, -150.0, [0.03], 0.03))
+    for record in records:
+        path = folder / f"{record['algo']}__{record['env']}__lr{record['lr_mult']:g}__s{record['seed']}.json"
+        path.write_text(json.dumps(record))
+    text = learning.report("tiny")
+    assert (tmp_path / "learning_tiny.md").read_text() == text
+    row = next(line for line in text.splitlines() if line.startswith("| x1 | Pendulum-v1 | klppo |"))
+    assert "tie" in row.split("|")[4] and "better" in row.split("|")[6]
+    assert "- klppo on Pendulum-v1 (x1), return: tie" in text
+    assert "x10, Pendulum-v1, klppo (3 seeds pooled): updates in band 100% (**met**" in text
+    # half of klppo_noclip's x10 updates are at 0.1 > 2 x 0.03, and its return is 37 % below x1
+    assert "x10, Pendulum-v1, klppo_noclip (3 seeds pooled): updates in band 50% (**NOT met**" in text
+    assert "return -205.0 vs x1 -150.0 (**NOT met**" in text
+    assert "No collapse of any sb3-kl algorithm in the grid (12 runs): **met**" in text
