@@ -1,0 +1,212 @@
+"""
+Distributed tuning and the distributed learning grid on a real PostgreSQL server (``postgres_server`` fixture in
+``conftest.py``; skipped with the install command where the server binaries or the driver are missing).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPROCESS_ENV = {
+    **os.environ,
+    "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    "OMP_NUM_THREADS": "1",
+}
+# Optuna parameters fixed so that a trial stays cheap (64 steps x 2 envs, 1 epoch, [64] network), as in test_zoo.py
+CHEAP_TRIAL = {"n_steps_pow": 6, "batch_size_pow": 6, "n_epochs": 1, "net_arch": "tiny"}
+ZOO_OPTIMIZE = [
+    "--algo", "klppo", "--env", "CartPole-v1", "-optimize", "--n-evaluations", "1", "--eval-episodes", "2",
+    "--sampler", "random", "--pruner", "none", "--no-optim-plots", "--verbose", "0", "--num-threads", "1",
+]  # fmt: skip
+
+pytest.importorskip("optuna")
+
+# A worker of the schema-race test: the code path of `python -m sb3_kl.zoo train -optimize --storage postgresql://...`
+# after argument parsing (open_storage -> load_or_create_study -> the capped optimize loop), with a one-line objective
+# instead of a training run, and the module loaded from its file so that the process starts in a second (no torch)
+RACE_WORKER = """
+    import importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("distributed", {path!r})
+    distributed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(distributed)
+    url, cap = sys.argv[1], int(sys.argv[2])
+    print("ready", flush=True)
+    sys.stdin.readline()  # every worker reaches the empty database at the same moment
+    storage = distributed.open_storage(url, distributed.HeartbeatSettings(interval=1))
+    study = distributed.load_or_create_study(storage, "race", "maximize", study_class=distributed.DistributedStudy)
+    study.max_total_trials = cap
+    study.optimize(lambda trial: trial.suggest_float("x", 0.0, 1.0))
+"""
+
+
+def _states(study) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for trial in study.trials:
+        counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
+    return counts
+
+
+def test_four_workers_start_together_on_empty_databases(postgres_server):
+    import optuna
+
+    code = textwrap.dedent(RACE_WORKER.format(path=str(ROOT / "sb3_kl" / "zoo" / "distributed.py")))
+    for attempt in range(5):
+        url = postgres_server.create_database(f"race{attempt}")
+        workers = [
+            subprocess.Popen([sys.executable, "-c", code, url, "6"], env=SUBPROCESS_ENV, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(4)
+        ]  # fmt: skip
+        for worker in workers:  # all imported and waiting: release them together
+            assert worker.stdout.readline().strip() == "ready", worker.communicate(timeout=60)[0]
+        for worker in workers:
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+        assert [worker.returncode for worker in workers] == [0, 0, 0, 0], (attempt, outputs)
+        study = optuna.load_study(study_name="race", storage=url)
+        # every requested trial complete, and exactly the cap: no worker overshot it
+        assert _states(study) == {"COMPLETE": 6}, attempt
+        assert len({trial.user_attrs["worker"] for trial in study.trials}) >= 2  # the work was shared
+
+
+def _wait_for(condition, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_killed_worker_trial_is_failed_and_retried(postgres_server, tmp_path):
+    import optuna
+    import yaml
+
+    url = postgres_server.create_database("killed")
+    n_trials = 6
+    study = optuna.create_study(study_name="kill", storage=url, direction="maximize")
+    for _ in range(n_trials):
+        study.enqueue_trial(CHEAP_TRIAL)
+    command = [
+        sys.executable, "-m", "sb3_kl.zoo", "train", *ZOO_OPTIMIZE, "-n", "1536", "--storage", url, "--study-name", "kill",
+        "--max-total-trials", str(n_trials), "--heartbeat-interval", "1", "--heartbeat-grace-period", "3",
+        "-params", "n_envs:2", "policy_kwargs:dict(net_arch=[16])",
+    ]  # fmt: skip
+    workers = [
+        subprocess.Popen([*command, "--seed", str(seed), "-f", str(tmp_path / f"worker{seed}")], env=SUBPROCESS_ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for seed in range(3)
+    ]  # fmt: skip
+    victim = workers[0]
+    try:
+
+        def victim_trial():
+            for trial in optuna.load_study(study_name="kill", storage=url).trials:
+                if trial.state.name == "RUNNING" and trial.user_attrs.get("worker", "").endswith(f":{victim.pid}"):
+                    return trial
+            return None
+
+        running = _wait_for(victim_trial, 180, "the first worker to run a trial")
+        time.sleep(0.5)  # well inside the trial (a trial takes seconds)
+        assert victim_trial() is not None, "the trial ended before the kill: make trials longer"
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        outputs = [worker.communicate(timeout=300)[0] for worker in workers[1:]]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    assert victim.returncode == -signal.SIGKILL
+    assert all(worker.returncode == 0 for worker in workers[1:]), outputs
+
+    study = optuna.load_study(study_name="kill", storage=url)
+    trials = study.trials
+    # every requested trial complete, the killed one failed, and one retry: nothing run twice, nothing lost
+    assert _states(study) == {"COMPLETE": n_trials, "FAIL": 1}
+    failed = next(trial for trial in trials if trial.state.name == "FAIL")
+    assert failed.number == running.number
+    retries = [trial for trial in trials if "failed_trial" in trial.system_attrs]
+    assert len(retries) == 1 and retries[0].system_attrs["failed_trial"] == failed.number
+    assert retries[0].state.name == "COMPLETE" and retries[0].params == failed.params
+    assert not retries[0].user_attrs["worker"].endswith(f":{victim.pid}")
+    assert all(trial.params[key] == value for trial in trials for key, value in CHEAP_TRIAL.items())  # the 6 queued
+
+    # the best trial as a zoo config, trained through the zoo
+    from sb3_kl.zoo.__main__ import main as zoo_main
+
+    config = tmp_path / "best.yml"
+    zoo_main(["export", "--algo", "klppo", "--env", "CartPole-v1", "--storage", url, "--study-name", "kill", "-o", str(config)])
+    entry = yaml.safe_load(config.read_text())["CartPole-v1"]
+    best = study.best_trial.params
+    assert entry["target_kl"] == pytest.approx(best["target_kl"]) and entry["kl_estimator"] == best["kl_estimator"]
+    zoo_main(["train", "--algo", "klppo", "--env", "CartPole-v1", "-conf", str(config), "-n", "128", "--seed", "5",
+              "-f", str(tmp_path / "retrain"), "--eval-freq", "-1", "--verbose", "0", "-params", "n_envs:2"])  # fmt: skip
+    from sb3_kl import KLPPO
+
+    model = KLPPO.load(tmp_path / "retrain" / "klppo" / "CartPole-v1_1" / "CartPole-v1.zip")
+    assert model.target_kl(1.0) == pytest.approx(best["target_kl"]) and model.n_steps == 2 ** best["n_steps_pow"]
+    assert model.kl_settings.estimator == best["kl_estimator"]
+
+
+def test_learning_grid_over_two_workers_survives_a_killed_worker(postgres_server, tmp_path, monkeypatch):
+    import optuna
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import distributed_grid
+    import learning
+
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    url = postgres_server.create_database("grid")
+    specs = [
+        dict(algo=algo, env="CartPole-v1", seed=seed, lr_mult=1.0, tier="tiny") for algo in ("ppo", "klppo") for seed in (0, 1)
+    ]
+    study = distributed_grid.open_grid(url, "grid", distributed_grid.HeartbeatSettings(interval=1))
+    assert distributed_grid.enqueue(study, specs) == 4
+    assert distributed_grid.enqueue(study, specs) == 0  # a second machine queuing the same grid adds nothing
+    env = {**SUBPROCESS_ENV, "SB3_KL_BENCHMARK_RESULTS": str(tmp_path)}
+    command = [sys.executable, str(ROOT / "benchmarks" / "distributed_grid.py"), url, "grid", "1"]
+    workers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    victim = workers[0]
+    try:
+
+        def victim_cell():
+            for trial in optuna.load_study(study_name="grid", storage=url).trials:
+                if trial.state.name == "RUNNING" and trial.user_attrs.get("worker", "").endswith(f":{victim.pid}"):
+                    return trial
+            return None
+
+        killed = _wait_for(victim_cell, 180, "the first worker to take a cell", poll=0.1)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        output = workers[1].communicate(timeout=300)[0]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    assert workers[1].returncode == 0, output
+
+    trials = optuna.load_study(study_name="grid", storage=url).trials
+    complete = [trial for trial in trials if trial.state.name == "COMPLETE"]
+    # every cell complete exactly once; the killed worker's cell failed and was re-run by the other worker
+    assert sorted(trial.user_attrs["cell_key"] for trial in complete) == sorted(map(distributed_grid.cell_key, specs))
+    assert [trial.number for trial in trials if trial.state.name == "FAIL"] == [killed.number]
+    retry = next(trial for trial in complete if trial.system_attrs.get("failed_trial") == killed.number)
+    assert retry.user_attrs["cell_key"] == killed.user_attrs["cell_key"]
+    # the surviving worker wrote each record file once; collecting again writes nothing
+    files = sorted(tmp_path.glob("runs/tiny/*.json"))
+    assert [path.name for path in files] == sorted(learning.record_file(spec).name for spec in specs)
+    assert output.count("wrote ") == 4
+    assert distributed_grid.collect(optuna.load_study(study_name="grid", storage=url), learning.record_file) == []
+    records = [json.loads(path.read_text()) for path in files]
+    assert {trial.number for trial in complete} == {record["grid_trial"] for record in records}
+    assert "| CartPole-v1 | 1,024 |" in learning.report("tiny")  # the report comes from the records, as without a database
