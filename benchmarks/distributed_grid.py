@@ -175,12 +175,12 @@ def run(
     return collect(study, record_path)
 
 
-if __name__ == "__main__":  # a bare worker: python benchmarks/distributed_grid.py URL STUDY [HEARTBEAT_SECONDS]
+if __name__ == "__main__":  # a bare worker: python benchmarks/distributed_grid.py URL STUDY [HEARTBEAT_S [GRACE_S]]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import learning
 
-    url, name = sys.argv[1], sys.argv[2]
-    settings = HeartbeatSettings(interval=int(sys.argv[3])) if len(sys.argv) > 3 else HeartbeatSettings()
+    url, name, *times = sys.argv[1:]
+    settings = HeartbeatSettings(*map(int, times))  # every worker of a grid must use the same heartbeat settings
     grid = open_grid(url, name, settings)
     work(grid, learning.train_and_evaluate, log=lambda m: print(m, flush=True))
     for written in collect(grid, learning.record_file):

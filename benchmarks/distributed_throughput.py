@@ -162,12 +162,14 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, command: 
         f"worker on a fresh database, the expensive dimensions of every trial fixed ({json.dumps(FIXED_TRIAL)}), "
         "so that all trials cost the same.",
         "",
-        "| workers | trials | trials/hour | trials/hour incl. worker start-up | mean trial (s) | load average before -> after (1 min) |",
+        "| workers | trials | trials/hour | trials/hour incl. worker start-up | mean trial (s) "
+        "| load average before -> after (1 min) |",
         "|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines.append(
-            f"| {run['workers']} | {run['trials']} | {run['trials_per_hour']:.0f} | {run['trials_per_hour_with_startup']:.0f} | "
+            f"| {run['workers']} | {run['trials']} | {run['trials_per_hour']:.0f} | "
+            f"{run['trials_per_hour_with_startup']:.0f} | "
             f"{run['mean_trial_seconds']:.1f} | {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f} |"
         )
     goal = "met" if ratio >= 1.7 else "NOT met"
@@ -189,7 +191,8 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, command: 
     ]
     for run in runs:
         lines.append(
-            f"| {run['workers']} | {run['statements'] / run['trials']:.1f} | {run['heartbeat_statements'] / run['trials']:.1f} | "
+            f"| {run['workers']} | {run['statements'] / run['trials']:.1f} | "
+            f"{run['heartbeat_statements'] / run['trials']:.1f} | "
             f"{run['transactions'] / run['trials']:.1f} | {run['server_exec_ms'] / run['trials']:.2f} | "
             f"{run['max_connections'] / run['workers']:.1f} |"
         )
@@ -235,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overhead-ms", type=float, default=0.1, help="assumed server cost per statement beyond execution")
     parser.add_argument("--max-connections", type=int, default=100, help="server's max_connections for the estimate")
     args = parser.parse_args(argv)
-    command = "python benchmarks/distributed_throughput.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
-    server = PostgresServer(durable=True, settings="-c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all")
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join(["python benchmarks/distributed_throughput.py", *given])
+    statements = "-c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all"
+    server = PostgresServer(durable=True, settings=statements)
     with server:
         import psycopg
 

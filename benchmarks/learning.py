@@ -540,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
 
         heartbeat = distributed_grid.HeartbeatSettings(interval=args.heartbeat_interval)
         study_name = args.study_name or f"learning-grid-{args.tier}"
-        written = distributed_grid.run(grid_specs(args), args.storage, study_name, args.workers, heartbeat, record_file, args.force)
+        specs = grid_specs(args)
+        written = distributed_grid.run(specs, args.storage, study_name, args.workers, heartbeat, record_file, args.force)
         print(f"{len(written)} records written from study {study_name!r}", flush=True)
     elif not args.report:
         specs = grid_specs(args)

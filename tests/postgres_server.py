@@ -38,7 +38,8 @@ def find_bindir() -> Path | None:
         candidates.append(str(Path(initdb).resolve().parent))
     if shutil.which("pg_config"):
         try:
-            candidates.append(subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, timeout=10).stdout.strip())
+            found = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, timeout=10)
+            candidates.append(found.stdout.strip())
         except (OSError, subprocess.SubprocessError):
             pass
     candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)

@@ -40,7 +40,7 @@ RACE_WORKER = """
     url, cap = sys.argv[1], int(sys.argv[2])
     print("ready", flush=True)
     sys.stdin.readline()  # every worker reaches the empty database at the same moment
-    storage = distributed.open_storage(url, distributed.HeartbeatSettings(interval=1))
+    storage = distributed.open_storage(url, distributed.HeartbeatSettings(interval=1, grace_period=8))
     study = distributed.load_or_create_study(storage, "race", "maximize", study_class=distributed.DistributedStudy)
     study.max_total_trials = cap
     study.optimize(lambda trial: trial.suggest_float("x", 0.0, 1.0))
@@ -99,7 +99,7 @@ def test_killed_worker_trial_is_failed_and_retried(postgres_server, tmp_path):
         study.enqueue_trial(CHEAP_TRIAL)
     command = [
         sys.executable, "-m", "sb3_kl.zoo", "train", *ZOO_OPTIMIZE, "-n", "1536", "--storage", url, "--study-name", "kill",
-        "--max-total-trials", str(n_trials), "--heartbeat-interval", "1", "--heartbeat-grace-period", "3",
+        "--max-total-trials", str(n_trials), "--heartbeat-interval", "1", "--heartbeat-grace-period", "8",
         "-params", "n_envs:2", "policy_kwargs:dict(net_arch=[16])",
     ]  # fmt: skip
     workers = [
@@ -145,7 +145,8 @@ def test_killed_worker_trial_is_failed_and_retried(postgres_server, tmp_path):
     from sb3_kl.zoo.__main__ import main as zoo_main
 
     config = tmp_path / "best.yml"
-    zoo_main(["export", "--algo", "klppo", "--env", "CartPole-v1", "--storage", url, "--study-name", "kill", "-o", str(config)])
+    zoo_main(["export", "--algo", "klppo", "--env", "CartPole-v1", "--storage", url, "--study-name", "kill",
+              "-o", str(config)])  # fmt: skip
     entry = yaml.safe_load(config.read_text())["CartPole-v1"]
     best = study.best_trial.params
     assert entry["target_kl"] == pytest.approx(best["target_kl"]) and entry["kl_estimator"] == best["kl_estimator"]
@@ -170,12 +171,14 @@ def test_learning_grid_over_two_workers_survives_a_killed_worker(postgres_server
     specs = [
         dict(algo=algo, env="CartPole-v1", seed=seed, lr_mult=1.0, tier="tiny") for algo in ("ppo", "klppo") for seed in (0, 1)
     ]
-    study = distributed_grid.open_grid(url, "grid", distributed_grid.HeartbeatSettings(interval=1))
+    study = distributed_grid.open_grid(url, "grid", distributed_grid.HeartbeatSettings(interval=1, grace_period=8))
     assert distributed_grid.enqueue(study, specs) == 4
     assert distributed_grid.enqueue(study, specs) == 0  # a second machine queuing the same grid adds nothing
     env = {**SUBPROCESS_ENV, "SB3_KL_BENCHMARK_RESULTS": str(tmp_path)}
-    command = [sys.executable, str(ROOT / "benchmarks" / "distributed_grid.py"), url, "grid", "1"]
-    workers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    command = [sys.executable, str(ROOT / "benchmarks" / "distributed_grid.py"), url, "grid", "1", "8"]
+    workers = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
+    ]
     victim = workers[0]
     try:
 
@@ -210,3 +213,75 @@ def test_learning_grid_over_two_workers_survives_a_killed_worker(postgres_server
     records = [json.loads(path.read_text()) for path in files]
     assert {trial.number for trial in complete} == {record["grid_trial"] for record in records}
     assert "| CartPole-v1 | 1,024 |" in learning.report("tiny")  # the report comes from the records, as without a database
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input: one line naming the flag and the fix, no study left behind
+
+
+def _zoo_start_error(storage: str, study_name: str, tmp_path: Path) -> str:
+    """Start a zoo search on ``storage`` in this process; :return: the message it stopped with"""
+    pytest.importorskip("rl_zoo3")
+    from sb3_kl.zoo.__main__ import main as zoo_main
+
+    with pytest.raises(SystemExit) as stopped:
+        zoo_main(["train", *ZOO_OPTIMIZE, "-n", "256", "--n-trials", "1", "--storage", storage, "--study-name", study_name,
+                  "-f", str(tmp_path)])  # fmt: skip
+    message = str(stopped.value.code)
+    assert "\n" not in message and message.startswith("sb3_kl.zoo train: error: "), message
+    return message
+
+
+def test_unreachable_database_is_one_line(tmp_path):
+    pytest.importorskip("psycopg")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from postgres_server import free_port
+
+    url = f"postgresql://tuner:secret@127.0.0.1:{free_port()}/tuning"
+    message = _zoo_start_error(url, "s", tmp_path)
+    assert "--storage" in message and "cannot connect" in message and "Start the server" in message
+    assert "secret" not in message  # the password is never printed
+
+
+def test_missing_driver_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the postgres extra were not installed
+    message = _zoo_start_error("postgresql://tuner:secret@127.0.0.1:5/tuning", "s", tmp_path)
+    assert "--storage" in message and 'pip install "sb3-kl[postgres]"' in message
+
+
+def test_wrong_password_is_one_line_and_creates_nothing(postgres_server, tmp_path):
+    import optuna
+
+    postgres_server.create_database("password")
+    message = _zoo_start_error(postgres_server.url("password", password="wrong"), "s", tmp_path)
+    assert "--storage" in message and "wrong or missing password" in message and "wrong" not in message.split("(")[0]
+    assert optuna.study.get_all_study_names(storage=postgres_server.url("password")) == []
+
+
+def test_missing_database_is_one_line(postgres_server, tmp_path):
+    message = _zoo_start_error(postgres_server.url("nosuchdb"), "s", tmp_path)
+    assert "--storage" in message and "'nosuchdb' does not exist" in message and "createdb nosuchdb" in message
+
+
+def test_study_with_other_direction_is_one_line_and_untouched(postgres_server, tmp_path):
+    import optuna
+
+    url = postgres_server.create_database("direction")
+    optuna.create_study(study_name="taken", storage=url, direction="minimize")
+    message = _zoo_start_error(url, "taken", tmp_path)
+    assert "--study-name 'taken'" in message and "direction minimize" in message and "another --study-name" in message
+    summaries = optuna.study.get_all_study_summaries(storage=url)
+    assert [(s.study_name, s.direction.name, s.n_trials) for s in summaries] == [("taken", "MINIMIZE", 0)]
+
+
+def test_heartbeat_flags_are_checked():
+    pytest.importorskip("rl_zoo3")
+    from sb3_kl.zoo.train import split_heartbeat_flags
+
+    settings, rest = split_heartbeat_flags(["--algo", "klppo", "--heartbeat-interval", "5", "--max-retry", "1", "-optimize"])
+    assert (settings.interval, settings.grace_period, settings.max_retry) == (5, None, 1)
+    assert rest == ["--algo", "klppo", "-optimize"]
+    assert not split_heartbeat_flags(["--heartbeat-interval", "0"])[0].enabled
+    for bad in (["--heartbeat-interval", "-1"], ["--heartbeat-interval", "10", "--heartbeat-grace-period", "10"]):
+        with pytest.raises(SystemExit):
+            split_heartbeat_flags(bad)

@@ -24,6 +24,7 @@ no storage are left to the zoo unchanged):
 """
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import os
@@ -373,19 +374,42 @@ def optimize_with_cap(
                 start = counts[TrialState.WAITING] > 0 or total < max_total_trials
             if start:
 
-                def objective(trial: optuna.Trial) -> float:
-                    release()  # the trial exists (and holds its place in the count): let the next worker decide
-                    trial.set_user_attr("worker", worker_name())
-                    return func(trial)
-
+                current: list[optuna.Trial] = []
+                objective = functools.partial(_run_released, func, release, current)
                 # ask() inside pops a re-queued trial first, or creates a new one, while this worker holds the lock
-                optuna.Study.optimize(
-                    study, objective, n_trials=1, callbacks=list(callbacks), gc_after_trial=gc_after_trial, catch=catch
-                )
+                try:
+                    optuna.Study.optimize(
+                        study, objective, n_trials=1, callbacks=list(callbacks), gc_after_trial=gc_after_trial, catch=catch
+                    )
+                except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+                    if not current or not _failed_as_stale(study, current[0]):
+                        raise
+                    warnings.warn(
+                        f"Trial {current[0].number} was failed (no heartbeat for the grace period) while this worker "
+                        "was running it, and re-queued for another worker: its result is dropped. If this worker was "
+                        "only slow, raise --heartbeat-grace-period.",
+                        stacklevel=2,
+                    )
                 ran += 1
                 continue
         # the remaining trials run in other workers: wait until they finish or one is found stale and re-queued
         time.sleep(poll)
+
+
+def _run_released(
+    func: Callable[[optuna.Trial], float], release: Callable[[], None], started: list[optuna.Trial], trial: optuna.Trial
+) -> float:
+    """Objective wrapper of :func:`optimize_with_cap`: release the lock, remember the trial, record the worker, run."""
+    release()  # the trial exists (and holds its place in the count): let the next worker decide
+    started.append(trial)
+    trial.set_user_attr("worker", worker_name())
+    return func(trial)
+
+
+def _failed_as_stale(study: optuna.Study, trial: optuna.Trial) -> bool:
+    """:return: whether the trial was failed by another worker (stale heartbeat) before this one could finish it"""
+    frozen = study._storage.get_trial(trial._trial_id)
+    return frozen.state == TrialState.FAIL
 
 
 class DistributedStudy(optuna.Study):
