@@ -218,7 +218,7 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
 
     heartbeat = heartbeat or HeartbeatSettings()
     try:
-        dialect = make_url(url).get_backend_name()
+        dialect, driver = make_url(url).get_backend_name(), make_url(url).get_driver_name()
     except sqlalchemy.exc.ArgumentError as e:
         raise StorageError(f"--storage {url.split('@')[-1]!r} is not a database URL ({e}).") from e
     engine_kwargs: dict[str, Any] = {}
@@ -228,7 +228,10 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
     try:
         engine = sqlalchemy.create_engine(url, **engine_kwargs)
     except ImportError as e:
-        fix = POSTGRES_EXTRA if dialect == "postgresql" else f"install the {dialect} driver that the URL names"
+        if dialect == "postgresql" and driver in ("", "psycopg"):  # SQLAlchemy 2.1: bare postgresql:// is psycopg 3
+            fix = POSTGRES_EXTRA
+        else:
+            fix = f"install the {driver or dialect} driver that the URL names (e.g. pip install {driver or dialect})"
         raise StorageError(f"--storage {redact(url)}: the database driver is not installed ({e}). Fix: {fix}.") from e
     try:
         with engine.connect():
