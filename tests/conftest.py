@@ -1,4 +1,7 @@
-"""Shared test settings: no stray SB3 log directories, and a single torch thread (2 shared cores)."""
+"""
+Shared test settings: no stray SB3 log directories, a single torch thread (2 shared cores), and a real PostgreSQL
+server for the distributed tests (``postgres_server``).
+"""
 
 import importlib.util
 import os
