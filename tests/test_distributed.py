@@ -289,3 +289,13 @@ def test_heartbeat_flags_are_checked():
     for bad in (["--heartbeat-interval", "-1"], ["--heartbeat-interval", "10", "--heartbeat-grace-period", "10"]):
         with pytest.raises(SystemExit):
             split_heartbeat_flags(bad)
+
+
+def test_only_database_urls_take_the_distributed_path():
+    pytest.importorskip("rl_zoo3")
+    from sb3_kl.zoo.distributed import is_database_url, redact
+
+    assert is_database_url("postgresql://u:p@h/d") and is_database_url("sqlite:///study.db")
+    # journal files and no storage stay on the zoo's own code, unchanged
+    assert not is_database_url("logs/study.log") and not is_database_url(None)
+    assert redact("postgresql://tuner:secret@db:5432/tuning") == "postgresql://tuner:***@db:5432/tuning"
