@@ -16,6 +16,7 @@ database), transactions by ``pg_stat_database.xact_commit``.
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -100,6 +101,7 @@ def measure(server: PostgresServer, n_workers: int, args: argparse.Namespace) ->
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     load_before = load_average()
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     workers = [
         subprocess.Popen([*command, "--seed", str(i), "-f", str(server.root / f"logs_{database}_{i}")], env=env,
@@ -117,6 +119,8 @@ def measure(server: PostgresServer, n_workers: int, args: argparse.Namespace) ->
         time.sleep(1.0)
     wall = time.time() - start
     load_after = load_average()
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, waited for
+    worker_cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
     for worker in workers:
         output = worker.stdout.read() if worker.stdout else ""
         if worker.returncode != 0:
@@ -141,6 +145,7 @@ def measure(server: PostgresServer, n_workers: int, args: argparse.Namespace) ->
         trials_per_hour=3600.0 * len(complete) / span.total_seconds(),
         trials_per_hour_with_startup=3600.0 * len(complete) / wall,
         mean_trial_seconds=sum(trial_seconds) / len(trial_seconds),
+        worker_cpu_seconds=worker_cpu,
         statements=int(after["statements"] - before["statements"] - own_statements),
         heartbeat_statements=int(after["heartbeats"] - before["heartbeats"]),
         transactions=int(after["transactions"] - before["transactions"] - own_transactions),
@@ -174,6 +179,22 @@ def paper_estimate(run: dict[str, Any], server_cores: int, overhead_ms: float, m
     )
 
 
+def cpu_sentence(one: dict[str, Any], two: dict[str, Any]) -> str:
+    """The workers' CPU time per trial with 1 and 2 workers, and what their ratio says."""
+    per_one, per_two = one["worker_cpu_seconds"] / one["trials"], two["worker_cpu_seconds"] / two["trials"]
+    ratio = per_two / per_one
+    text = (
+        f"CPU time the workers used per trial (start-up included): {per_one:.1f} s with 1 worker, {per_two:.1f} s with 2 "
+        f"({ratio:.2f}x). "
+    )
+    if ratio <= 1.1:
+        return text + (
+            "Within 10%: sharing the study (locks, cap checks, polling) cost the workers little CPU, so with a free core "
+            "per worker the throughput would grow with the workers (an inference; the measured ratio is the one above)."
+        )
+    return text + "More than 10% more CPU per trial with 2 workers: the sharing itself, or the machine's load, costs CPU."
+
+
 def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
     one, two = runs[0], runs[1]
     ratio = two["trials_per_hour"] / one["trials_per_hour"]
@@ -189,20 +210,23 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, command: 
         "so that all trials cost the same.",
         "",
         "| workers | trials | trials/hour | trials/hour incl. worker start-up | mean trial (s) "
-        "| load average before -> after (1 min) |",
-        "|---|---|---|---|---|---|",
+        "| workers' CPU time per trial, start-up included (s) | load average before -> after (1 min) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines.append(
             f"| {run['workers']} | {run['trials']} | {run['trials_per_hour']:.0f} | "
             f"{run['trials_per_hour_with_startup']:.0f} | "
-            f"{run['mean_trial_seconds']:.1f} | {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f} |"
+            f"{run['mean_trial_seconds']:.1f} | {run['worker_cpu_seconds'] / run['trials']:.1f} | "
+            f"{run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f} |"
         )
     goal = "met" if ratio >= 1.7 else "NOT met"
     lines += [
         "",
         f"**2 workers / 1 worker: {ratio:.2f}x** trials per hour (from the first trial's start to the last one's end in "
         f"the database), {ratio_wall:.2f}x including the workers' start-up; goal >= 1.7x: {goal} on this run.",
+        "",
+        cpu_sentence(one, two),
         "",
         "Caveat: the load average column is the machine's 1-minute load when each run started and ended. A load "
         "above the core count means other processes were competing for the cores, so the second worker could not "
