@@ -18,6 +18,11 @@ Examples::
     python benchmarks/learning.py --tier full --seeds 0..4 --envs Pendulum-v1 LunarLanderContinuous-v3
     # only regenerate tables and figures from the records
     python benchmarks/learning.py --report --tier full
+    # spread the grid over machines: the same command on each (cells queued once in a database-backed Optuna study,
+    # a killed worker's cell re-run by another; see distributed_grid.py and docs/distributed.md)
+    python benchmarks/learning.py --tier full --grid main --workers 2 --storage postgresql://USER:PASSWORD@HOST/grid
+
+Records and results go to ``benchmarks/results/`` (``$SB3_KL_BENCHMARK_RESULTS`` to write elsewhere).
 """
 
 import argparse
@@ -34,7 +39,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-RESULTS = HERE / "results"
+RESULTS = Path(os.environ.get("SB3_KL_BENCHMARK_RESULTS", HERE / "results"))
 
 MAIN_ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5", "Hopper-v5"]
 # ppo_target_kl: stock PPO with SB3's KL early stop at KLPPO's target (see settings.settings_for);
@@ -148,8 +153,22 @@ def matched_target_kl(tier: str, env_id: str, lr_mult: float = 1.0) -> float:
     return float(np.mean(kls))
 
 
+def record_file(record: dict[str, Any]) -> Path:
+    """:return: the path of a record's file"""
+    return record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"])
+
+
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train, evaluate and write the record of one run (executed in a worker process)."""
+    record = train_and_evaluate(spec)
+    path = record_file(record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def train_and_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train and evaluate one run; :return: its record (not written: :func:`run_one` or the distributed grid does)"""
     import torch as th
 
     th.set_num_threads(1)
@@ -235,9 +254,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         # the commit checked out when the batch started (the workers import the code then)
         code_version=spec.get("code_version") or code_version(),
     )
-    path = record_path(tier, algo, env_id, lr_mult, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -823,9 +839,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--force", action="store_true", help="re-run runs that already have a record")
     parser.add_argument("--report", action="store_true", help="only regenerate tables and figures from the records")
+    parser.add_argument(
+        "--storage", help="database URL: queue the cells in an Optuna study there and work on them (distributed_grid.py)"
+    )
+    parser.add_argument("--study-name", help="study that holds the grid (default: learning-grid-<tier>)")
+    parser.add_argument("--heartbeat-interval", type=int, default=60, help="seconds; a cell silent 2x this long is re-run")
     args = parser.parse_args(argv)
     args.tier = args.tier or "quick"
-    if not args.report:
+    if args.storage and not args.report:
+        import distributed_grid
+
+        heartbeat = distributed_grid.HeartbeatSettings(interval=args.heartbeat_interval)
+        study_name = args.study_name or f"learning-grid-{args.tier}"
+        specs = grid_specs(args)
+        written = distributed_grid.run(specs, args.storage, study_name, args.workers, heartbeat, record_file, args.force)
+        print(f"{len(written)} records written from study {study_name!r}", flush=True)
+    elif not args.report:
         specs = grid_specs(args)
         print(f"{len(specs)} runs to do ({args.tier} tier, {args.workers} workers)", flush=True)
         if args.workers > 1 and len(specs) > 1:

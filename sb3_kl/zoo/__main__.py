@@ -6,15 +6,18 @@ Examples::
     python -m sb3_kl.zoo train --algo klppo --env Pendulum-v1
     python -m sb3_kl.zoo train --algo klppo --env CartPole-v1 -optimize --n-trials 20 --storage sqlite:///kl.db
     python -m sb3_kl.zoo enjoy --algo klppo --env Pendulum-v1 -f logs/
+    python -m sb3_kl.zoo export --algo klppo --env CartPole-v1 --storage sqlite:///kl.db --study-name S -o best.yml
 """
 
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: python -m sb3_kl.zoo {train,enjoy} [rl_zoo3 flags ...]
+USAGE = """usage: python -m sb3_kl.zoo {train,enjoy,export} [flags ...]
 
   train   rl_zoo3.train with klppo/clip_klppo/kltrpo registered; uses sb3_kl/hyperparams/{algo}.yml unless -conf is given
+          (+ --heartbeat-interval, --heartbeat-grace-period, --max-retry for -optimize on a database --storage)
   enjoy   rl_zoo3.enjoy with the same algorithms registered
+  export  write a trial of a study (the best by default) as a zoo config: -o best.yml
 
 Run `python -m sb3_kl.zoo train -h` for the zoo's flags."""
 
@@ -30,16 +33,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = args[0], args[1:]
-    if command == "train":
-        from sb3_kl.zoo.train import train
+    from sb3_kl.zoo.distributed import StorageError
 
-        train(rest)
-    elif command == "enjoy":
-        from sb3_kl.zoo.enjoy import enjoy
+    try:
+        if command == "train":
+            from sb3_kl.zoo.train import train
 
-        enjoy(rest)
-    else:
-        raise SystemExit(f"Unknown command {command!r}: use `train` or `enjoy`.\n\n{USAGE}")
+            train(rest)
+        elif command == "enjoy":
+            from sb3_kl.zoo.enjoy import enjoy
+
+            enjoy(rest)
+        elif command == "export":
+            from sb3_kl.zoo.export import export
+
+            export(rest)
+        else:
+            raise SystemExit(f"Unknown command {command!r}: use `train`, `enjoy` or `export`.\n\n{USAGE}")
+    except StorageError as e:
+        # a storage problem is the user's to fix: one line that names the flag and the fix, no traceback
+        raise SystemExit(f"sb3_kl.zoo {command}: error: {e}") from None
 
 
 if __name__ == "__main__":

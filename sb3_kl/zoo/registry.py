@@ -18,6 +18,7 @@ from stable_baselines3.common.utils import LinearSchedule
 
 import sb3_kl
 from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
+from sb3_kl.zoo.distributed import patch_experiment_manager
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER
 
 #: Folder of the configs shipped with the package (``{algo}.yml``)
@@ -125,3 +126,4 @@ def register() -> None:
         hyperparams_opt.HYPERPARAMS_SAMPLER[algo] = HYPERPARAMS_SAMPLER[algo]
         hyperparams_opt.HYPERPARAMS_CONVERTER[algo] = HYPERPARAMS_CONVERTER[algo]
     _patch_experiment_manager()
+    patch_experiment_manager()  # -optimize on database storages: heartbeat, safe schema creation, exact cap

@@ -1,6 +1,10 @@
 """
 ``python -m sb3_kl.zoo train``: the zoo's ``rl_zoo3.train`` with the sb3_kl algorithms registered and, for them,
 the shipped config used when no ``-conf`` is given. Every flag of ``rl_zoo3.train`` is passed through unchanged.
+
+Three flags are added for ``-optimize`` on a database ``--storage`` (see :mod:`sb3_kl.zoo.distributed`):
+``--heartbeat-interval`` (seconds, default 60, 0 turns it off), ``--heartbeat-grace-period`` (seconds without a
+heartbeat before a trial is failed and retried, default twice the interval) and ``--max-retry`` (default 3).
 """
 
 import argparse
@@ -8,6 +12,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from sb3_kl.zoo import distributed
 from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
 
 
@@ -45,18 +50,52 @@ def with_default_config(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+def split_heartbeat_flags(argv: Sequence[str]) -> tuple[distributed.HeartbeatSettings, list[str]]:
+    """
+    Take sb3_kl's heartbeat flags out of the zoo's arguments.
+
+    :param argv: Arguments of ``python -m sb3_kl.zoo train``
+    :return: The heartbeat settings and the remaining arguments (for ``rl_zoo3.train``)
+    """
+    parser = argparse.ArgumentParser(prog="python -m sb3_kl.zoo train", add_help=False, allow_abbrev=False)
+    parser.add_argument("--heartbeat-interval", type=int, default=60)
+    parser.add_argument("--heartbeat-grace-period", type=int, default=None)
+    parser.add_argument("--max-retry", type=int, default=3)
+    known, rest = parser.parse_known_args(list(argv))
+    if known.heartbeat_interval < 0:
+        parser.error(f"--heartbeat-interval must be >= 0 seconds (0 turns the heartbeat off), got {known.heartbeat_interval}")
+    if known.max_retry < 0:
+        parser.error(f"--max-retry must be >= 0, got {known.max_retry}")
+    grace = known.heartbeat_grace_period
+    if grace is not None and known.heartbeat_interval and grace <= known.heartbeat_interval:
+        parser.error(
+            f"--heartbeat-grace-period ({grace} s) must exceed --heartbeat-interval ({known.heartbeat_interval} s), "
+            "or every trial is failed between two heartbeats: use at least twice the interval"
+        )
+    settings = distributed.HeartbeatSettings(known.heartbeat_interval or None, grace, known.max_retry)
+    return settings, rest
+
+
 def train(argv: Sequence[str] | None = None) -> None:
     """
     Train (or tune with ``-optimize``) through the zoo.
 
-    :param argv: Arguments of ``rl_zoo3.train`` without the program name; default: ``sys.argv[1:]``
+    :param argv: Arguments of ``rl_zoo3.train`` (plus the heartbeat flags, see the module docstring) without the
+        program name; default: ``sys.argv[1:]``
+    :raises distributed.StorageError: an unusable ``--storage`` or ``--study-name``
     """
     from rl_zoo3.train import train as zoo_train
 
     register()
-    args = with_default_config(sys.argv[1:] if argv is None else argv)
-    with patched_argv(["sb3_kl.zoo train", *args]):
-        zoo_train()
+    heartbeat, args = split_heartbeat_flags(sys.argv[1:] if argv is None else argv)
+    args = with_default_config(args)
+    saved = distributed.CURRENT_HEARTBEAT
+    distributed.CURRENT_HEARTBEAT = heartbeat
+    try:
+        with patched_argv(["sb3_kl.zoo train", *args]):
+            zoo_train()
+    finally:
+        distributed.CURRENT_HEARTBEAT = saved
 
 
 if __name__ == "__main__":

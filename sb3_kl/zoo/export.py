@@ -1,0 +1,119 @@
+"""
+``python -m sb3_kl.zoo export``: write a trial of an Optuna study (the best one by default) as a zoo config entry,
+so that it can be trained and evaluated on fresh seeds with ``python -m sb3_kl.zoo train -conf best.yml``.
+
+The entry is the base config's entry for the environment (the shipped ``sb3_kl/hyperparams/{algo}.yml``, or
+``-conf``) with the trial's hyperparameters on top, converted by the algorithm's converter (the one ``--trial-id``
+uses), and ``policy_kwargs`` written as the string the zoo evaluates.
+"""
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
+from torch import nn
+
+from sb3_kl.zoo import distributed
+from sb3_kl.zoo.registry import default_config, register
+
+
+def _python_literal(value: Any) -> str:
+    """Render a ``policy_kwargs`` value the way the zoo's ``eval`` reads it back (``nn.Tanh``, lists, numbers)."""
+    if isinstance(value, type) and getattr(nn, value.__name__, None) is value:
+        return f"nn.{value.__name__}"
+    if isinstance(value, dict):
+        return "dict(" + ", ".join(f"{key}={_python_literal(item)}" for key, item in value.items()) + ")"
+    if isinstance(value, (list, tuple)):
+        items = ", ".join(_python_literal(item) for item in value)
+        return f"[{items}]" if isinstance(value, list) else f"({items}{',' if len(value) == 1 else ''})"
+    return repr(value)
+
+
+def load_study(storage: str, study_name: str) -> optuna.Study:
+    """
+    :param storage: ``--storage`` value (database URL or journal ``.log`` file)
+    :param study_name: ``--study-name``
+    :return: The study, read without heartbeat
+    :raises distributed.StorageError: unusable storage, unknown study
+    """
+    if distributed.is_database_url(storage):
+        opened: Any = distributed.open_storage(storage, distributed.HeartbeatSettings(interval=None))
+    elif storage.endswith(".log"):
+        opened = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+    else:
+        raise distributed.StorageError(f"--storage {storage!r} is neither a database URL nor a journal file (*.log).")
+    try:
+        return optuna.load_study(study_name=study_name, storage=opened)
+    except KeyError as e:
+        raise distributed.StorageError(
+            f"--study-name {study_name!r} is not in --storage {distributed.redact(storage)}. "
+            "Check the name (optuna studies --storage URL lists them)."
+        ) from e
+
+
+def trial_config(
+    study: optuna.Study, algo: str, env_id: str, trial_number: int | None = None, conf_file: str | None = None
+) -> dict[str, Any]:
+    """
+    :param study: Study of an sb3_kl zoo search
+    :param algo: Zoo name of the algorithm the study tuned (``klppo``, ``clip_klppo``, ``kltrpo``)
+    :param env_id: Environment id (the key of the entry)
+    :param trial_number: Trial to export (default: the best complete trial)
+    :param conf_file: Base config (default: the shipped one for ``algo``)
+    :return: The zoo config entry (hyperparameters) of that trial
+    """
+    register()
+    if trial_number is None:
+        trial = study.best_trial
+    else:
+        matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial_number]
+        if not matches or matches[0].state != optuna.trial.TrialState.COMPLETE:
+            raise distributed.StorageError(f"--trial-id {trial_number}: no complete trial with that number in the study.")
+        trial = matches[0]
+    base_path = Path(conf_file or default_config(algo))
+    base = (yaml.safe_load(base_path.read_text()) or {}).get(env_id, {})
+    entry = dict(base)
+    hyperparams = dict(HYPERPARAMS_CONVERTER[algo](trial.params))
+    policy_kwargs = hyperparams.pop("policy_kwargs", {})
+    if isinstance(entry.get("policy_kwargs"), str):
+        base_kwargs = eval(entry["policy_kwargs"], {"nn": nn, "dict": dict})
+        policy_kwargs = {**base_kwargs, **policy_kwargs}
+    entry.update(hyperparams)
+    if policy_kwargs:
+        entry["policy_kwargs"] = _python_literal(policy_kwargs)
+    entry.setdefault("policy", "MlpPolicy")
+    return entry
+
+
+def export(argv: Sequence[str] | None = None) -> Path:
+    """
+    Command line: ``python -m sb3_kl.zoo export --algo A --env E --storage URL --study-name NAME [--trial-id N]
+    [-conf base.yml] -o best.yml``.
+
+    :param argv: Arguments without the program name
+    :return: Path of the written config
+    """
+    parser = argparse.ArgumentParser(prog="python -m sb3_kl.zoo export", description=__doc__)
+    parser.add_argument("--algo", required=True, choices=["klppo", "clip_klppo", "kltrpo"])
+    parser.add_argument("--env", required=True, help="environment id (key of the written entry)")
+    parser.add_argument("--storage", required=True, help="the study's storage (database URL or journal .log file)")
+    parser.add_argument("--study-name", required=True)
+    parser.add_argument("--trial-id", type=int, default=None, help="trial number (default: the best complete trial)")
+    parser.add_argument("-conf", "--conf-file", default=None, help="base config (default: the shipped one)")
+    parser.add_argument("-o", "--output", required=True, help="YAML file to write")
+    args = parser.parse_args(argv)
+    study = load_study(args.storage, args.study_name)
+    entry = trial_config(study, args.algo, args.env, args.trial_id, args.conf_file)
+    trial = study.best_trial if args.trial_id is None else study.trials[args.trial_id]
+    header = (
+        f"# Trial {trial.number} (value {trial.value}) of study {study.study_name!r} in {distributed.redact(args.storage)},\n"
+        f"# exported by: python -m sb3_kl.zoo export --algo {args.algo} --env {args.env} ...\n"
+    )
+    output = Path(args.output)
+    output.write_text(header + yaml.safe_dump({args.env: entry}, sort_keys=False))
+    print(f"Wrote trial {trial.number} (value {trial.value}) of {study.study_name!r} to {output}")
+    return output
