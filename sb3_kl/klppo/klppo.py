@@ -117,6 +117,13 @@ class KLPPO(KLOnPolicyAlgorithm):
         "CnnPolicy": CnnPolicy,
         "MultiInputPolicy": MultiInputPolicy,
     }
+    #: Action spaces accepted at construction (SB3's check)
+    _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
+        spaces.Box,
+        spaces.Discrete,
+        spaces.MultiDiscrete,
+        spaces.MultiBinary,
+    )
 
     def __init__(
         self,
@@ -191,12 +198,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             device=device,
             seed=seed,
             _init_setup_model=False,
-            supported_action_spaces=(
-                spaces.Box,
-                spaces.Discrete,
-                spaces.MultiDiscrete,
-                spaces.MultiBinary,
-            ),
+            supported_action_spaces=self._supported_action_spaces,
             target_kl=target_kl,
             kl_coef=kl_coef,
             kl_controller=kl_controller,
@@ -313,7 +315,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
                 actions = self._actions_for_log_prob(rollout_data.actions)
                 # One forward pass gives the values, the log-probs and the distribution for the KL
-                values, distribution = self._forward(rollout_data.observations)
+                values, distribution = self._forward_samples(rollout_data)
                 log_prob = distribution.log_prob(actions)
                 # With ent_coef == 0 the entropy is only logged: keep it out of the graph (saves its backward)
                 with th.set_grad_enabled(self.ent_coef != 0):
@@ -332,7 +334,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                 loss = policy_loss + kl_loss + self.vf_coef * value_loss
                 if ref_kl_coef > 0:
                     # Anchor to the frozen reference policy (sb3_kl/common/reference.py)
-                    ref_kl = self._reference_penalty(rollout_data.observations, actions, distribution, log_prob)
+                    ref_kl = self._reference_penalty(
+                        rollout_data.observations, actions, distribution, log_prob, self._sample_masks(rollout_data)
+                    )
                     loss = loss + ref_kl_coef * ref_kl
                 if self.ent_coef != 0:
                     loss = loss + self.ent_coef * entropy_loss
@@ -493,7 +497,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float
     ) -> float:
         """The gradient ratio on the last minibatch seen, with the final parameters (when the update stopped early)."""
-        _, distribution = self._forward(rollout_data.observations)
+        _, distribution = self._forward_samples(rollout_data)
         log_ratio = distribution.log_prob(self._actions_for_log_prob(rollout_data.actions)) - rollout_data.old_log_prob
         kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
         advantages = self._normalized_advantages(rollout_data.advantages)
