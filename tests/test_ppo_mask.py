@@ -266,3 +266,42 @@ def test_bad_inputs():
     # batch_size=None: the whole rollout is one minibatch, as in MaskablePPO
     model = MaskableKLPPO("MlpPolicy", env, n_steps=32, batch_size=None)
     assert model.batch_size == 32
+
+
+def test_zoo_train_and_enjoy_klppo_mask(tmp_path, capsys, monkeypatch):
+    """``--algo klppo_mask`` trains with the shipped config on the registered masked task; ``enjoy`` acts with masks."""
+    pytest.importorskip("rl_zoo3")
+    import rl_zoo3
+    import yaml
+    from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
+
+    import sb3_kl.zoo
+    from sb3_kl.zoo.__main__ import main
+
+    assert rl_zoo3.ALGOS["klppo_mask"] is MaskableKLPPO
+    env_id = "InvalidActionMultiDiscrete-v0"
+    config = yaml.safe_load(open(sb3_kl.zoo.default_config("klppo_mask")))
+    assert env_id in config and "target_kl" in config[env_id]
+
+    fast = ["-params", "n_envs:2", "n_steps:64", "policy_kwargs:dict(net_arch=[16])"]
+    main(
+        ["train", "--algo", "klppo_mask", "--env", env_id, "-n", "256", "--seed", "1", "-f", str(tmp_path),
+         "--eval-freq", "-1", "--verbose", "0", *fast]
+    )  # fmt: skip
+    run_dir = tmp_path / "klppo_mask" / f"{env_id}_1"
+    model = MaskableKLPPO.load(run_dir / f"{env_id}.zip")
+    assert model.num_timesteps >= 256 and model.target_kl(1.0) == pytest.approx(0.02)
+
+    masks_given = []
+    predict = MaskableActorCriticPolicy.predict
+
+    def spy(self, observation, state=None, episode_start=None, deterministic=False, action_masks=None):
+        masks_given.append(action_masks is not None)
+        return predict(self, observation, state, episode_start, deterministic, action_masks=action_masks)
+
+    monkeypatch.setattr(MaskableActorCriticPolicy, "predict", spy)
+    capsys.readouterr()
+    main(["enjoy", "--algo", "klppo_mask", "--env", env_id, "-f", str(tmp_path), "--no-render", "-n", "150"])
+    assert "Mean reward:" in capsys.readouterr().out  # at least one 100-step episode was played
+    assert len(masks_given) >= 150 and all(masks_given)
+    assert MaskableKLPPO.predict is not None and "masked_predict" not in MaskableKLPPO.predict.__qualname__
