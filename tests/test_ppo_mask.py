@@ -305,3 +305,37 @@ def test_zoo_train_and_enjoy_klppo_mask(tmp_path, capsys, monkeypatch):
     assert "Mean reward:" in capsys.readouterr().out  # at least one 100-step episode was played
     assert len(masks_given) >= 150 and all(masks_given)
     assert MaskableKLPPO.predict is not None and "masked_predict" not in MaskableKLPPO.predict.__qualname__
+
+
+class NaNAfterSteps(gym.Env):
+    """Float observations, three actions of which the last is always invalid; the observation turns NaN at step 5."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.steps = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        assert action != 2, "a masked action was taken"
+        self.steps += 1
+        obs = np.full(2, np.nan if self.steps == 5 else 0.5, np.float32)
+        return obs, 1.0, False, False, {}
+
+    def action_masks(self):
+        return np.array([True, True, False])
+
+
+def test_kl_bookkeeping_wraps_the_masked_collection():
+    """MaskablePPO's collection runs inside KLPPO's: NaN observations stop it, the buffer is stamped and checked."""
+    from sb3_kl.common.buffers import StalePolicyError
+    from sb3_kl.common.on_policy_algorithm import NonFiniteEnvError
+
+    with pytest.raises(NonFiniteEnvError, match="env 0 returned a NaN observation at step 4"):
+        MaskableKLPPO("MlpPolicy", NaNAfterSteps(), **SMALL).learn(64)
+    env = InvalidActionEnvDiscrete(dim=6, n_invalid_actions=3)
+    model = MaskableKLPPO("MlpPolicy", env, **SMALL).learn(64)
+    with pytest.raises(StalePolicyError):
+        model.train()  # the buffer was collected by the policy before the last update
