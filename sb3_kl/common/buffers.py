@@ -5,6 +5,7 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.vec_env import VecNormalize
 
@@ -37,8 +38,22 @@ class KLBufferMixin:
     old_distribution_ready: bool
     dist_params: DistributionParams
 
+    def _distribution_params(self) -> DistributionParams:
+        """The parameter layout of the policy's action distribution (SB3's default one for the action space)."""
+        return distribution_params_for_space(self.action_space)
+
+    def _distribution(self, policy: BasePolicy, obs: Any, rows: slice) -> Distribution:
+        """
+        ``policy``'s action distribution on the buffer's states ``obs``.
+
+        :param policy: The rollout policy
+        :param obs: Observations (tensor or dict of tensors)
+        :param rows: Which rows of the flat buffer (in :meth:`_flat_observations`'s order) ``obs`` holds
+        """
+        return policy.get_distribution(obs)  # type: ignore[attr-defined]
+
     def _reset_kl_fields(self) -> None:
-        self.dist_params = distribution_params_for_space(self.action_space)
+        self.dist_params = self._distribution_params()
         # Flat layout (buffer_size * n_envs, n_params), in the order ``get()`` uses once it has flattened the buffer
         self.old_dist_params = np.zeros((self.buffer_size * self.n_envs, self.dist_params.n_params), dtype=np.float32)
         self.old_distribution_ready = False
@@ -118,7 +133,7 @@ class KLBufferMixin:
                     obs = {key: self.to_torch(value[start:end]) for key, value in flat_obs.items()}  # type: ignore[attr-defined]
                 else:
                     obs = self.to_torch(flat_obs[start:end])  # type: ignore[attr-defined]
-                distribution = policy.get_distribution(obs)  # type: ignore[attr-defined]
+                distribution = self._distribution(policy, obs, slice(start, end))
                 params[start:end] = self.dist_params.extract(distribution).cpu().numpy()
         finally:
             policy.set_training_mode(was_training)

@@ -8,7 +8,7 @@ import functools
 import io
 import math
 import pathlib
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch as th
@@ -17,12 +17,13 @@ from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
-from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, PyTorchObs, Schedule
 from stable_baselines3.common.utils import FloatSchedule
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
+from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
@@ -32,7 +33,6 @@ from sb3_kl.common.kl import (
     GaussianParams,
     KLSettings,
     kl_quantiles,
-    make_distribution_params,
     per_state_kl,
     per_state_kl_to,
 )
@@ -170,6 +170,11 @@ class NonFiniteEnvCheck:
         return new_obs, rewards, dones, infos
 
 
+# It stands in for a VecEnv (everything not overridden is the env's): code that asks ``isinstance(env, VecEnv)``, such
+# as sb3-contrib's ``get_action_masks``, must treat it as one
+VecEnv.register(NonFiniteEnvCheck)
+
+
 @functools.cache
 def _fused_adam_available(device: th.device) -> bool:
     """Whether this PyTorch build has the fused Adam kernel for ``device`` (CPU support came with PyTorch 2.4)."""
@@ -214,6 +219,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     rollout_buffer: KLRolloutBuffer | KLDictRolloutBuffer  # type: ignore[assignment]
     policy: ActorCriticPolicy
+    #: The policies the algorithm works with (sb3-contrib's maskable policies are not ``ActorCriticPolicy`` subclasses)
+    policy_base: ClassVar[type[BasePolicy]] = ActorCriticPolicy
 
     def __init__(
         self,
@@ -300,9 +307,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 "distribution: pass a subclass of sb3_kl.common.buffers.KLRolloutBuffer (or KLDictRolloutBuffer)."
             )
         super()._setup_model()
-        if not isinstance(self.policy, ActorCriticPolicy):
-            raise ValueError("Policy must subclass stable_baselines3.common.policies.ActorCriticPolicy")
-        self.dist_params = make_distribution_params(self.policy.action_dist)
+        if not isinstance(self.policy, self.policy_base):
+            raise ValueError(f"Policy must subclass {self.policy_base.__module__}.{self.policy_base.__name__}")
+        self.dist_params = distribution_params_for_policy(self.policy.action_dist)
         self._use_fused_adam()
         if self.target_kl is None:
             continuous = isinstance(self.action_space, spaces.Box)
@@ -418,15 +425,18 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         callback: BaseCallback,
         rollout_buffer: RolloutBuffer,
         n_rollout_steps: int,
+        *args: Any,
+        **kwargs: Any,
     ) -> bool:
         """
         SB3's rollout collection; afterwards the buffer records which policy version collected it.
         Observations (including terminal ones) are checked for NaN/inf as they come out of ``env.step``, before the
         policy sees them, and the rewards once the rollout is complete, before ``train()`` (:class:`NonFiniteEnvCheck`).
+        Further arguments (MaskablePPO's ``use_masking``) go to the parent class's collection.
         """
         check = NonFiniteEnvCheck(env, self.num_timesteps)
         check.check_observation(self._last_obs, what="observation (carried over from the last reset or step)")
-        continue_training = super().collect_rollouts(check, callback, rollout_buffer, n_rollout_steps)  # type: ignore[arg-type]
+        continue_training = super().collect_rollouts(check, callback, rollout_buffer, n_rollout_steps, *args, **kwargs)  # type: ignore[arg-type]
         if continue_training:
             check.check_rewards(rollout_buffer.rewards)
         if isinstance(rollout_buffer, KLBufferMixin):
@@ -465,6 +475,36 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             latent_vf = self.policy.mlp_extractor.forward_critic(vf_features)
         values = self.policy.value_net(latent_vf).flatten()
         return values, self.policy._get_action_dist_from_latent(latent_pi)
+
+    @staticmethod
+    def _sample_masks(data: Any) -> th.Tensor | None:
+        """The action masks a buffer sample carries (sb3-contrib's maskable buffers); None when it has none."""
+        return getattr(data, "action_masks", None)
+
+    def _forward_samples(self, data: Any) -> tuple[th.Tensor, Distribution]:
+        """
+        :meth:`_forward` on a buffer sample's observations, with the sample's action masks applied when it has some.
+
+        :param data: A minibatch from the rollout buffer
+        :return: the values ``(batch,)`` and the action distribution (with gradients)
+        """
+        values, distribution = self._forward(data.observations)
+        masks = self._sample_masks(data)
+        if masks is not None:
+            distribution.apply_masking(masks)  # type: ignore[attr-defined]
+        return values, distribution
+
+    def _samples_distribution(self, policy: BasePolicy, data: Any) -> Distribution:
+        """
+        ``policy``'s action distribution on a buffer sample's states, masked with the sample's action masks if any.
+
+        :param policy: The policy (the algorithm's or a reference)
+        :param data: Samples from the rollout buffer
+        """
+        masks = self._sample_masks(data)
+        if masks is None:
+            return policy.get_distribution(data.observations)  # type: ignore[attr-defined]
+        return policy.get_distribution(data.observations, action_masks=masks)  # type: ignore[attr-defined]
 
     def _normalized_advantages(self, advantages: th.Tensor) -> th.Tensor:
         """Normalize the minibatch's advantages when ``normalize_advantage`` (not for a single sample, see SB3 GH#325)."""
@@ -510,7 +550,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         kls, params = [], []
         try:
             for data in self.rollout_buffer.ordered_samples(chunk_size):
-                distribution = self.policy.get_distribution(data.observations)
+                distribution = self._samples_distribution(self.policy, data)
                 log_ratio = distribution.log_prob(self._actions_for_log_prob(data.actions)) - data.old_log_prob
                 new_params = self.dist_params.extract(distribution)
                 kls.append(per_state_kl(self.kl_settings, self.dist_params, data.old_dist_params, new_params, log_ratio))

@@ -30,6 +30,7 @@ from stable_baselines3.common.save_util import load_from_zip_file
 from stable_baselines3.common.type_aliases import PyTorchObs
 from stable_baselines3.common.utils import ConstantSchedule
 
+from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KL_CONTROLLERS, FixedKLController, KLController, make_kl_controller
 from sb3_kl.common.kl import (
     KL_DIRECTIONS,
@@ -38,7 +39,6 @@ from sb3_kl.common.kl import (
     KLSettings,
     check_choice,
     kl_quantiles,
-    make_distribution_params,
     per_state_importance_sampled_kl,
     per_state_kl,
     per_state_kl_to,
@@ -49,6 +49,14 @@ from sb3_kl.common.validation import check_existing_file, check_pair
 _FROZEN_MARK = "_sb3_kl_frozen_reference"
 
 ReferenceSource = str | os.PathLike | BaseAlgorithm | BasePolicy
+
+try:  # sb3-contrib is optional: MaskablePPO's policy is an actor-critic policy that does not subclass ActorCriticPolicy
+    from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
+
+    #: Policy classes a reference may have
+    ACTOR_CRITIC_POLICIES: tuple[type[BasePolicy], ...] = (ActorCriticPolicy, MaskableActorCriticPolicy)
+except ImportError:  # pragma: no cover
+    ACTOR_CRITIC_POLICIES = (ActorCriticPolicy,)
 
 
 def _constant_zero_schedule() -> ConstantSchedule:
@@ -73,7 +81,7 @@ def freeze_policy(policy: ActorCriticPolicy) -> ActorCriticPolicy:
 
 def is_frozen_reference(policy: Any) -> bool:
     """Whether ``policy`` is a frozen reference built by this module."""
-    return isinstance(policy, ActorCriticPolicy) and getattr(policy, _FROZEN_MARK, False)
+    return isinstance(policy, ACTOR_CRITIC_POLICIES) and getattr(policy, _FROZEN_MARK, False)
 
 
 def build_reference_policy(
@@ -116,14 +124,16 @@ def _policy_from_zip(path: str | os.PathLike, device: th.device | str) -> ActorC
     if data is None or params is None or "policy" not in params:
         raise ValueError(f"`ref_policy`={os.fspath(path)!r} is not a saved SB3 model with a policy (no data or policy.pth).")
     policy_class = data.get("policy_class")
-    if not (isinstance(policy_class, type) and issubclass(policy_class, ActorCriticPolicy)):
+    if not (isinstance(policy_class, type) and issubclass(policy_class, ACTOR_CRITIC_POLICIES)):
         raise ValueError(
             f"`ref_policy`={os.fspath(path)!r} holds a {getattr(policy_class, '__name__', policy_class)!r} policy: the "
-            "reference must be an ActorCriticPolicy (a model saved by PPO, A2C, TRPO, KLPPO, ClipKLPPO or KLTRPO)."
+            "reference must be an ActorCriticPolicy (a model saved by PPO, A2C, TRPO, KLPPO, ClipKLPPO or KLTRPO) or a "
+            "MaskableActorCriticPolicy (MaskablePPO, MaskableKLPPO)."
         )
     kwargs = dict(data.get("policy_kwargs") or {})
-    # On-policy algorithms pass use_sde to the policy outside policy_kwargs
-    kwargs.setdefault("use_sde", bool(data.get("use_sde", False)))
+    if issubclass(policy_class, ActorCriticPolicy):  # (maskable policies take no use_sde)
+        # On-policy algorithms pass use_sde to the policy outside policy_kwargs
+        kwargs.setdefault("use_sde", bool(data.get("use_sde", False)))
     kwargs.update(observation_space=data["observation_space"], action_space=data["action_space"])
     policy = build_reference_policy(policy_class, kwargs, device)
     policy.load_state_dict(params["policy"])
@@ -142,7 +152,7 @@ def load_reference_policy(source: ReferenceSource, device: th.device | str = "cp
     if isinstance(source, (str, os.PathLike)):
         return _policy_from_zip(source, device)
     policy = source.policy if isinstance(source, BaseAlgorithm) else source
-    if not isinstance(policy, ActorCriticPolicy):
+    if not isinstance(policy, ACTOR_CRITIC_POLICIES):
         raise TypeError(
             f"`ref_policy` must be the path of a saved SB3 model, an SB3 on-policy model or an ActorCriticPolicy, "
             f"got {type(source).__name__}."
@@ -311,7 +321,7 @@ class ReferenceKLMixin:
             reference = load_reference_policy(source, device)
         self._check_reference_policy(reference)
         check_reference_spaces(reference, self.observation_space, self.action_space)  # type: ignore[attr-defined]
-        ref_layout = make_distribution_params(reference.action_dist)
+        ref_layout = distribution_params_for_policy(reference.action_dist)
         own_layout: DistributionParams = self.dist_params  # type: ignore[attr-defined]
         if type(ref_layout) is not type(own_layout) or ref_layout.n_params != own_layout.n_params:
             raise ValueError(
@@ -346,17 +356,23 @@ class ReferenceKLMixin:
     # The term inside the losses
 
     @th.no_grad()
-    def _reference_distribution(self, obs: PyTorchObs, actions: th.Tensor | None = None) -> tuple[th.Tensor, th.Tensor | None]:
+    def _reference_distribution(
+        self, obs: PyTorchObs, actions: th.Tensor | None = None, action_masks: th.Tensor | None = None
+    ) -> tuple[th.Tensor, th.Tensor | None]:
         """
         The frozen reference on a batch of states (no gradients; eval mode).
 
         :param obs: Observations
         :param actions: Stored actions (as used by ``log_prob``); needed only by the sample estimators
+        :param action_masks: Action masks of the states (MaskableKLPPO): the reference is masked as the policy is
         :return: the reference's distribution parameters ``(batch, n_params)`` and, with actions and a sample
             estimator, ``log pi_ref(a|s)``
         """
         assert self.ref_policy is not None and self.ref_dist_params is not None
-        distribution = self.ref_policy.get_distribution(obs)
+        if action_masks is None:
+            distribution = self.ref_policy.get_distribution(obs)
+        else:
+            distribution = self.ref_policy.get_distribution(obs, action_masks=action_masks)  # type: ignore[call-arg]
         params = self.ref_dist_params.extract(distribution)
         log_prob = None
         if actions is not None and self.ref_kl_settings.estimator != "analytic":
@@ -409,6 +425,7 @@ class ReferenceKLMixin:
         distribution: Distribution,
         log_prob: th.Tensor,
         old_log_prob: th.Tensor | None = None,
+        action_masks: th.Tensor | None = None,
     ) -> th.Tensor:
         """
         Mean reference KL of a minibatch (with gradients through ``distribution``).
@@ -420,9 +437,10 @@ class ReferenceKLMixin:
         :param distribution: The current policy's distribution on ``obs``
         :param log_prob: ``log pi(a|s)`` of the stored actions
         :param old_log_prob: ``log pi_old(a|s)`` of the stored actions, from the rollout (needed by k1/k3)
+        :param action_masks: Action masks of the states, if the policy uses some
         :return: a scalar
         """
-        ref_params, ref_log_prob = self._reference_distribution(obs, actions)
+        ref_params, ref_log_prob = self._reference_distribution(obs, actions, action_masks)
         return self._reference_kl(ref_params, distribution, log_prob, ref_log_prob, old_log_prob).mean()
 
     # ----------------------------------------------------------------------------------------------------------
@@ -445,10 +463,11 @@ class ReferenceKLMixin:
         try:
             for data in self.rollout_buffer.ordered_samples(chunk_size):  # type: ignore[attr-defined]
                 actions = self._actions_for_log_prob(data.actions)  # type: ignore[attr-defined]
-                distribution = policy.get_distribution(data.observations)
+                distribution = self._samples_distribution(policy, data)  # type: ignore[attr-defined]
                 log_prob = distribution.log_prob(actions) if self.ref_kl_settings.estimator != "analytic" else None
                 new_params = self.dist_params.extract(distribution)  # type: ignore[attr-defined]
-                ref_params, ref_log_prob = self._reference_distribution(data.observations, actions)
+                masks = self._sample_masks(data)  # type: ignore[attr-defined]
+                ref_params, ref_log_prob = self._reference_distribution(data.observations, actions, masks)
                 kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob))
         finally:
             policy.set_training_mode(was_training)

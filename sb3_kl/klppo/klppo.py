@@ -125,6 +125,13 @@ class KLPPO(KLOnPolicyAlgorithm):
     #: What the per-epoch early stop judges: ``"epoch_end"`` (the KL the epoch leaves, over the whole buffer) or
     #: ``"minibatch_mean"`` (the lagging mean of per-minibatch KLs; kept to compare the rules, see ``_kl_ran_away``)
     _kl_stop_judge: ClassVar[str] = "epoch_end"
+    #: Action spaces accepted at construction (SB3's check)
+    _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
+        spaces.Box,
+        spaces.Discrete,
+        spaces.MultiDiscrete,
+        spaces.MultiBinary,
+    )
 
     def __init__(
         self,
@@ -199,12 +206,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             device=device,
             seed=seed,
             _init_setup_model=False,
-            supported_action_spaces=(
-                spaces.Box,
-                spaces.Discrete,
-                spaces.MultiDiscrete,
-                spaces.MultiBinary,
-            ),
+            supported_action_spaces=self._supported_action_spaces,
             target_kl=target_kl,
             kl_coef=kl_coef,
             kl_controller=kl_controller,
@@ -324,7 +326,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
                 actions = self._actions_for_log_prob(rollout_data.actions)
                 # One forward pass gives the values, the log-probs and the distribution for the KL
-                values, distribution = self._forward(rollout_data.observations)
+                values, distribution = self._forward_samples(rollout_data)
                 log_prob = distribution.log_prob(actions)
                 # With ent_coef == 0 the entropy is only logged: keep it out of the graph (saves its backward)
                 with th.set_grad_enabled(self.ent_coef != 0):
@@ -344,7 +346,12 @@ class KLPPO(KLOnPolicyAlgorithm):
                 if ref_kl_coef > 0:
                     # Anchor to the frozen reference policy (sb3_kl/common/reference.py)
                     ref_kl = self._reference_penalty(
-                        rollout_data.observations, actions, distribution, log_prob, rollout_data.old_log_prob
+                        rollout_data.observations,
+                        actions,
+                        distribution,
+                        log_prob,
+                        rollout_data.old_log_prob,
+                        self._sample_masks(rollout_data),
                     )
                     loss = loss + ref_kl_coef * ref_kl
                 if self.ent_coef != 0:
@@ -518,7 +525,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float
     ) -> float:
         """The gradient ratio on the last minibatch seen, with the final parameters (when the update stopped early)."""
-        _, distribution = self._forward(rollout_data.observations)
+        _, distribution = self._forward_samples(rollout_data)
         log_ratio = distribution.log_prob(self._actions_for_log_prob(rollout_data.actions)) - rollout_data.old_log_prob
         kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
         advantages = self._normalized_advantages(rollout_data.advantages)

@@ -140,6 +140,7 @@ HYPERPARAMS_SAMPLER = {
     "klppo": sample_klppo_params,
     "clip_klppo": sample_clip_klppo_params,
     "kltrpo": sample_kltrpo_params,
+    "klppo_mask": sample_klppo_params,  # MaskableKLPPO takes KLPPO's options
 }
 
 #: Zoo name -> converter of ``trial.params``
@@ -147,4 +148,5 @@ HYPERPARAMS_CONVERTER = {
     "klppo": convert_klppo_params,
     "clip_klppo": convert_klppo_params,
     "kltrpo": convert_kltrpo_params,
+    "klppo_mask": convert_klppo_params,
 }

@@ -10,6 +10,7 @@ them in place, which is the extension route the zoo documents for SBX.
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import rl_zoo3
 from rl_zoo3 import hyperparams_opt
 from rl_zoo3.exp_manager import ExperimentManager
@@ -17,7 +18,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.utils import LinearSchedule
 
 import sb3_kl
-from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
+from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, MaskableKLPPO
 from sb3_kl.zoo.distributed import patch_experiment_manager
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER
 
@@ -29,6 +30,19 @@ SB3_KL_ALGOS: dict[str, type[BaseAlgorithm]] = {
     "klppo": KLPPO,
     "clip_klppo": ClipKLPPO,
     "kltrpo": KLTRPO,
+    "klppo_mask": MaskableKLPPO,
+}
+
+#: Zoo names of the algorithms that act with action masks (``enjoy`` passes the env's masks to ``predict``)
+MASKABLE_ALGOS = ("klppo_mask",)
+
+#: Masked tasks registered in Gymnasium for the zoo (which has none): id -> (entry point, keyword arguments).
+#: sb3-contrib's identity task with invalid actions: 3 sub-actions of 10 choices, 15 of the 30 masked at each step.
+MASKED_ENVS: dict[str, tuple[str, dict[str, Any]]] = {
+    "InvalidActionMultiDiscrete-v0": (
+        "sb3_contrib.common.envs:InvalidActionEnvMultiDiscrete",
+        dict(dims=[10, 10, 10], n_invalid_actions=15),
+    ),
 }
 
 #: Hyperparameters that accept the zoo's ``lin_<float>`` syntax (and ``lin_<start>_<end>``) for our algorithms.
@@ -118,10 +132,14 @@ def _patch_experiment_manager() -> None:
 
 def register() -> None:
     """
-    Register the sb3_kl algorithms, their Optuna samplers and converters in the zoo's registries (in place).
+    Register the sb3_kl algorithms, their Optuna samplers and converters in the zoo's registries (in place), and the
+    masked tasks of :data:`MASKED_ENVS` in Gymnasium's.
     Called when ``sb3_kl.zoo`` is imported; calling it again is harmless.
     """
     rl_zoo3.ALGOS.update(SB3_KL_ALGOS)
+    for env_id, (entry_point, kwargs) in MASKED_ENVS.items():
+        if env_id not in gym.registry:
+            gym.register(env_id, entry_point=entry_point, kwargs=kwargs)
     for algo in SB3_KL_ALGOS:
         hyperparams_opt.HYPERPARAMS_SAMPLER[algo] = HYPERPARAMS_SAMPLER[algo]
         hyperparams_opt.HYPERPARAMS_CONVERTER[algo] = HYPERPARAMS_CONVERTER[algo]

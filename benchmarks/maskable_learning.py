@@ -1,0 +1,239 @@
+"""
+MaskableKLPPO beside sb3-contrib's MaskablePPO on a masked task: returns, exact per-update KL, KL-band share and
+collapses, on the same seeds, settings and machine (the same measures as ``learning.py``, whose helpers are reused).
+
+Task: ``InvalidActionMultiDiscrete-v0`` (sb3-contrib's identity task with invalid actions: 3 sub-actions of 10 choices,
+15 of the 30 invalid at each step, registered by ``sb3_kl.zoo.registry.MASKED_ENVS``). Settings: the shipped zoo config
+``sb3_kl/hyperparams/klppo_mask.yml`` for both algorithms; MaskablePPO keeps its own ``clip_range=0.2`` and has no KL
+options, MaskableKLPPO uses the config as is (no ratio clip, ``target_kl`` 0.02). The KL of both is measured by
+``KLMonitorCallback`` (exact forward KL between the masked rollout and updated policies, summed over sub-actions).
+Evaluation: sb3-contrib's ``evaluate_policy`` with the env's masks, deterministic.
+
+Each finished run writes ``benchmarks/results/maskable_runs/<algo>__s<seed>.json``; ``--report`` regenerates
+``benchmarks/results/maskable_learning.md`` and ``maskable_learning.png`` from them.
+
+    nice -n 5 python benchmarks/maskable_learning.py --seeds 0 1 2 --workers 2
+    python benchmarks/maskable_learning.py --report
+"""
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from learning import BAND, code_version, count_collapses, fmt, summarize  # noqa: E402
+
+RESULTS = HERE / "results"
+RUNS = RESULTS / "maskable_runs"
+ENV_ID = "InvalidActionMultiDiscrete-v0"
+ALGOS = ("maskable_ppo", "maskable_klppo")
+N_EVAL_EPISODES = 10
+CONFIG = HERE.parent / "sb3_kl" / "hyperparams" / "klppo_mask.yml"
+#: Keys of the zoo config that are not constructor arguments
+ZOO_KEYS = ("n_envs", "n_timesteps", "policy", "normalize")
+#: MaskableKLPPO options MaskablePPO does not have (its ``target_kl`` would be an early stop: left at None)
+KL_ONLY_KEYS = ("target_kl",)
+
+
+def settings() -> tuple[dict[str, Any], int, int]:
+    """The shipped config of the task: constructor arguments, number of envs, budget."""
+    config = yaml.safe_load(CONFIG.read_text())[ENV_ID]
+    kwargs = {key: value for key, value in config.items() if key not in ZOO_KEYS}
+    return kwargs, int(config["n_envs"]), int(config["n_timesteps"])
+
+
+def register_env() -> None:
+    import gymnasium as gym
+
+    from sb3_kl.zoo.registry import MASKED_ENVS  # the zoo's registration, without importing rl_zoo3's scripts
+
+    entry_point, env_kwargs = MASKED_ENVS[ENV_ID]
+    if ENV_ID not in gym.registry:
+        gym.register(ENV_ID, entry_point=entry_point, kwargs=env_kwargs)
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train, evaluate and write the record of one run (executed in a worker process)."""
+    import torch as th
+
+    th.set_num_threads(1)
+    from sb3_contrib import MaskablePPO
+    from sb3_contrib.common.maskable.evaluation import evaluate_policy
+    from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from sb3_kl import MaskableKLPPO
+    from sb3_kl.callbacks import KLMonitorCallback
+
+    register_env()
+    algo, seed = spec["algo"], spec["seed"]
+    kwargs, n_envs, budget = settings()
+    if algo == "maskable_ppo":
+        kwargs = {key: value for key, value in kwargs.items() if key not in KL_ONLY_KEYS}
+    target_kl = float(kwargs.get("target_kl", 0.02))  # MaskablePPO: the discrete family default
+    env = make_vec_env(ENV_ID, n_envs=n_envs, seed=seed)
+    curve: list[tuple[int, float]] = []
+
+    class Curve(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_end(self) -> None:
+            if len(self.model.ep_info_buffer) > 0:
+                curve.append((self.num_timesteps, float(np.mean([info["r"] for info in self.model.ep_info_buffer]))))
+
+    monitor = KLMonitorCallback()
+    algorithm = MaskablePPO if algo == "maskable_ppo" else MaskableKLPPO
+    model = algorithm("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    start = time.perf_counter()
+    model.learn(budget, callback=CallbackList([Curve(), monitor]))
+    train_seconds = time.perf_counter() - start
+
+    eval_env = make_vec_env(ENV_ID, n_envs=1, seed=10_000 + seed)
+    returns, _ = evaluate_policy(
+        model, eval_env, n_eval_episodes=N_EVAL_EPISODES, deterministic=True, return_episode_rewards=True, warn=False
+    )
+    record = dict(
+        algo=algo,
+        env=ENV_ID,
+        seed=seed,
+        lr_mult=1.0,
+        budget=budget,
+        n_envs=n_envs,
+        hyperparameters={key: repr(value) for key, value in kwargs.items()},
+        target_kl=target_kl,
+        eval_returns=[float(r) for r in returns],
+        eval_mean=float(np.mean(returns)),
+        curve=curve,
+        kl_updates=[
+            dict(timesteps=int(entry["num_timesteps"]), mean=float(entry["mean"]), p99=float(entry["p99"]))
+            for entry in monitor.history
+        ],
+        kl_source="sb3_kl.callbacks.KLMonitorCallback (exact, forward, summed over sub-actions, masked)",
+        train_seconds=train_seconds,
+        env_steps_per_second=budget / train_seconds,
+        torch_threads=1,
+        code_version=code_version(),
+    )
+    RUNS.mkdir(parents=True, exist_ok=True)
+    (RUNS / f"{algo}__s{seed}.json").write_text(json.dumps(record, indent=1))
+    print(f"{algo} seed {seed}: eval {record['eval_mean']:.1f}, {train_seconds:.0f} s", flush=True)
+    return record
+
+
+def load_records() -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted(RUNS.glob("*.json"))] if RUNS.exists() else []
+
+
+def report() -> None:
+    records = load_records()
+    by_algo = {algo: [r for r in records if r["algo"] == algo] for algo in ALGOS}
+    summaries = {algo: [summarize(r) for r in runs] for algo, runs in by_algo.items()}
+    kwargs, n_envs, budget = settings()
+    versions = sorted({r["code_version"] for r in records})
+    rows = [
+        ("evaluation return (10 masked deterministic episodes)", "eval_mean", 1, False),
+        ("area under the learning curve (mean training return)", "auc", 1, False),
+        ("per-update KL, mean", "kl_mean", 4, False),
+        ("per-update KL, p99 (mean over updates)", "kl_p99", 4, False),
+        ("updates with KL in [0.5, 2] x 0.02", "in_band", 1, True),
+        ("collapses", "collapses", 1, False),
+    ]
+    lines = [
+        "# MaskableKLPPO beside MaskablePPO on a masked task",
+        "",
+        "Generated by `python benchmarks/maskable_learning.py --report` from the JSON records in"
+        f" `benchmarks/results/maskable_runs/` (commit of sb3-kl that produced them: {', '.join(versions)}).",
+        "",
+        f"Task: `{ENV_ID}`, sb3-contrib's `InvalidActionEnvMultiDiscrete(dims=[10, 10, 10], n_invalid_actions=15)`"
+        " (reward 1 when the action equals the observed state, 100 steps per episode, half of the 30 choices masked at"
+        f" each step). {n_envs} envs, {budget:,} steps per run, settings of the shipped zoo config"
+        f" `sb3_kl/hyperparams/klppo_mask.yml` for both: {', '.join(f'{k}={v}' for k, v in kwargs.items())}."
+        " MaskablePPO keeps its `clip_range=0.2` and its `target_kl=None` (no early stop); MaskableKLPPO runs with"
+        " no ratio clip and the KL target. KL: exact forward KL(old||new) between the masked rollout and updated"
+        f" policies after every update (`KLMonitorCallback`); in-band: share of updates within [{BAND[0]}, {BAND[1]}] x"
+        " 0.02 (MaskablePPO's band is the discrete family default). Collapses: `learning.count_collapses`."
+        " Values: mean ± std over seeds (n per column below).",
+        "",
+        "| measure | " + " | ".join(f"{algo} (n={len(by_algo[algo])})" for algo in ALGOS) + " |",
+        "|---|" + "---|" * len(ALGOS),
+    ]
+    for label, key, digits, percent in rows:
+        cells = [fmt([s[key] for s in summaries[algo] if key in s], digits, percent) for algo in ALGOS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    speed = {algo: [r["env_steps_per_second"] for r in runs] for algo, runs in by_algo.items()}
+    if all(speed.values()):
+        ratio = np.mean(speed["maskable_klppo"]) / np.mean(speed["maskable_ppo"])
+        lines += [
+            "",
+            f"Speed (same runs, same machine, runs interleaved on 2 shared cores): MaskableKLPPO's env-steps/s are"
+            f" {ratio:.2f} x MaskablePPO's (both with the KL monitor attached; a loaded machine makes this a rough figure).",
+        ]
+    lines += ["", "Per seed (evaluation return, collapses):", ""]
+    for algo in ALGOS:
+        per_seed = ", ".join(f"s{r['seed']}: {r['eval_mean']:.1f} / {count_collapses(r['curve'])}" for r in by_algo[algo])
+        lines.append(f"- {algo}: {per_seed}")
+    lines += ["", "![curves and KL](maskable_learning.png)", ""]
+    (RESULTS / "maskable_learning.md").write_text("\n".join(lines))
+    plot(by_algo)
+
+
+def plot(by_algo: dict[str, list[dict[str, Any]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"maskable_ppo": "tab:blue", "maskable_klppo": "tab:green"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for kind, ax in zip(("curves", "kl"), axes, strict=True):
+        for algo, runs in by_algo.items():
+            series = [r["curve"] if kind == "curves" else [(u["timesteps"], u["mean"]) for u in r["kl_updates"]] for r in runs]
+            series = [s for s in series if len(s) > 1]
+            if not series:
+                continue
+            grid = np.linspace(max(s[0][0] for s in series), min(s[-1][0] for s in series), 100)
+            values = np.array([np.interp(grid, *np.array(s, dtype=float).T) for s in series])
+            ax.plot(grid, values.mean(axis=0), color=colors[algo], label=f"{algo} (n={len(series)})")
+            ax.fill_between(grid, values.min(axis=0), values.max(axis=0), color=colors[algo], alpha=0.2)
+        if kind == "kl":
+            ax.axhspan(BAND[0] * 0.02, BAND[1] * 0.02, color="grey", alpha=0.15, label="band around 0.02")
+            ax.set_yscale("log")
+            ax.set_ylabel("per-update KL(old||new), masked")
+        else:
+            ax.set_ylabel("training episode return")
+        ax.set_xlabel("timesteps")
+        ax.set_title(ENV_ID)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "maskable_learning.png", dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--algos", nargs="+", choices=ALGOS, default=list(ALGOS))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--report", action="store_true", help="only regenerate the table and figure from the records")
+    args = parser.parse_args()
+    if not args.report:
+        # interleaved (seed-major), so that both algorithms see the same machine load
+        specs = [dict(algo=algo, seed=seed) for seed in args.seeds for algo in args.algos]
+        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+            for _ in pool.imap_unordered(run_one, specs):
+                pass
+    report()
+
+
+if __name__ == "__main__":
+    main()
