@@ -5,8 +5,12 @@ measurement after each update with its logs, the variance floor and the count of
 """
 
 import functools
+import inspect
+import io
 import math
-from typing import Any
+import pathlib
+import warnings
+from typing import Any, TypeVar
 
 import numpy as np
 import torch as th
@@ -16,13 +20,15 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution, StateDependentNoiseDistribution
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
+from stable_baselines3.common.type_aliases import GymEnv, PyTorchObs, Schedule
 from stable_baselines3.common.utils import FloatSchedule
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.controllers import KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
+from sb3_kl.common.threads import warn_if_many_threads
+from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
 from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
 from sb3_kl.common.kl import (
     DistributionParams,
@@ -39,6 +45,8 @@ DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
 #: A ``target_kl`` schedule may decay to 0 at the very end of training (rl-zoo's ``lin_0.02``): the last update then
 #: uses this floor, i.e. it is held (almost) still, as a learning rate decayed to 0 would hold it
 MIN_TARGET_KL = 1e-8
+
+SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
 
 
 def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
@@ -363,6 +371,64 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         # New weights: a rollout collected before no longer describes the policy
         self.policy_version += 1
 
+    @classmethod
+    def load(  # type: ignore[override]
+        cls: type[SelfKLOnPolicyAlgorithm],
+        path: str | pathlib.Path | io.BufferedIOBase,
+        env: GymEnv | None = None,
+        device: th.device | str = "auto",
+        custom_objects: dict[str, Any] | None = None,
+        print_system_info: bool = False,
+        force_reset: bool = True,
+        **kwargs: Any,
+    ) -> SelfKLOnPolicyAlgorithm:
+        """
+        SB3's ``load``, which also takes a model saved by a stock algorithm (SB3's ``PPO``/``A2C``, sb3-contrib's
+        ``TRPO``): its weights, optimizer state and hyperparameters are loaded, SB3's rollout buffer is replaced by
+        sb3-kl's, and the KL state (beta, controller) starts fresh; a ``UserWarning`` says so once. A corrupt zip
+        raises a ``ValueError`` naming the file. Arguments as in SB3's ``BaseAlgorithm.load``.
+        """
+        data = read_saved_data(path)
+        stock = saved_without_kl_state(data)
+        custom_objects = dict(custom_objects or {})
+        if stock and saved_with_sb3_buffer(data) and "rollout_buffer_class" not in {**custom_objects, **kwargs}:
+            custom_objects["rollout_buffer_class"] = None  # _setup_model picks the KL buffer for the observation space
+        model = super().load(
+            path,
+            env=env,
+            device=device,
+            custom_objects=custom_objects,
+            print_system_info=print_system_info,
+            force_reset=force_reset,
+            **kwargs,
+        )
+        if stock:
+            model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), "kl_coef" in kwargs)
+        return model
+
+    def _warn_loaded_without_kl_state(self, path: Any, saved_by: str, kl_coef_given: bool) -> None:
+        """Tell the user, once per load, that a stock model was loaded and its KL state starts fresh."""
+        name = getattr(path, "name", path)
+        notes = [
+            f"{name} was saved by {saved_by}, without a KL state: its weights, optimizer state and hyperparameters are "
+            f"loaded into {type(self).__name__} and the KL control starts fresh (kl_coef={self.kl_coef:g}"
+            + ("" if kl_coef_given else ", pass kl_coef= to load() to choose it")
+            + f", a new {type(self.kl_controller).__name__}, target_kl={self._current_target_kl():g})."
+        ]
+        clip_range = getattr(self, "clip_range", None)
+        clip_parameter = inspect.signature(type(self).__init__).parameters.get("clip_range")
+        if clip_range is not None and clip_parameter is not None and clip_parameter.default is None:
+            notes.append(
+                f"The saved ratio clip is kept (clip_range={clip_range(1.0):g}); pass clip_range=None to load() for "
+                f"{type(self).__name__}'s default of no clipping."
+            )
+        notes.append("Saving the model stores the KL state with it.")
+        warnings.warn(" ".join(notes), UserWarning, stacklevel=3)
+
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        warn_if_many_threads(self.policy, self.device)  # once per process: see sb3_kl.common.threads
+        return super()._setup_learn(*args, **kwargs)
+
     # ----------------------------------------------------------------------------------------------------------
     # Rollouts
 
@@ -499,8 +565,15 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         if update_controller:
             self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
             self.logger.record("train/kl_coef", self.kl_coef)
+            band = getattr(self.kl_controller, "kl_band", None)
+            if band is not None:  # read by ``sb3-kl plot/report``, which draw the band the run used
+                self.logger.record("train/kl_band_low", float(band[0]), exclude="stdout")
+                self.logger.record("train/kl_band_high", float(band[1]), exclude="stdout")
         if isinstance(self.dist_params, GaussianParams):
-            self.logger.record("train/std_min", float(np.exp(new_params[:, self.dist_params.action_dim :].min())))
+            # the per-state action std (with gSDE it differs from ``train/std``, SB3's std of the exploration weights)
+            action_std = np.exp(new_params[:, self.dist_params.action_dim :])
+            self.logger.record("train/action_std_min", float(action_std.min()))
+            self.logger.record("train/action_std_mean", float(action_std.mean()))
         return stats
 
     # ----------------------------------------------------------------------------------------------------------

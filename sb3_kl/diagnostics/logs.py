@@ -26,6 +26,8 @@ KL_KEYS: dict[str, tuple[str, ...]] = {
     "kl_coef": ("train/kl_coef", "kl/coef"),
     "learning_rate": ("train/learning_rate", "kl/learning_rate"),
     "alarms": ("kl/alarms",),
+    "kl_band_low": ("train/kl_band_low",),
+    "kl_band_high": ("train/kl_band_high",),
     "ep_rew_mean": ("rollout/ep_rew_mean",),
 }
 

@@ -6,7 +6,8 @@
 import sys
 from collections.abc import Sequence
 
-from sb3_kl.zoo.registry import register
+from sb3_kl.zoo import INSTALL_HINT
+from sb3_kl.zoo.registry import register, with_default_threads
 from sb3_kl.zoo.train import patched_argv
 
 
@@ -19,10 +20,10 @@ def enjoy(argv: Sequence[str] | None = None) -> None:
     try:
         from rl_zoo3.enjoy import enjoy as zoo_enjoy
     except ImportError as e:  # rl_zoo3.enjoy imports ``requests`` through its Hugging Face download helper
-        raise ImportError(f'`enjoy` needs a dependency rl_zoo3 does not declare ({e}): pip install "sb3-kl[zoo]"') from e
+        raise ImportError(f"`enjoy` needs a dependency rl_zoo3 does not declare ({e}); install it {INSTALL_HINT}") from e
 
     register()
-    with patched_argv(["sb3_kl.zoo enjoy", *(sys.argv[1:] if argv is None else argv)]):
+    with patched_argv(["sb3_kl.zoo enjoy", *with_default_threads(sys.argv[1:] if argv is None else argv)]):
         zoo_enjoy()
 
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
+from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register, with_default_threads
 
 
 @contextmanager
@@ -54,7 +54,7 @@ def train(argv: Sequence[str] | None = None) -> None:
     from rl_zoo3.train import train as zoo_train
 
     register()
-    args = with_default_config(sys.argv[1:] if argv is None else argv)
+    args = with_default_threads(with_default_config(sys.argv[1:] if argv is None else argv))
     with patched_argv(["sb3_kl.zoo train", *args]):
         zoo_train()
 
