@@ -12,6 +12,7 @@ import pytest
 from sb3_contrib import TRPO
 from stable_baselines3 import A2C, PPO
 from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import configure
 
 from sb3_kl import KLPPO
 from sb3_kl.callbacks import KLAlarmCallback
@@ -40,6 +41,7 @@ def test_default_factor_is_the_one_the_committed_benchmark_chose():
 
 def _attached(model_class, env_id, **kwargs):
     model = model_class("MlpPolicy", make_vec_env(env_id, n_envs=1, seed=0), **TINY, **kwargs)
+    model.set_logger(configure(None, []))
     alarm = KLAlarmCallback(tail_ratio=None, grad_ratio_band=None)
     alarm.init_callback(model)
     alarm._active = True
@@ -71,7 +73,7 @@ def test_no_target_uses_family_default_and_says_so_once(model_class, env_id, exp
 
 
 def test_trpo_uses_its_own_target():
-    _, alarm = _attached(TRPO, "Pendulum-v1", target_kl=0.005)
+    _, alarm = _attached(TRPO, "Pendulum-v1", target_kl=0.005, batch_size=64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "no KL target" warning
         _measure(alarm, 0.005 * 50)
