@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
                 record["pair"] = pair
                 runs.append(record)
                 print(
-                    f"{shape} pair {pair} threads={threads} (torch {record['torch_threads']}): {record['seconds']:.1f} s,"
-                    f" CPU {record['cpu_seconds']:.1f} s, load {record['load_before'][0]:.2f} -> {record['load_after'][0]:.2f}",
+                    f"{shape} pair {pair} threads={threads} (torch {record['torch_threads']}):"
+                    f" {record['seconds']:.1f} s, CPU {record['cpu_seconds']:.1f} s,"
+                    f" load {record['load_before'][0]:.2f} -> {record['load_after'][0]:.2f}",
                     flush=True,
                 )
     import torch as th
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             if record["shape"] == shape:
                 by_pair.setdefault(record["pair"], {})[record["threads"]] = record
         ratios = [p["default"]["seconds"] / p["1"]["seconds"] for p in by_pair.values()]
+        cpu_ratios = [p["default"]["cpu_seconds"] / p["1"]["cpu_seconds"] for p in by_pair.values()]
         loads = [r["load_before"][0] for r in runs if r["shape"] == shape] + [
             r["load_after"][0] for r in runs if r["shape"] == shape
         ]
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                 ratio_min=float(min(ratios)),
                 ratio_max=float(max(ratios)),
                 ratios=ratios,
+                cpu_ratio_median=float(np.median(cpu_ratios)),
+                cpu_ratios=cpu_ratios,
                 load_min=float(min(loads)),
                 load_max=float(max(loads)),
             )
@@ -163,17 +167,20 @@ def main(argv: list[str] | None = None) -> None:
         f"KLPPO on CartPole-v1, {args.steps:,} environment steps per run, each run a fresh process; pairs interleaved"
         " (default/one, then one/default). *default* = `OMP_NUM_THREADS` unset and no `torch.set_num_threads`;"
         " *one* = `OMP_NUM_THREADS=1` and `torch.set_num_threads(1)`. Slowdown = default seconds / one-thread seconds of"
-        " the same pair. The 1-minute load average before/after each run is given: the machine was shared with other"
-        " jobs, and the slowdown of extra threads depends on how many cores are free.",
+        " the same pair; the CPU-seconds ratio compares the CPU time the process used (threads that wait for each other"
+        " still burn CPU), which depends less on the other jobs. The 1-minute load average before/after each run is"
+        " given: the machine was shared with other jobs, and the slowdown of extra threads depends on how many cores"
+        " are free.",
         "",
         "| shape | default threads, s (median) | one thread, s (median) | slowdown median | slowdown min-max"
-        " | load average during the runs (min-max) |",
-        "|---|---|---|---|---|---|",
+        " | CPU-seconds ratio median | load average during the runs (min-max) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['shape']} | {row['default_seconds']:.1f} | {row['one_seconds']:.1f} | {row['ratio_median']:.2f} |"
-            f" {row['ratio_min']:.2f}-{row['ratio_max']:.2f} | {row['load_min']:.2f}-{row['load_max']:.2f} |"
+            f" {row['ratio_min']:.2f}-{row['ratio_max']:.2f} | {row['cpu_ratio_median']:.2f} |"
+            f" {row['load_min']:.2f}-{row['load_max']:.2f} |"
         )
     lines += ["", "Every run (seconds, load average before -> after):", ""]
     for record in runs:
