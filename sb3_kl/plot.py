@@ -78,7 +78,7 @@ def _draw_run(
             color=color if overlay else "tab:green",
             alpha=0.12,
             step="post",
-            label=None if overlay else f"target band [{lo:g}, {hi:g}] x target ({source})",
+            label=(f"{run.name}: " if overlay else "") + f"target band [{lo:g}, {hi:g}] x target ({source})",
             linewidth=0,
         )
         ax.plot(target.steps, target.values, color=color if overlay else "tab:green", lw=0.8, ls=":", drawstyle="steps-post")
@@ -170,11 +170,15 @@ def draw_timeline(
     if "lr" in axes:
         axes["lr"].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax_list[-1].set_xlabel("environment steps")
-    legend_ax = axes["return"] if overlay and "return" in axes else axes["kl"]
-    handles, names = legend_ax.get_legend_handles_labels()
-    if handles:
-        unique = dict(zip(names, handles, strict=True))
-        legend_ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
+    legend_axes = [axes["return"], axes["kl"]] if overlay and "return" in axes else [axes["kl"]]
+    for legend_ax in legend_axes:  # with --overlay the run names go on the return panel, the bands on the KL panel
+        handles, names = legend_ax.get_legend_handles_labels()
+        if overlay and legend_ax is axes["kl"] and len(legend_axes) > 1:  # run names are already on the return panel
+            kept = [(n, h) for n, h in zip(names, handles, strict=True) if n not in {run.name for run in runs}]
+            names, handles = [n for n, _ in kept], [h for _, h in kept]
+        if handles:
+            unique = dict(zip(names, handles, strict=True))
+            legend_ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
     fig.suptitle((title or (runs[0].name if not overlay else f"{len(runs)} runs")) + _constant_lr_note(runs), fontsize=11)
     fig.tight_layout()
     # no bbox_inches="tight": the image keeps the requested pixel size

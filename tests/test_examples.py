@@ -34,6 +34,7 @@ def test_every_example_is_covered():
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.slow  # each example starts an interpreter and trains one rollout
 def test_example_runs_and_leaves_the_checkout_clean(example, tmp_path):
     if example in NEEDS_ZOO and importlib.util.find_spec("rl_zoo3") is None:
         pytest.skip("needs the zoo extra")
