@@ -85,3 +85,16 @@ def test_python_m_sb3_kl_zoo_without_the_extra_prints_one_line(tmp_path):
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert 'pip install -e ".[zoo]"' in lines[0] and "rl_zoo3" in lines[0]
+
+
+def test_plot_of_a_folder_without_logs_names_the_flag(tmp_path, capsys):
+    """A zoo run made with rl_zoo3 itself and no -tb: the error says which flag (or which wrapper) writes the log."""
+    import sb3_kl.cli
+
+    run_dir = tmp_path / "ppo" / "CartPole-v1_1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "0.monitor.csv").write_text('#{"t_start": 0, "env_id": "CartPole-v1"}\nr,l,t\n10.0,10,0.1\n')
+    assert sb3_kl.cli.main(["plot", str(run_dir), "--out", str(tmp_path / "x.png")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert "-tb DIR" in error and "python -m sb3_kl.zoo train" in error
