@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_threads_small_mlp")
     args = parser.parse_args(argv)
 
+    start_commit = commit()  # the runs take long: the commit at the start and at the end are both recorded
     runs = []
     for shape in args.shapes:
         for pair in range(args.pairs):
@@ -122,8 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
     import torch as th
 
+    end_commit = commit()
     meta = dict(
-        commit=commit(),
+        commit=start_commit if start_commit == end_commit else f"{start_commit} (start) .. {end_commit} (end)",
         command="python benchmarks/torch_threads_small_mlp.py " + " ".join(argv),
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         torch=th.__version__,
