@@ -93,7 +93,8 @@ def test_klppo_loads_stock_a2c(tmp_path):
     a2c = A2C("MlpPolicy", "CartPole-v1", **TINY).learn(64)
     a2c.save(tmp_path / "a2c")
     model, message = load_with_one_warning(KLPPO, tmp_path / "a2c.zip", env=make_vec_env("CartPole-v1", n_envs=1))
-    assert "A2C" in message
+    assert "A2C" in message and "batch_size=64, n_epochs=10" in message  # A2C has neither: KLPPO's defaults
+    assert (model.batch_size, model.n_epochs) == (64, 10)
     assert_same_policy(a2c, model)
     assert type(model.policy.optimizer) is th.optim.RMSprop  # A2C's optimizer and its state come along
     model.learn(64, reset_num_timesteps=False)

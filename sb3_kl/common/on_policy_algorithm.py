@@ -27,8 +27,8 @@ from stable_baselines3.common.vec_env import VecEnv
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.controllers import KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
-from sb3_kl.common.threads import warn_if_many_threads
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
+from sb3_kl.common.threads import warn_if_many_threads
 from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
 from sb3_kl.common.kl import (
     DistributionParams,
@@ -403,18 +403,32 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             **kwargs,
         )
         if stock:
-            model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), "kl_coef" in kwargs)
+            model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
         return model
 
-    def _warn_loaded_without_kl_state(self, path: Any, saved_by: str, kl_coef_given: bool) -> None:
-        """Tell the user, once per load, that a stock model was loaded and its KL state starts fresh."""
+    def _warn_loaded_without_kl_state(self, path: Any, saved_by: str, given: set[str]) -> None:
+        """
+        Tell the user, once per load, that a stock model was loaded and its KL state starts fresh.
+
+        :param path: What was loaded
+        :param saved_by: The stock algorithm that most likely saved it
+        :param given: Names of the attributes set by the saved data or by ``load()``'s keyword arguments
+        """
         name = getattr(path, "name", path)
         notes = [
             f"{name} was saved by {saved_by}, without a KL state: its weights, optimizer state and hyperparameters are "
             f"loaded into {type(self).__name__} and the KL control starts fresh (kl_coef={self.kl_coef:g}"
-            + ("" if kl_coef_given else ", pass kl_coef= to load() to choose it")
+            + ("" if "kl_coef" in given else ", pass kl_coef= to load() to choose it")
             + f", a new {type(self.kl_controller).__name__}, target_kl={self._current_target_kl():g})."
         ]
+        # e.g. an A2C model has no batch_size or n_epochs: the algorithm's defaults apply
+        defaults = [
+            f"{parameter.name}={parameter.default!r}"
+            for parameter in inspect.signature(type(self).__init__).parameters.values()
+            if parameter.name in ("batch_size", "n_epochs", "cg_max_steps", "n_critic_updates") and parameter.name not in given
+        ]
+        if defaults:
+            notes.append(f"Not in the saved model, so {type(self).__name__}'s defaults: {', '.join(defaults)}.")
         clip_range = getattr(self, "clip_range", None)
         clip_parameter = inspect.signature(type(self).__init__).parameters.get("clip_range")
         if clip_range is not None and clip_parameter is not None and clip_parameter.default is None:
