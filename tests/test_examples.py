@@ -19,14 +19,28 @@ NEEDS_ZOO = {"zoo_train.py"}
 def git_status() -> str | None:
     """``git status --porcelain`` of the checkout, or None when this is not a git checkout."""
     try:
-        result = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True, text=True, timeout=60
-        )
+        result = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if result.returncode != 0 or not (ROOT / ".git").exists():
         return None
     return result.stdout
+
+
+def repository_files() -> dict[str, tuple[int, int]]:
+    """
+    Every file of the checkout with its size and modification time, ignored ones included (``git status`` does not
+    show a write into an ignored folder such as ``logs/``), except caches and virtual environments.
+    """
+    skip = {".git", "__pycache__", ".pytest_cache", ".hypothesis"}
+    files = {}
+    for directory, folders, names in os.walk(ROOT):
+        folders[:] = [f for f in folders if f not in skip and not f.startswith((".venv", "venv"))]
+        for name in names:
+            path = os.path.join(directory, name)
+            stat = os.stat(path)
+            files[os.path.relpath(path, ROOT)] = (stat.st_size, stat.st_mtime_ns)
+    return files
 
 
 def test_every_example_is_covered():
@@ -41,6 +55,7 @@ def test_example_runs_and_leaves_the_checkout_clean(example, tmp_path):
     before = git_status()
     if before is None:
         pytest.skip("not a git checkout")
+    files_before = repository_files()
     env = {
         **os.environ,
         "SB3_KL_EXAMPLE_STEPS": "256",
@@ -54,4 +69,7 @@ def test_example_runs_and_leaves_the_checkout_clean(example, tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert git_status() == before, f"{example} changed the checkout"
+    files_after = repository_files()
+    changed = sorted(p for p in files_before.keys() | files_after.keys() if files_before.get(p) != files_after.get(p))
+    assert not changed, f"{example} wrote into the checkout: {changed[:10]}"
     assert any(tmp_path.iterdir()) or example == "quickstart.py"  # whatever it wrote went to the temporary directory
