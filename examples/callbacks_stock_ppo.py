@@ -12,10 +12,15 @@ PPO is deliberately given a too-high learning rate (3e-2) on Pendulum-v1. The ca
 
     python examples/callbacks_stock_ppo.py [--steps 40960] [--no-adapt] [--tensorboard DIR] [--states FILE.npz]
 
+The high-KL states go to ``--states`` (default: a new temporary directory). ``SB3_KL_EXAMPLE_STEPS=N`` in the
+environment sets the default of ``--steps`` (the tests run every example with a small N).
+
 Run with ``--no-adapt`` to see the KL the same PPO has without the adaptive learning rate.
 """
 
 import argparse
+import os
+import tempfile
 
 import numpy as np
 import torch as th
@@ -27,15 +32,17 @@ from sb3_kl.callbacks import KLAdaptiveLRCallback, KLAlarmCallback, KLMonitorCal
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", default="Pendulum-v1")
-    parser.add_argument("--steps", type=int, default=40_960)
+    parser.add_argument("--steps", type=int, default=int(os.environ.get("SB3_KL_EXAMPLE_STEPS", 40_960)))
     parser.add_argument("--learning-rate", type=float, default=3e-2)
     parser.add_argument("--target-kl", type=float, default=0.01)
     parser.add_argument("--no-adapt", action="store_true", help="do not attach KLAdaptiveLRCallback")
     parser.add_argument("--tensorboard", default=None, help="TensorBoard log dir (kl/hist histograms are written there)")
-    parser.add_argument("--states", default="high_kl_states.npz", help="where to save the top-k high-KL states")
+    parser.add_argument("--states", default=None, help="where to save the top-k high-KL states (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     th.set_num_threads(1)
+    if args.states is None:
+        args.states = os.path.join(tempfile.mkdtemp(prefix="sb3_kl_example_"), "high_kl_states.npz")
 
     model = PPO("MlpPolicy", args.env, learning_rate=args.learning_rate, seed=args.seed, tensorboard_log=args.tensorboard)
 

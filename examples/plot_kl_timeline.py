@@ -14,10 +14,14 @@ This is how the figures of ``docs/diagnostics.md`` were produced (about a minute
 (``--target``: stock PPO logs no target KL, so its band is drawn from the one given.)
 
 The same figure from any existing log directory: ``sb3-kl plot LOGDIR --out FILE.png`` (or ``python -m sb3_kl.plot``).
+
+Without ``--logdir`` the run is logged in a new temporary directory, and the figure goes there too unless ``--out``
+is given. ``SB3_KL_EXAMPLE_STEPS=N`` in the environment sets the default of ``--timesteps``.
 """
 
 import argparse
 import os
+import tempfile
 
 import torch as th
 from stable_baselines3 import PPO
@@ -68,6 +72,8 @@ def train(
     monitor = KLMonitorCallback(top_k=8, top_k_path=states_path)
     alarms = KLAlarmCallback(target_kl=TARGET_KL, monitor=monitor)
     model.learn(total_timesteps=timesteps, callback=[monitor, alarms])
+    # SB3 writes an iteration's values when the next one starts: write the last update's KL too
+    model.logger.dump(model.num_timesteps)
     return states_path
 
 
@@ -75,9 +81,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algo", choices=["klppo", "ppo"], default="klppo")
     parser.add_argument("--env", default="Pendulum-v1")
-    parser.add_argument("--timesteps", type=int, default=60_000)
-    parser.add_argument("--logdir", default="benchmarks/results/diagnostics_runs/timeline")
-    parser.add_argument("--out", default="kl_timeline.png")
+    parser.add_argument("--timesteps", type=int, default=int(os.environ.get("SB3_KL_EXAMPLE_STEPS", 60_000)))
+    parser.add_argument("--logdir", default=None, help="TensorBoard log directory (default: a new temporary directory)")
+    parser.add_argument("--out", default=None, help="image file (default: kl_timeline.png in --logdir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--n-epochs", type=int, default=10)
@@ -86,6 +92,12 @@ if __name__ == "__main__":
     args = parser.parse_args()
 
     th.set_num_threads(1)
+    if args.logdir is None:
+        if args.skip_training:
+            parser.error("--skip-training needs --logdir (the run to plot)")
+        args.logdir = tempfile.mkdtemp(prefix="sb3_kl_example_")
+    if args.out is None:
+        args.out = os.path.join(args.logdir, "kl_timeline.png")
     states = os.path.join(args.logdir, f"{args.algo}_top_states.npz")
     if not args.skip_training:
         states = train(args.algo, args.env, args.timesteps, args.logdir, args.seed, args.learning_rate, args.n_epochs)

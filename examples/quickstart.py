@@ -2,9 +2,13 @@
 Train KLPPO on CartPole-v1 for a short run and print the KL figures of every update.
 
     python examples/quickstart.py [--steps 20000] [--env CartPole-v1]
+
+Writes no file. ``SB3_KL_EXAMPLE_STEPS=N`` in the environment sets the default of ``--steps`` (the tests run every
+example with a small N).
 """
 
 import argparse
+import os
 
 import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
@@ -33,7 +37,7 @@ class PrintKL(BaseCallback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", default="CartPole-v1")
-    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--steps", type=int, default=int(os.environ.get("SB3_KL_EXAMPLE_STEPS", 20_000)))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     th.set_num_threads(1)

@@ -61,13 +61,15 @@ class PrintReferenceKL(BaseCallback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pretrain-steps", type=int, default=100_000)
-    parser.add_argument("--finetune-steps", type=int, default=40_960)
+    # SB3_KL_EXAMPLE_STEPS=N in the environment sets both budgets (the tests run every example with a small N)
+    budget = os.environ.get("SB3_KL_EXAMPLE_STEPS")
+    parser.add_argument("--pretrain-steps", type=int, default=int(budget or 100_000))
+    parser.add_argument("--finetune-steps", type=int, default=int(budget or 40_960))
     parser.add_argument("--spin-bonus", type=float, default=1.5)
     parser.add_argument("--ref-target-kl", type=float, default=0.05)
     args = parser.parse_args()
     th.set_num_threads(1)
-    workdir = tempfile.mkdtemp()
+    workdir = tempfile.mkdtemp(prefix="sb3_kl_example_")  # the models are written here, never into the repository
     reference_path = os.path.join(workdir, "pendulum_ppo.zip")
 
     print(f"Pretraining PPO on Pendulum-v1 for {args.pretrain_steps} steps ...")

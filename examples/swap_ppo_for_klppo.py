@@ -2,7 +2,13 @@
 A stock SB3 script with one change: ``PPO`` became ``KLPPO``. Every keyword argument is PPO's.
 
     python examples/swap_ppo_for_klppo.py
+
+The model is saved in a new temporary directory (printed). ``SB3_KL_EXAMPLE_STEPS=N`` in the environment sets the
+training budget (the tests run every example with a small N).
 """
+
+import os
+import tempfile
 
 import torch as th
 from stable_baselines3.common.env_util import make_vec_env
@@ -28,11 +34,13 @@ model = PPO(
     verbose=1,
     seed=0,
 )
-model.learn(total_timesteps=20_000)
-model.save("klppo_pendulum")
+model.learn(total_timesteps=int(os.environ.get("SB3_KL_EXAMPLE_STEPS", 20_000)))
+path = os.path.join(tempfile.mkdtemp(prefix="sb3_kl_example_"), "klppo_pendulum")
+model.save(path)
+print(f"saved to {path}.zip")
 
 del model
-model = PPO.load("klppo_pendulum", env=env)
+model = PPO.load(path, env=env)
 print(f"beta restored from disk: {model.kl_coef:.4f}")
 mean_return, std_return = evaluate_policy(model, env, n_eval_episodes=10, deterministic=True)
 print(f"mean return {mean_return:.1f} +/- {std_return:.1f}")

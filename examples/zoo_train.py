@@ -1,14 +1,17 @@
 """
 Train KLPPO through the RL Baselines3 Zoo from Python, then load and evaluate the saved agent without the zoo.
 
-Same as ``python -m sb3_kl.zoo train --algo klppo --env CartPole-v1 ...`` on the command line. Needs the zoo extra:
-``pip install "sb3-kl[zoo]"``.
+Same as ``python -m sb3_kl.zoo train --algo klppo --env CartPole-v1 ...`` on the command line. Needs the zoo extra
+(from the sb3-kl checkout: ``pip install -e ".[zoo]"``). The zoo's run folder goes to ``--log-folder`` (default: a new
+temporary directory); ``SB3_KL_EXAMPLE_STEPS=N`` in the environment sets the default of ``--n-timesteps``.
 
     python examples/zoo_train.py                       # shipped CartPole-v1 config, 30k steps
     python examples/zoo_train.py --algo kltrpo --env Pendulum-v1 --n-timesteps 100000
 """
 
 import argparse
+import os
+import tempfile
 from pathlib import Path
 
 from stable_baselines3.common.env_util import make_vec_env
@@ -22,9 +25,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algo", default="klppo", choices=sorted(sb3_kl.zoo.SB3_KL_ALGOS))
     parser.add_argument("--env", default="CartPole-v1")
-    parser.add_argument("--n-timesteps", type=int, default=30_000)
-    parser.add_argument("--log-folder", default="logs")
+    parser.add_argument("--n-timesteps", type=int, default=int(os.environ.get("SB3_KL_EXAMPLE_STEPS", 30_000)))
+    parser.add_argument("--log-folder", default=None, help="zoo log folder (default: a new temporary directory)")
     args = parser.parse_args()
+    if args.log_folder is None:
+        args.log_folder = tempfile.mkdtemp(prefix="sb3_kl_example_")
 
     # Any rl_zoo3.train flag can be added here: -params, --vec-env subproc, -tb, -optimize, --storage, ...
     # Without -conf, the config shipped in sb3_kl/hyperparams/{algo}.yml is used.

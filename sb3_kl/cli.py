@@ -10,6 +10,7 @@ line on stderr and give a non-zero exit status.
 """
 
 import argparse
+import os
 import sys
 
 from sb3_kl.diagnostics.logs import DiagnosticsError, RunLog, load_runs
@@ -23,7 +24,9 @@ def _error(message: str) -> None:
     print(f"sb3-kl: error: {message}", file=sys.stderr)
 
 
-def _positive_pair(values: list[float], option: str) -> tuple[float, float]:
+def _positive_pair(values: list[float] | None, option: str) -> tuple[float, float] | None:
+    if values is None:
+        return None
     low, high = (float(value) for value in values)
     if not 0 < low < high:
         raise DiagnosticsError(f"{option} needs 0 < LOW < HIGH, got {low:g} {high:g}")
@@ -69,6 +72,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     band = _positive_pair(args.band, "--band")
     bounds = _positive_pair(args.coef_bounds, "--coef-bounds")
+    assert bounds is not None
     runs, status = _load(args.logdir)
     reports = [
         summarize_run(run, band=band, coef_bounds=bounds, target_kl=args.target, max_lag=args.max_lag, seed=args.seed)
@@ -99,13 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     """:return: The argument parser of ``sb3-kl``"""
     parser = argparse.ArgumentParser(prog="sb3-kl", description="KL diagnostics for Stable-Baselines3 runs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    band_help = "target band as multiples of the logged target KL (default: 0.5 2; sb3_kl's adaptive rule uses 0.5 1.5)"
+    band_help = (
+        "target band as multiples of the logged target KL (default: the band the run logged, i.e. sb3_kl's kl_band,"
+        f" 0.5 1.5 unless changed; {DEFAULT_BAND[0]:g} {DEFAULT_BAND[1]:g} for runs that logged none)"
+    )
 
     plot = sub.add_parser("plot", help="draw the KL/return timeline of each run")
     plot.add_argument("logdir", help="TensorBoard log directory, run directory, event file or progress.csv")
     plot.add_argument("--out", default="kl_timeline.png", help="image file (several runs: one file per run, suffixed)")
     plot.add_argument("--overlay", action="store_true", help="draw all runs in one figure")
-    plot.add_argument("--band", nargs=2, type=float, default=list(DEFAULT_BAND), metavar=("LOW", "HIGH"), help=band_help)
+    plot.add_argument("--band", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"), help=band_help)
     plot.add_argument("--target", type=float, help="target KL for runs that did not log one (draws their band)")
     plot.add_argument("--size", nargs=2, type=float, default=[10.0, 8.0], metavar=("W", "H"), help="inches (default 10 8)")
     plot.add_argument("--dpi", type=int, default=100, help="pixels per inch (default 100: a 1000x800 image)")
@@ -114,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print a KL summary of each run")
     report.add_argument("logdir", help="TensorBoard log directory, run directory, event file or progress.csv")
     report.add_argument("--markdown", metavar="FILE", help="also write the report as markdown")
-    report.add_argument("--band", nargs=2, type=float, default=list(DEFAULT_BAND), metavar=("LOW", "HIGH"), help=band_help)
+    report.add_argument("--band", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"), help=band_help)
     report.add_argument(
         "--coef-bounds",
         nargs=2,
@@ -144,7 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that closed the pipe is handled below, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # the reader stopped early (``sb3-kl report ... | head``): stop quietly, as cat or grep do. Python's own
+        # flush at exit would fail again on the closed pipe: point stdout at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
     except DiagnosticsError as error:
         _error(str(error))
     except _Reported:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from sb3_kl.diagnostics.logs import RunLog, Series
-from sb3_kl.diagnostics.report import DEFAULT_BAND, alarm_events
+from sb3_kl.diagnostics.report import alarm_events, resolve_band
 
 DEFAULT_SIZE = (10.0, 8.0)  # inches
 DEFAULT_DPI = 100
@@ -54,7 +54,7 @@ def _draw_run(
     axes: dict,
     run: RunLog,
     color: str,
-    band: tuple[float, float],
+    band: tuple[float, float] | None,
     label: str | None,
     overlay: bool,
     target_kl: float | None = None,
@@ -70,7 +70,7 @@ def _draw_run(
     if target is None and target_kl is not None:
         target = Series(kl.steps, np.full(len(kl), float(target_kl)))
     if target is not None:
-        lo, hi = band
+        (lo, hi), source = resolve_band(run, band)
         ax.fill_between(
             target.steps,
             lo * target.values,
@@ -78,7 +78,7 @@ def _draw_run(
             color=color if overlay else "tab:green",
             alpha=0.12,
             step="post",
-            label=None if overlay else f"target band [{lo:g}, {hi:g}] x target",
+            label=(f"{run.name}: " if overlay else "") + f"target band [{lo:g}, {hi:g}] x target ({source})",
             linewidth=0,
         )
         ax.plot(target.steps, target.values, color=color if overlay else "tab:green", lw=0.8, ls=":", drawstyle="steps-post")
@@ -114,7 +114,7 @@ def _decades(ax) -> float:
 def draw_timeline(
     runs: list[RunLog],
     out: str,
-    band: tuple[float, float] = DEFAULT_BAND,
+    band: tuple[float, float] | None = None,
     size: tuple[float, float] = DEFAULT_SIZE,
     dpi: int = DEFAULT_DPI,
     title: str | None = None,
@@ -125,7 +125,8 @@ def draw_timeline(
 
     :param runs: Runs that logged a mean KL
     :param out: Output image path (the format follows the extension, e.g. ``.png``)
-    :param band: Target band as multiples of the logged target KL
+    :param band: Target band as multiples of the logged target KL; None: each run's own band (the controller's
+        ``kl_band`` it logged, else :data:`~sb3_kl.diagnostics.report.DEFAULT_BAND`), named in the legend
     :param size: Figure size in inches; the image is ``size * dpi`` pixels
     :param dpi: Resolution
     :param title: Figure title (default: the run name, or the number of runs)
@@ -169,11 +170,15 @@ def draw_timeline(
     if "lr" in axes:
         axes["lr"].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax_list[-1].set_xlabel("environment steps")
-    legend_ax = axes["return"] if overlay and "return" in axes else axes["kl"]
-    handles, names = legend_ax.get_legend_handles_labels()
-    if handles:
-        unique = dict(zip(names, handles, strict=True))
-        legend_ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
+    legend_axes = [axes["return"], axes["kl"]] if overlay and "return" in axes else [axes["kl"]]
+    for legend_ax in legend_axes:  # with --overlay the run names go on the return panel, the bands on the KL panel
+        handles, names = legend_ax.get_legend_handles_labels()
+        if overlay and legend_ax is axes["kl"] and len(legend_axes) > 1:  # run names are already on the return panel
+            kept = [(n, h) for n, h in zip(names, handles, strict=True) if n not in {run.name for run in runs}]
+            names, handles = [n for n, _ in kept], [h for _, h in kept]
+        if handles:
+            unique = dict(zip(names, handles, strict=True))
+            legend_ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
     fig.suptitle((title or (runs[0].name if not overlay else f"{len(runs)} runs")) + _constant_lr_note(runs), fontsize=11)
     fig.tight_layout()
     # no bbox_inches="tight": the image keeps the requested pixel size

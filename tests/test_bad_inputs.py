@@ -174,6 +174,7 @@ ROWS: list[Row] = [
     *ok((KLAdaptiveLRCallback, KLAlarmCallback), "monitor", 5),
     *ok((VarianceFloorCallback,), "min_std", 0.0, -1.0, NAN, None, "0.1"),
     *ok((KLAlarmCallback,), "spike_factor", NAN, -1.0),
+    *ok((KLAlarmCallback,), "max_kl_factor", NAN, -1.0, "75"),
     *ok((KLAlarmCallback,), "patience", 0, 1.5),
     *ok((KLAlarmCallback,), "tail_ratio", -1.0),
     *ok((KLAlarmCallback,), "grad_ratio_band", (10.0, 0.01)),

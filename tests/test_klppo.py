@@ -233,7 +233,7 @@ def test_variance_floor_holds_under_a_loss_that_pushes_std_down(use_sde):
     assert min(recorder.stds) >= floor * (1 - 1e-6)
     assert th.exp(floored.policy.log_std).min().item() >= floor * (1 - 1e-6)
     if not use_sde:
-        assert floored.logger.name_to_value["train/std_min"] >= floor * (1 - 1e-5)
+        assert floored.logger.name_to_value["train/action_std_min"] >= floor * (1 - 1e-5)
 
 
 def test_stale_buffer_is_refused():

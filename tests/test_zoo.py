@@ -47,7 +47,7 @@ def test_import_error_without_rl_zoo3():
             print("MESSAGE:", e)
         """)
     assert result.returncode == 0, result.stderr
-    assert 'pip install "sb3-kl[zoo]"' in result.stdout
+    assert 'pip install -e ".[zoo]"' in result.stdout
 
 
 def test_enjoy_import_error_without_requests(zoo):
@@ -64,7 +64,7 @@ def test_enjoy_import_error_without_requests(zoo):
             print("MESSAGE:", e)
         """)
     assert result.returncode == 0, result.stderr
-    assert 'pip install "sb3-kl[zoo]"' in result.stdout
+    assert 'pip install -e ".[zoo]"' in result.stdout
 
 
 def test_registration(zoo):

@@ -9,11 +9,68 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from gymnasium import spaces
 from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import FloatSchedule
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, model_target_kl
+from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
 from sb3_kl.common.validation import check_bool, check_int, check_pair, check_positive
+
+#: ``max_kl_factor``'s default: a single update whose mean KL exceeds this many times the target raises ``kl_spike``
+#: at once. Chosen by ``benchmarks/alarm_spike_rule.py`` from the committed benchmark runs' per-update KLs (the
+#: smallest factor that alarms on at most 5 % of the normal runs and on every stress run whose KL ran away; see
+#: ``benchmarks/results/alarm_spike_rule.md``)
+MAX_KL_FACTOR = 75.0
+#: Target of the trust-region family (sb3-contrib ``TRPO``'s default ``target_kl``) when a model has none
+TRUST_REGION_DEFAULT_TARGET_KL = 0.01
+
+
+def family_default_target_kl(model: Any) -> tuple[float, str]:
+    """
+    The KL target the alarms use for a model that has none (e.g. SB3's ``PPO`` with ``target_kl=None``, ``A2C``).
+
+    :param model: The algorithm
+    :return: the target and a description of where it comes from: the trust-region family (an algorithm with
+        ``cg_max_steps``, like TRPO) uses sb3-contrib TRPO's default 0.01; every other algorithm (the PPO family, A2C)
+        uses KLPPO's defaults, 0.02 for discrete action spaces and 0.03 for ``Box``
+    """
+    if hasattr(model, "cg_max_steps"):
+        return TRUST_REGION_DEFAULT_TARGET_KL, "the TRPO family's default (sb3-contrib TRPO's target_kl)"
+    continuous = isinstance(getattr(model, "action_space", None), spaces.Box)
+    kind = "continuous" if continuous else "discrete"
+    return DEFAULT_TARGET_KL[kind], f"the PPO family's default for {'Box' if continuous else 'discrete'} actions"
+
+
+class SpikeRule:
+    """
+    The KL-spike checks on the sequence of per-update ``mean KL / target`` ratios: a single update above
+    ``max_kl_factor`` alarms at once; ``patience`` consecutive updates above ``spike_factor`` alarm too (and every
+    further update of the streak). Shared by :class:`KLAlarmCallback` and ``benchmarks/alarm_spike_rule.py``.
+
+    :param max_kl_factor: Single-update factor (None: no single-update check)
+    :param spike_factor: Sustained factor
+    :param patience: Length of the sustained streak
+    """
+
+    def __init__(self, max_kl_factor: float | None, spike_factor: float, patience: int):
+        self.max_kl_factor = max_kl_factor
+        self.spike_factor = spike_factor
+        self.patience = patience
+        self.streak = 0
+
+    def check(self, ratio: float) -> str | None:
+        """
+        :param ratio: Mean KL of the update divided by the target (NaN/inf counts as above every factor)
+        :return: ``"single"``, ``"sustained"`` or None
+        """
+        finite = math.isfinite(ratio)
+        self.streak = self.streak + 1 if not finite or ratio > self.spike_factor else 0
+        if self.max_kl_factor is not None and (not finite or ratio > self.max_kl_factor):
+            return "single"
+        if self.streak >= self.patience:
+            return "sustained"
+        return None
 
 
 @dataclass
@@ -23,8 +80,8 @@ class KLAlarm:
 
     :param update: Index of the update (as counted by the monitor)
     :param num_timesteps: Environment steps at the time
-    :param kind: ``"negative_kl"``, ``"nonfinite_kl"``, ``"kl_spike"``, ``"beta_at_upper_bound"``, ``"heavy_tail"``
-        or ``"grad_ratio"``
+    :param kind: ``"negative_kl"``, ``"nonfinite_kl"``, ``"kl_spike"``, ``"beta_at_upper_bound"``,
+        ``"beta_at_lower_bound"``, ``"heavy_tail"`` or ``"grad_ratio"``
     :param value: The offending value (KL, beta, tail ratio or gradient ratio)
     :param message: What happened and what to check
     """
@@ -47,10 +104,14 @@ class KLAlarmCallback(MonitorUser):
     - ``negative_kl``: a per-state KL below ``-negative_tol`` (the mean, for the ``k1`` estimator, whose single
       samples may be negative): an exact KL is never negative, so the KL implementation or the inputs are wrong;
     - ``nonfinite_kl``: the KL is NaN or infinite (the policy's outputs overflowed);
-    - ``kl_spike``: mean KL > ``spike_factor`` x target for ``patience`` consecutive updates (target: ``target_kl``,
-      or else the algorithm's own target when it has one; no check without a target);
+    - ``kl_spike``: the mean KL of a single update > ``max_kl_factor`` x target (at once), or > ``spike_factor`` x
+      target for ``patience`` consecutive updates. Target: ``target_kl``, else the algorithm's own target when it has
+      one, else the family default (:func:`family_default_target_kl`: 0.02 discrete / 0.03 ``Box`` for PPO, A2C and
+      the like, 0.01 for TRPO), which is announced once with a warning;
     - ``beta_at_upper_bound``: the sb3_kl algorithm's KL coefficient sits at its upper bound for ``patience``
       consecutive updates (the penalty cannot hold the KL any more);
+    - ``beta_at_lower_bound``: it sits at its lower bound for ``patience`` consecutive updates (the KL stayed below
+      the band long enough to drive beta down to it: the penalty does nothing, a clip or a small step does the work);
     - ``heavy_tail``: p99 / mean of the per-state KL > ``tail_ratio`` (a few states carry the update's KL);
       only checked when the mean KL exceeds ``min_kl`` (tiny updates have meaningless ratios);
     - ``grad_ratio``: the sb3_kl algorithm's ``train/kl_grad_ratio`` (|grad of the KL term| / |grad of the
@@ -63,9 +124,13 @@ class KLAlarmCallback(MonitorUser):
     ``verbose >= 1``. With ``stop_training=True`` the next ``_on_step`` returns False, which ends ``learn()`` before the
     next update.
 
-    :param target_kl: KL target for the spike check (number or schedule of progress remaining); None: the algorithm's
-    :param spike_factor: How many times the target counts as a spike
-    :param patience: Number of consecutive updates a spike, a pinned beta or a gradient-ratio drift must last
+    :param target_kl: KL target for the spike check (number or schedule of progress remaining); None: the algorithm's,
+        or the family default when it has none (:func:`family_default_target_kl`)
+    :param spike_factor: How many times the target counts as a spike when sustained for ``patience`` updates
+    :param max_kl_factor: How many times the target counts as a spike in a single update (None: no single-update
+        check); default :data:`MAX_KL_FACTOR`, chosen on the committed benchmark runs
+    :param patience: Number of consecutive updates a sustained spike, a beta pinned at either bound or a
+        gradient-ratio drift must last
     :param tail_ratio: Threshold of p99 / mean (at most 100 for a non-negative KL); None disables the check
     :param grad_ratio_band: ``(low, high)`` acceptable gradient ratio; None disables the check
     :param negative_tol: Tolerance of the negative-KL check (float32 rounding of nearly equal distributions)
@@ -81,6 +146,7 @@ class KLAlarmCallback(MonitorUser):
         target_kl: float | Schedule | None = None,
         spike_factor: float = 5.0,
         patience: int = 3,
+        max_kl_factor: float | None = MAX_KL_FACTOR,
         tail_ratio: float | None = 50.0,
         grad_ratio_band: tuple[float, float] | None = (0.01, 10.0),
         negative_tol: float = 1e-5,
@@ -93,6 +159,7 @@ class KLAlarmCallback(MonitorUser):
         if target_kl is not None and not callable(target_kl):
             check_positive("target_kl", target_kl)
         check_positive("spike_factor", spike_factor)
+        check_positive("max_kl_factor", max_kl_factor, allow_none=True, hint=" or None (no single-update check)")
         check_int("patience", patience, 1)
         check_positive("tail_ratio", tail_ratio, allow_none=True)
         check_positive("negative_tol", negative_tol)
@@ -100,6 +167,7 @@ class KLAlarmCallback(MonitorUser):
         check_bool("stop_training", stop_training)
         self.target_kl = FloatSchedule(target_kl) if target_kl is not None else None
         self.spike_factor = float(spike_factor)
+        self.max_kl_factor = None if max_kl_factor is None else float(max_kl_factor)
         self.patience = patience
         self.tail_ratio = tail_ratio
         self.grad_ratio_band = check_pair("grad_ratio_band", grad_ratio_band) if grad_ratio_band is not None else None
@@ -108,13 +176,28 @@ class KLAlarmCallback(MonitorUser):
         self.stop_training = stop_training
         self.alarms: list[KLAlarm] = []
         self._warned: set[str] = set()
-        self._streaks = {"kl_spike": 0, "beta_at_upper_bound": 0, "grad_ratio": 0}
+        self._streaks = {"beta_at_upper_bound": 0, "beta_at_lower_bound": 0, "grad_ratio": 0}
+        self._spike_rule = SpikeRule(self.max_kl_factor, self.spike_factor, patience)
         self._stop = False
+        self._announced_default_target = False
 
-    def _target(self) -> float | None:
+    def _target(self) -> float:
         if self.target_kl is not None:
             return float(self.target_kl(self.model._current_progress_remaining))
-        return model_target_kl(self.model)
+        target = model_target_kl(self.model)
+        if target is not None:
+            return target
+        target, source = family_default_target_kl(self.model)
+        if not self._announced_default_target:
+            self._announced_default_target = True
+            message = (
+                f"{type(self).__name__}: {type(self.model).__name__} has no KL target; the spike checks use {target:g}, "
+                f"{source}. Pass target_kl= to the callback to choose it."
+            )
+            warnings.warn(message, UserWarning, stacklevel=2)
+            if self.verbose >= 1:
+                print(message)
+        return target
 
     def _streak(self, kind: str, condition: bool) -> bool:
         """Count consecutive updates with ``condition``; True when the count reaches ``patience``."""
@@ -148,27 +231,22 @@ class KLAlarmCallback(MonitorUser):
                     )
                 )
         target = self._target()
-        if target is not None and self._streak("kl_spike", not math.isfinite(mean) or mean > self.spike_factor * target):
+        spike = self._spike_rule.check(mean / target)
+        if spike is not None and math.isfinite(mean):  # a non-finite KL is its own alarm (above)
+            what = (
+                f"{self.max_kl_factor:g} x target ({target:.3g}) in a single update"
+                if spike == "single"
+                else f"{self.spike_factor:g} x target ({target:.3g}) for {self.patience} consecutive updates"
+            )
             raised.append(
                 (
                     "kl_spike",
                     mean,
-                    f"the KL ({mean:.3g}) exceeded {self.spike_factor:g} x target ({target:.3g}) for {self.patience} "
-                    "consecutive updates: the policy moves much more than intended. Lower the learning rate or the "
-                    "number of epochs, or strengthen the KL control (kl_coef, kl_coef_bounds, clip range).",
+                    f"the KL ({mean:.3g}) exceeded {what}: the policy moves much more than intended. Lower the learning "
+                    "rate or the number of epochs, or strengthen the KL control (kl_coef, kl_coef_bounds, clip range).",
                 )
             )
-        controller = getattr(self.model, "kl_controller", None)
-        if controller is not None and self._streak("beta_at_upper_bound", bool(getattr(controller, "at_upper_bound", False))):
-            raised.append(
-                (
-                    "beta_at_upper_bound",
-                    float(self.model.kl_coef),
-                    f"the KL coefficient is pinned at its upper bound ({controller.kl_coef_bounds[1]:g}) for {self.patience} "
-                    "updates: the penalty can no longer hold the KL. Raise kl_coef_bounds, lower the learning rate, "
-                    "or check the target_kl is reachable.",
-                )
-            )
+        raised += self._beta_bound_alarms()
         tail = record.get("tail_ratio", float("nan"))
         if self.tail_ratio is not None and mean > self.min_kl and math.isfinite(tail) and tail > self.tail_ratio:
             raised.append(
@@ -199,6 +277,37 @@ class KLAlarmCallback(MonitorUser):
             self._raise(record, kind, value, message)
         self.logger.record("kl/alarms", len(self.alarms))
         record["alarms"] = len(self.alarms)
+
+    def _beta_bound_alarms(self) -> list[tuple[str, float, str]]:
+        """``beta_at_upper_bound`` / ``beta_at_lower_bound`` for an sb3_kl algorithm whose beta stayed at a bound."""
+        controller = getattr(self.model, "kl_controller", None)
+        if controller is None:
+            return []
+        low, high = controller.kl_coef_bounds
+        kl_coef = float(controller.kl_coef)
+        raised = []
+        if self._streak("beta_at_upper_bound", kl_coef >= high):
+            raised.append(
+                (
+                    "beta_at_upper_bound",
+                    kl_coef,
+                    f"the KL coefficient is pinned at its upper bound ({high:g}) for {self.patience} updates: the penalty "
+                    "can no longer hold the KL. Raise kl_coef_bounds, lower the learning rate, or check the target_kl "
+                    "is reachable.",
+                )
+            )
+        if self._streak("beta_at_lower_bound", kl_coef <= low):
+            raised.append(
+                (
+                    "beta_at_lower_bound",
+                    kl_coef,
+                    f"the KL coefficient is pinned at its lower bound ({low:g}) for {self.patience} updates: the KL stays "
+                    "below the target band and the penalty does nothing (with a ratio clip, the clip alone limits the "
+                    "step). If the KL control should act, lower target_kl (or raise the learning rate); if the clip is "
+                    "meant to do the work, this is expected.",
+                )
+            )
+        return raised
 
     def _raise(self, record: dict[str, Any], kind: str, value: float, message: str) -> None:
         alarm = KLAlarm(int(record["update"]), int(record["num_timesteps"]), kind, float(value), message)

@@ -5,9 +5,11 @@ measurement after each update with its logs, the variance floor and the count of
 """
 
 import functools
+import inspect
 import io
 import math
 import pathlib
+import warnings
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -26,6 +28,8 @@ from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutB
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
+from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
+from sb3_kl.common.threads import warn_if_many_threads
 from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
 from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
@@ -44,6 +48,8 @@ DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
 #: A ``target_kl`` schedule may decay to 0 at the very end of training (rl-zoo's ``lin_0.02``): the last update then
 #: uses this floor, i.e. it is held (almost) still, as a learning rate decayed to 0 would hold it
 MIN_TARGET_KL = 1e-8
+
+SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
 
 
 def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
@@ -342,37 +348,6 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             )
         self.kl_controller.kl_coef = float(value)
 
-    @classmethod
-    def load(
-        cls: type[SelfKLOnPolicyAlgorithm],
-        path: str | pathlib.Path | io.BufferedIOBase,
-        env: GymEnv | None = None,
-        device: th.device | str = "auto",
-        custom_objects: dict[str, Any] | None = None,
-        print_system_info: bool = False,
-        force_reset: bool = True,
-        **kwargs: Any,
-    ) -> SelfKLOnPolicyAlgorithm:
-        """
-        SB3's ``load``. ``kl_coef`` and ``ref_kl_coef`` live in their controllers, not in the saved data, where SB3's
-        ``custom_objects`` (which only replaces saved entries) would ignore them silently: given there, they are
-        applied like keyword overrides (``load(path, kl_coef=x)``), with the constructor's checks (bounds included).
-        """
-        if custom_objects is not None and isinstance(custom_objects, dict):
-            custom_objects = dict(custom_objects)
-            for name in ("kl_coef", "ref_kl_coef"):
-                if name in custom_objects:
-                    kwargs.setdefault(name, custom_objects.pop(name))
-        return super().load(
-            path,
-            env=env,
-            device=device,
-            custom_objects=custom_objects,
-            print_system_info=print_system_info,
-            force_reset=force_reset,
-            **kwargs,
-        )
-
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
         return [*super()._excluded_save_params(), "dist_params", "ref_policy", "ref_dist_params"]
@@ -415,6 +390,85 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self._use_fused_adam()
         # New weights: a rollout collected before no longer describes the policy
         self.policy_version += 1
+
+    @classmethod
+    def load(  # type: ignore[override]
+        cls: type[SelfKLOnPolicyAlgorithm],
+        path: str | pathlib.Path | io.BufferedIOBase,
+        env: GymEnv | None = None,
+        device: th.device | str = "auto",
+        custom_objects: dict[str, Any] | None = None,
+        print_system_info: bool = False,
+        force_reset: bool = True,
+        **kwargs: Any,
+    ) -> SelfKLOnPolicyAlgorithm:
+        """
+        SB3's ``load``, which also takes a model saved by a stock algorithm (SB3's ``PPO``/``A2C``, sb3-contrib's
+        ``TRPO``): its weights, optimizer state and hyperparameters are loaded, SB3's rollout buffer is replaced by
+        sb3-kl's, and the KL state (beta, controller) starts fresh; a ``UserWarning`` says so once. A corrupt zip
+        raises a ``ValueError`` naming the file. Arguments as in SB3's ``BaseAlgorithm.load``.
+
+        ``kl_coef`` and ``ref_kl_coef`` live in their controllers, not in the saved data, where SB3's
+        ``custom_objects`` (which only replaces saved entries) would ignore them silently: given there, they are
+        applied like keyword overrides (``load(path, kl_coef=x)``), with the constructor's checks (bounds included).
+        """
+        data = read_saved_data(path)
+        stock = saved_without_kl_state(data)
+        custom_objects = dict(custom_objects or {})
+        for name in ("kl_coef", "ref_kl_coef"):
+            if name in custom_objects:
+                kwargs.setdefault(name, custom_objects.pop(name))
+        if stock and saved_with_sb3_buffer(data) and "rollout_buffer_class" not in {**custom_objects, **kwargs}:
+            custom_objects["rollout_buffer_class"] = None  # _setup_model picks the KL buffer for the observation space
+        model = super().load(
+            path,
+            env=env,
+            device=device,
+            custom_objects=custom_objects,
+            print_system_info=print_system_info,
+            force_reset=force_reset,
+            **kwargs,
+        )
+        if stock:
+            model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
+        return model
+
+    def _warn_loaded_without_kl_state(self, path: Any, saved_by: str, given: set[str]) -> None:
+        """
+        Tell the user, once per load, that a stock model was loaded and its KL state starts fresh.
+
+        :param path: What was loaded
+        :param saved_by: The stock algorithm that most likely saved it
+        :param given: Names of the attributes set by the saved data or by ``load()``'s keyword arguments
+        """
+        name = getattr(path, "name", path)
+        notes = [
+            f"{name} was saved by {saved_by}, without a KL state: its weights, optimizer state and hyperparameters are "
+            f"loaded into {type(self).__name__} and the KL control starts fresh (kl_coef={self.kl_coef:g}"
+            + ("" if "kl_coef" in given else ", pass kl_coef= to load() to choose it")
+            + f", a new {type(self.kl_controller).__name__}, target_kl={self._current_target_kl():g})."
+        ]
+        # e.g. an A2C model has no batch_size or n_epochs: the algorithm's defaults apply
+        defaults = [
+            f"{parameter.name}={parameter.default!r}"
+            for parameter in inspect.signature(type(self).__init__).parameters.values()
+            if parameter.name in ("batch_size", "n_epochs", "cg_max_steps", "n_critic_updates") and parameter.name not in given
+        ]
+        if defaults:
+            notes.append(f"Not in the saved model, so {type(self).__name__}'s defaults: {', '.join(defaults)}.")
+        clip_range = getattr(self, "clip_range", None)
+        clip_parameter = inspect.signature(type(self).__init__).parameters.get("clip_range")
+        if clip_range is not None and clip_parameter is not None and clip_parameter.default is None:
+            notes.append(
+                f"The saved ratio clip is kept (clip_range={clip_range(1.0):g}); pass clip_range=None to load() for "
+                f"{type(self).__name__}'s default of no clipping."
+            )
+        notes.append("Saving the model stores the KL state with it.")
+        warnings.warn(" ".join(notes), UserWarning, stacklevel=3)
+
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        warn_if_many_threads(self.policy, self.device)  # once per process: see sb3_kl.common.threads
+        return super()._setup_learn(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------
     # Rollouts
@@ -585,8 +639,15 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         if update_controller:
             self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
             self.logger.record("train/kl_coef", self.kl_coef)
+            band = getattr(self.kl_controller, "kl_band", None)
+            if band is not None:  # read by ``sb3-kl plot/report``, which draw the band the run used
+                self.logger.record("train/kl_band_low", float(band[0]), exclude="stdout")
+                self.logger.record("train/kl_band_high", float(band[1]), exclude="stdout")
         if isinstance(self.dist_params, GaussianParams):
-            self.logger.record("train/std_min", float(np.exp(new_params[:, self.dist_params.action_dim :].min())))
+            # the per-state action std (with gSDE it differs from ``train/std``, SB3's std of the exploration weights)
+            action_std = np.exp(new_params[:, self.dist_params.action_dim :])
+            self.logger.record("train/action_std_min", float(action_std.min()))
+            self.logger.record("train/action_std_mean", float(action_std.mean()))
         return stats
 
     # ----------------------------------------------------------------------------------------------------------

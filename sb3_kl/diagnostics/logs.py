@@ -26,6 +26,8 @@ KL_KEYS: dict[str, tuple[str, ...]] = {
     "kl_coef": ("train/kl_coef", "kl/coef"),
     "learning_rate": ("train/learning_rate", "kl/learning_rate"),
     "alarms": ("kl/alarms",),
+    "kl_band_low": ("train/kl_band_low",),
+    "kl_band_high": ("train/kl_band_high",),
     "ep_rew_mean": ("rollout/ep_rew_mean",),
 }
 
@@ -189,7 +191,11 @@ def find_runs(logdir: str) -> list[tuple[str, str, str]]:
         elif CSV_FILE_NAME in files:
             runs.append((name, os.path.join(directory, CSV_FILE_NAME), "csv"))
     if not runs:
-        raise DiagnosticsError(f"no TensorBoard event files or progress.csv found under {logdir}")
+        raise DiagnosticsError(
+            f"no TensorBoard event files or progress.csv found under {logdir}: log the run with tensorboard_log=DIR or "
+            "an SB3 CSV logger; a zoo run needs `-tb DIR` with rl_zoo3.train (python -m sb3_kl.zoo train writes a "
+            "progress.csv into the run folder by itself)"
+        )
     return sorted(runs)
 
 

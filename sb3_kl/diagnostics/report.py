@@ -10,6 +10,8 @@ import numpy as np
 from sb3_kl.diagnostics.leadlag import METHOD, LeadLagResult, lead_lag
 from sb3_kl.diagnostics.logs import RunLog, Series, align
 
+#: Band (as multiples of the target) used for runs that did not log their own (``train/kl_band_low/high``), e.g. a
+#: stock agent watched by ``KLMonitorCallback``; sb3-kl's adaptive controller logs its ``kl_band`` (default (0.5, 1.5))
 DEFAULT_BAND = (0.5, 2.0)
 DEFAULT_COEF_BOUNDS = (1e-4, 10.0)
 PHASES = ("early", "middle", "late")
@@ -53,6 +55,7 @@ class RunReport:
 
     :param run: The run
     :param band: Target band, as multiples of the target
+    :param band_source: Where the band comes from (the run's logged ``kl_band``, ``--band`` or the default)
     :param phases: Statistics per third of training
     :param n_updates: Updates with a logged KL
     :param above: Share of all updates with KL above the band (nan without a target)
@@ -66,6 +69,7 @@ class RunReport:
 
     run: RunLog
     band: tuple[float, float]
+    band_source: str
     phases: list[PhaseStats]
     n_updates: int
     above: float = float("nan")
@@ -75,6 +79,23 @@ class RunReport:
     n_alarms: int | None = None
     lead: LeadLagResult | None = None
     notes: list[str] = field(default_factory=list)
+
+
+def resolve_band(run: RunLog, band: tuple[float, float] | None = None) -> tuple[tuple[float, float], str]:
+    """
+    The band a run is judged and drawn with.
+
+    :param run: The run
+    :param band: A band given by the user (``--band``), or None for the run's own
+    :return: ``(low, high)`` and where it comes from: ``band`` if given, else the band the run logged
+        (``train/kl_band_low/high``, its controller's ``kl_band`` at the last update), else :data:`DEFAULT_BAND`
+    """
+    if band is not None:
+        return (float(band[0]), float(band[1])), "--band"
+    low, high = run.get("kl_band_low"), run.get("kl_band_high")
+    if low is not None and high is not None and len(low) and len(high):
+        return (float(low.values[-1]), float(high.values[-1])), "the run's kl_band"
+    return DEFAULT_BAND, "default: the run logged no band"
 
 
 def alarm_events(alarms: Series) -> tuple[np.ndarray, int]:
@@ -101,7 +122,7 @@ def _band_shares(kl: np.ndarray, target: np.ndarray, band: tuple[float, float]) 
 
 def summarize_run(
     run: RunLog,
-    band: tuple[float, float] = DEFAULT_BAND,
+    band: tuple[float, float] | None = None,
     coef_bounds: tuple[float, float] = DEFAULT_COEF_BOUNDS,
     target_kl: float | None = None,
     max_lag: int = 10,
@@ -111,7 +132,8 @@ def summarize_run(
     Compute the report of one run.
 
     :param run: A run that logged a mean KL
-    :param band: ``(low, high)``: the KL is "in band" when ``low * target <= KL <= high * target``
+    :param band: ``(low, high)``: the KL is "in band" when ``low * target <= KL <= high * target``; None: the band
+        the run logged, else :data:`DEFAULT_BAND` (:func:`resolve_band`)
     :param coef_bounds: Known bounds of beta (sb3_kl's default ``kl_coef_bounds``)
     :param target_kl: Target used when the run did not log one (None: no band statistics then)
     :param max_lag: Largest lag tried by the lead-lag test, in updates
@@ -121,6 +143,7 @@ def summarize_run(
     kl = run.get("kl_mean")
     assert kl is not None, "summarize_run needs a run with KL keys (filter with RunLog.has_kl)"
     notes: list[str] = []
+    band, band_source = resolve_band(run, band)
     p99 = run.get("kl_p99")
     target_series = run.get("target_kl")
     if target_series is None and target_kl is not None:
@@ -152,7 +175,9 @@ def summarize_run(
             phase.above, phase.below = _band_shares(kl_t[in_phase], target_t[in_phase], band)
         phases.append(phase)
 
-    report = RunReport(run=run, band=band, phases=phases, n_updates=len(kl), above=above, below=below, notes=notes)
+    report = RunReport(
+        run=run, band=band, band_source=band_source, phases=phases, n_updates=len(kl), above=above, below=below, notes=notes
+    )
 
     coef = run.get("kl_coef")
     if coef is not None:
@@ -209,7 +234,7 @@ def _coef_lines(report: RunReport, coef_bounds: tuple[float, float]) -> list[str
 
 def _alarm_line(report: RunReport) -> str:
     if report.n_alarms is None:
-        return "alarms: not logged (kl/alarms comes from KLMonitorCallback)"
+        return "alarms: not logged (kl/alarms is written by KLAlarmCallback)"
     if report.n_alarms == 0:
         return "alarms: none"
     shown = ", ".join(str(s) for s in report.alarm_steps[:10]) + (", ..." if len(report.alarm_steps) > 10 else "")
@@ -238,7 +263,8 @@ def format_text(report: RunReport, coef_bounds: tuple[float, float] = DEFAULT_CO
             f"{_num(p.kl_max):>11}{_num(p.kl_p99_max):>11}{_num(p.target):>11}{_pct(p.above):>8}{_pct(p.below):>8}"
         )
     lines.append(
-        f"outside the band [{lo:g}, {hi:g}] x target: {_pct(report.above + report.below)} of updates "
+        f"outside the band [{lo:g}, {hi:g}] x target ({report.band_source}): {_pct(report.above + report.below)} of "
+        "updates "
         f"(above {_pct(report.above)}, below {_pct(report.below)})"
     )
     lines += _coef_lines(report, coef_bounds)
@@ -272,7 +298,11 @@ def format_markdown(reports: list[RunReport], coef_bounds: tuple[float, float] =
                 f"| {p.name} | {p.first_step}..{p.last_step} | {p.n_updates} | {_num(p.kl_mean)} | {_num(p.kl_median)} | "
                 f"{_num(p.kl_max)} | {_num(p.kl_p99_max)} | {_num(p.target)} | {_pct(p.above)} | {_pct(p.below)} |"
             )
-        out += ["", f"- Outside the band [{lo:g}, {hi:g}] x target: {_pct(report.above + report.below)} of updates"]
+        out += [
+            "",
+            f"- Outside the band [{lo:g}, {hi:g}] x target ({report.band_source}): {_pct(report.above + report.below)} "
+            "of updates",
+        ]
         out += [f"- {line}" for line in _coef_lines(report, coef_bounds)]
         out.append(f"- {_alarm_line(report)}")
         if report.lead is not None:

@@ -87,7 +87,9 @@ class KLPPO(KLOnPolicyAlgorithm):
         within the update, when beta alone would react only at the next one; 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std
-        (``log_std`` clamped in place; with gSDE the std of the exploration weights). None = no floor
+        (``log_std`` clamped in place: the std parameter that ``train/std`` averages; without gSDE that is the action
+        std in every state, with gSDE the std of the exploration weights, and the per-state action std
+        ``train/action_std_min`` is then not floored). None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
     :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
         model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as

@@ -136,7 +136,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
         budget. With ``line_search_max_iter`` it bounds the forward passes of an update. 0: TRPO's backtracking only
     :param min_std: Variance floor for Gaussian policies: std >= min_std after every accepted step (``log_std`` of
         each candidate of the line search is clamped, so the constraints hold for the floored policy; a std that starts
-        below the floor is never lowered further). With gSDE it floors the std of the exploration weights. None = no floor
+        below the floor is never lowered further). With gSDE it floors the std of the exploration weights (what
+        ``train/std`` averages), not the per-state action std ``train/action_std_min``. None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
     :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
         model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as

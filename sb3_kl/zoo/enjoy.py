@@ -9,7 +9,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sb3_kl.zoo.registry import MASKABLE_ALGOS, SB3_KL_ALGOS, register
+from sb3_kl.zoo import INSTALL_HINT
+from sb3_kl.zoo.registry import MASKABLE_ALGOS, SB3_KL_ALGOS, register, with_default_threads
 from sb3_kl.zoo.train import patched_argv
 
 
@@ -65,14 +66,14 @@ def enjoy(argv: Sequence[str] | None = None) -> None:
     try:
         from rl_zoo3.enjoy import enjoy as zoo_enjoy
     except ImportError as e:  # rl_zoo3.enjoy imports ``requests`` through its Hugging Face download helper
-        raise ImportError(f'`enjoy` needs a dependency rl_zoo3 does not declare ({e}): pip install "sb3-kl[zoo]"') from e
+        raise ImportError(f"`enjoy` needs a dependency rl_zoo3 does not declare ({e}); install it {INSTALL_HINT}") from e
 
     register()
     argv = list(sys.argv[1:] if argv is None else argv)
     pre_parser = argparse.ArgumentParser(add_help=False)
     pre_parser.add_argument("--algo", type=str, default="ppo")
     algo = pre_parser.parse_known_args(argv)[0].algo
-    with patched_argv(["sb3_kl.zoo enjoy", *argv]), masked_predictions(algo):
+    with patched_argv(["sb3_kl.zoo enjoy", *with_default_threads(argv)]), masked_predictions(algo):
         zoo_enjoy()
 
 

@@ -7,6 +7,8 @@ The zoo keeps three module-level registries that its ``train``/``enjoy`` scripts
 them in place, which is the extension route the zoo documents for SBX.
 """
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ import rl_zoo3
 from rl_zoo3 import hyperparams_opt
 from rl_zoo3.exp_manager import ExperimentManager
 from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.logger import CSVOutputFormat
 from stable_baselines3.common.utils import LinearSchedule
 
 import sb3_kl
@@ -49,6 +53,55 @@ MASKED_ENVS: dict[str, tuple[str, dict[str, Any]]] = {
 #: The zoo itself parses the first three (into ``rl_zoo3.utils.SimpleLinearSchedule``); for sb3_kl algorithms all of
 #: them become SB3's picklable ``LinearSchedule``, so a saved model loads without rl_zoo3 installed.
 SCHEDULE_KEYS = ("learning_rate", "clip_range", "clip_range_vf", "target_kl")
+#: Name of the CSV log written in the zoo's run folder (``logs/{algo}/{env}_{n}/``) for sb3_kl algorithms
+PROGRESS_CSV = "progress.csv"
+
+
+def with_default_threads(argv: Sequence[str]) -> list[str]:
+    """
+    Append ``--num-threads 1`` to the zoo's arguments unless ``--num-threads`` is given or ``OMP_NUM_THREADS`` is set:
+    small policies train many times faster on one torch thread (``benchmarks/results/torch_threads_small_mlp.md``).
+    ``--num-threads -1`` gives torch's default back.
+
+    :param argv: Arguments of ``rl_zoo3.train`` / ``rl_zoo3.enjoy`` (without the program name)
+    :return: The arguments, possibly with ``--num-threads 1`` appended
+    """
+    argv = list(argv)
+    given = any(arg == "--num-threads" or arg.startswith("--num-threads=") for arg in argv)
+    if not given and not os.environ.get("OMP_NUM_THREADS"):
+        argv += ["--num-threads", "1"]
+    return argv
+
+
+class ProgressCSVCallback(BaseCallback):
+    """
+    Adds a CSV output (``progress.csv``, every value the model logs, ``train/kl`` included) to the model's logger for
+    the duration of ``learn``: the zoo logs to stdout only unless ``-tb`` is given, and ``sb3-kl plot/report`` need a
+    file. The zoo wrapper adds it for sb3_kl algorithms, with the run's folder.
+
+    :param folder: Folder of the CSV file
+    """
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+        self.output: CSVOutputFormat | None = None
+
+    def _on_training_start(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        self.output = CSVOutputFormat(os.path.join(self.folder, PROGRESS_CSV))
+        self.model.logger.output_formats.append(self.output)
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_training_end(self) -> None:
+        if self.output is None:
+            return
+        if self.output in self.model.logger.output_formats:
+            self.model.logger.output_formats.remove(self.output)
+        self.output.close()
+        self.output = None
 
 
 def default_config(algo: str) -> str:
@@ -130,6 +183,25 @@ def _patch_experiment_manager() -> None:
     ExperimentManager._preprocess_hyperparams = _preprocess_hyperparams  # type: ignore[method-assign]
 
 
+def _patch_create_callbacks() -> None:
+    """
+    Make ``ExperimentManager.create_callbacks`` add a :class:`ProgressCSVCallback` writing ``progress.csv`` into the
+    run's folder when training an sb3_kl algorithm (not during ``-optimize``). Idempotent.
+    """
+    original = ExperimentManager.create_callbacks
+    if getattr(original, "_sb3_kl_patched", False):
+        return
+
+    def create_callbacks(self: ExperimentManager) -> None:
+        original(self)
+        if self.algo in SB3_KL_ALGOS and not self.optimize_hyperparameters:
+            self.callbacks.append(ProgressCSVCallback(self.save_path))
+
+    create_callbacks._sb3_kl_patched = True  # type: ignore[attr-defined]
+    create_callbacks.__doc__ = original.__doc__
+    ExperimentManager.create_callbacks = create_callbacks  # type: ignore[method-assign]
+
+
 def register() -> None:
     """
     Register the sb3_kl algorithms, their Optuna samplers and converters in the zoo's registries (in place), and the
@@ -145,3 +217,4 @@ def register() -> None:
         hyperparams_opt.HYPERPARAMS_CONVERTER[algo] = HYPERPARAMS_CONVERTER[algo]
     _patch_experiment_manager()
     patch_experiment_manager()  # -optimize on database storages: heartbeat, safe schema creation, exact cap
+    _patch_create_callbacks()

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from sb3_kl.zoo import distributed
-from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
+from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register, with_default_threads
 
 
 @contextmanager
@@ -88,7 +88,7 @@ def train(argv: Sequence[str] | None = None) -> None:
 
     register()
     heartbeat, args = split_heartbeat_flags(sys.argv[1:] if argv is None else argv)
-    args = with_default_config(args)
+    args = with_default_threads(with_default_config(args))
     saved = distributed.CURRENT_HEARTBEAT
     distributed.CURRENT_HEARTBEAT = heartbeat
     try:

@@ -1,0 +1,192 @@
+"""
+Which single-update factor should ``KLAlarmCallback``'s ``kl_spike`` use? Replays the per-update mean KLs of the
+committed benchmark runs (``benchmarks/results/runs/**/*.json``, exact forward KL measured by ``KLMonitorCallback``,
+each run with the target it was judged against) through the callback's own rule (:class:`SpikeRule`) for a grid of
+factors, and counts:
+
+- false positives on the *normal* runs (``lr_mult == 1``: rl-zoo's settings, every algorithm): share of updates that
+  alarm, and share of runs with at least one alarm;
+- detections on the *stress* runs (``lr_mult == 10``: ten times the learning rate): share of runs with an alarm,
+  separately for the stock algorithms (whose KL runs away) and for the sb3-kl algorithms (whose KL control holds it:
+  an alarm there would be a false positive too), and the update of the first alarm.
+
+The chosen factor is the smallest one of the grid that alarms on at most ``--max-normal-runs`` (5 %) of the normal
+runs and on every stock stress run. The sustained rule (``spike_factor=5`` for ``patience=3`` updates) is shown
+beside it. Writes ``benchmarks/results/alarm_spike_rule.md`` and ``.json`` (naming the commit).
+
+    python benchmarks/alarm_spike_rule.py
+"""
+
+import argparse
+import glob
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from sb3_kl.common.callbacks_alarm import SpikeRule  # noqa: E402
+
+FACTORS = (5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0)
+STOCK = ("ppo", "trpo")
+SPIKE_FACTOR, PATIENCE = 5.0, 3
+
+
+def load_runs(pattern: str) -> list[dict[str, Any]]:
+    runs = []
+    for path in sorted(glob.glob(pattern, recursive=True)):
+        record = json.loads(Path(path).read_text())
+        if not record.get("kl_updates") or not record.get("target_kl"):
+            continue
+        ratios = np.array([update["mean"] for update in record["kl_updates"]]) / float(record["target_kl"])
+        runs.append(dict(path=str(Path(path).relative_to(HERE.parent)), algo=record["algo"], env=record["env"],
+                         seed=record["seed"], lr_mult=record["lr_mult"], ratios=ratios))  # fmt: skip
+    return runs
+
+
+def alarms(ratios: np.ndarray, max_kl_factor: float | None, spike_factor: float, patience: int) -> np.ndarray:
+    """:return: a boolean per update: whether the rule alarms at it"""
+    rule = SpikeRule(max_kl_factor, spike_factor, patience)
+    return np.array([rule.check(float(ratio)) is not None for ratio in ratios], dtype=bool)
+
+
+def summarize(runs: list[dict[str, Any]], max_kl_factor: float | None, spike_factor: float, patience: int) -> dict:
+    flags = [alarms(run["ratios"], max_kl_factor, spike_factor, patience) for run in runs]
+    n_updates = sum(len(f) for f in flags)
+    first = [int(np.argmax(f)) for f in flags if f.any()]
+    return dict(
+        runs=len(runs),
+        runs_alarmed=int(sum(f.any() for f in flags)),
+        updates=n_updates,
+        updates_alarmed=int(sum(f.sum() for f in flags)),
+        first_alarm_update_median=float(np.median(first)) if first else None,
+        alarmed=[run["path"] for run, f in zip(runs, flags, strict=True) if f.any()],
+    )
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "sb3_kl/common/callbacks_alarm.py", "benchmarks/alarm_spike_rule.py"],
+            cwd=HERE.parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.strip() + (" (with uncommitted changes)" if dirty.strip() else "")
+
+
+def pct(numerator: int, denominator: int) -> str:
+    return f"{100 * numerator / denominator:.2f} %" if denominator else "-"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default=str(HERE / "results" / "runs" / "**" / "*.json"))
+    parser.add_argument("--max-normal-runs", type=float, default=0.05, help="largest share of normal runs that may alarm")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "alarm_spike_rule")
+    args = parser.parse_args(argv)
+
+    runs = load_runs(args.runs)
+    groups = {
+        "normal (lr x1, all algorithms)": [r for r in runs if r["lr_mult"] == 1],
+        "stress, stock (lr x10, PPO/TRPO)": [r for r in runs if r["lr_mult"] == 10 and r["algo"] in STOCK],
+        "stress, sb3-kl (lr x10, KL-controlled)": [r for r in runs if r["lr_mult"] == 10 and r["algo"] not in STOCK],
+        "lr x3, all algorithms": [r for r in runs if r["lr_mult"] == 3],
+    }
+    normal, stock_stress = groups["normal (lr x1, all algorithms)"], groups["stress, stock (lr x10, PPO/TRPO)"]
+    rows = []
+    for factor in FACTORS:
+        single = {name: summarize(group, factor, np.inf, PATIENCE) for name, group in groups.items()}
+        combined = {name: summarize(group, factor, SPIKE_FACTOR, PATIENCE) for name, group in groups.items()}
+        rows.append(dict(max_kl_factor=factor, single=single, combined=combined))
+    sustained = {name: summarize(group, None, SPIKE_FACTOR, PATIENCE) for name, group in groups.items()}
+    chosen = None
+    for row in rows:
+        s_normal, s_stock = row["single"][next(iter(groups))], row["single"]["stress, stock (lr x10, PPO/TRPO)"]
+        if s_normal["runs_alarmed"] <= args.max_normal_runs * len(normal) and s_stock["runs_alarmed"] == len(stock_stress):
+            chosen = row
+            break
+
+    meta = dict(
+        commit=commit(),
+        command="python benchmarks/alarm_spike_rule.py" + ("" if argv is None else " " + " ".join(argv)),
+        runs=len(runs),
+        criterion=f"smallest factor with at most {args.max_normal_runs:.0%} of normal runs alarmed and every stock stress "
+        "run alarmed (single-update rule alone)",
+        sustained_rule=dict(spike_factor=SPIKE_FACTOR, patience=PATIENCE),
+    )
+    result = dict(
+        meta=meta,
+        chosen=None if chosen is None else dict(max_kl_factor=chosen["max_kl_factor"]),
+        grid=rows,
+        sustained_only=sustained,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+
+    names = list(groups)
+    lines = [
+        "# KLAlarmCallback: the single-update KL-spike factor",
+        "",
+        f"Generated by `{meta['command']}` at commit {meta['commit']}, from {len(runs)} committed benchmark runs"
+        " (`benchmarks/results/runs/`, per-update exact mean KL and the target each run was judged against; stock"
+        " PPO runs are judged against KLPPO's defaults 0.02 discrete / 0.03 Box, which `KLAlarmCallback` now also uses"
+        " for a model without a target). An alarm on a normal run or on a KL-controlled stress run is counted as a false"
+        " positive, an alarm on a stock stress run (KL not controlled, ten times the learning rate) as a detection.",
+        "",
+        f"Criterion: {meta['criterion']}. **Chosen: `max_kl_factor="
+        + ("none" if chosen is None else f"{chosen['max_kl_factor']:g}")
+        + "`** (`KLAlarmCallback`'s default).",
+        "",
+        "## Single update above factor x target",
+        "",
+        "| factor | " + " | ".join(f"{name}: runs alarmed" for name in names) + " | normal: updates alarmed"
+        " | stock stress: first alarm (update, median) |",
+        "|---|" + "---|" * (len(names) + 2),
+    ]
+    for row in rows:
+        single = row["single"]
+        first = single[names[1]]["first_alarm_update_median"]
+        first_text = "-" if first is None else f"{first:g}"
+        lines.append(
+            f"| {row['max_kl_factor']:g} | "
+            + " | ".join(f"{single[n]['runs_alarmed']}/{single[n]['runs']}" for n in names)
+            + f" | {pct(single[names[0]]['updates_alarmed'], single[names[0]]['updates'])}"
+            f" ({single[names[0]]['updates_alarmed']}/{single[names[0]]['updates']}) | {first_text} |"
+        )
+    lines += [
+        "",
+        f"## With the sustained rule ({SPIKE_FACTOR:g} x target for {PATIENCE} consecutive updates), as the callback runs",
+        "",
+        "| factor | " + " | ".join(f"{name}: runs alarmed" for name in names) + " | normal: updates alarmed |",
+        "|---|" + "---|" * (len(names) + 1),
+        "| sustained rule alone | "
+        + " | ".join(f"{sustained[n]['runs_alarmed']}/{sustained[n]['runs']}" for n in names)
+        + f" | {pct(sustained[names[0]]['updates_alarmed'], sustained[names[0]]['updates'])} |",
+    ]
+    for row in rows:
+        combined = row["combined"]
+        lines.append(
+            f"| {row['max_kl_factor']:g} | "
+            + " | ".join(f"{combined[n]['runs_alarmed']}/{combined[n]['runs']}" for n in names)
+            + f" | {pct(combined[names[0]]['updates_alarmed'], combined[names[0]]['updates'])} |"
+        )
+    if chosen is not None:
+        lines += ["", f"Normal runs alarmed by the chosen single-update factor ({chosen['max_kl_factor']:g}):", ""]
+        lines += [f"- `{path}`" for path in chosen["single"][names[0]]["alarmed"]] or ["- none"]
+    text = "\n".join(lines) + "\n"
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""
+Reading a saved model's zip before SB3 loads it: a corrupt file is reported in one sentence naming it, and a model
+saved by a stock algorithm (SB3's ``PPO``/``A2C``, sb3-contrib's ``TRPO``) is recognised so that the sb3-kl
+algorithms can load it with a fresh KL state.
+"""
+
+import io
+import json
+import pathlib
+import zipfile
+from typing import Any
+
+from stable_baselines3.common.save_util import open_path
+
+#: Module of SB3's own rollout buffers (``RolloutBuffer``, ``DictRolloutBuffer``) as recorded in a saved model's data
+SB3_BUFFERS_MODULE = "stable_baselines3.common.buffers"
+
+
+def read_saved_data(path: str | pathlib.Path | io.BufferedIOBase) -> dict[str, Any]:
+    """
+    The ``data`` entry of a model zip saved by SB3 (or a library built on it), as JSON: nothing is unpickled.
+
+    :param path: Path of the zip (``.zip`` may be left out, as with SB3's ``load``) or an open binary file, which is
+        left at the position it had
+    :raises FileNotFoundError: if the file does not exist
+    :raises ValueError: (one sentence naming the file) if it is not a zip, has no ``data`` entry or its JSON is corrupt
+    :return: the JSON object, one entry per saved attribute
+    """
+    file = open_path(path, "r", verbose=0, suffix="zip")
+    name = getattr(file, "name", None) or str(path)
+    position = file.tell()
+    try:
+        with zipfile.ZipFile(file) as archive:
+            if "data" not in archive.namelist():
+                raise ValueError(f"{name} has no 'data' entry: it is not a model saved by Stable-Baselines3 or sb3-kl.")
+            text = archive.read("data").decode("utf-8")
+        data = json.loads(text)
+    except (zipfile.BadZipFile, EOFError) as error:
+        raise ValueError(
+            f"{name} is not a readable zip file ({error}): it is corrupt or truncated, or not a saved model."
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{name} is a corrupt model zip: its 'data' entry is not valid JSON ({error}); use another copy of the model."
+        ) from None
+    finally:
+        if isinstance(path, (str, pathlib.Path)):
+            file.close()
+        else:
+            file.seek(position)
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} is a corrupt model zip: its 'data' entry is not a JSON object.")
+    return data
+
+
+def saved_without_kl_state(data: dict[str, Any]) -> bool:
+    """Whether a saved model's data comes from an algorithm without sb3-kl's KL state (e.g. SB3's PPO)."""
+    return "kl_controller" not in data
+
+
+def saved_with_sb3_buffer(data: dict[str, Any]) -> bool:
+    """Whether the saved ``rollout_buffer_class`` is one of SB3's own buffers (which do not store the rollout distribution)."""
+    saved = data.get("rollout_buffer_class")
+    return isinstance(saved, dict) and saved.get("__module__") == SB3_BUFFERS_MODULE
+
+
+def guess_stock_algorithm(data: dict[str, Any]) -> str:
+    """The stock algorithm that most likely saved ``data`` (for messages only)."""
+    if "cg_max_steps" in data:
+        return "TRPO"
+    if "clip_range" in data:
+        return "PPO"
+    if "n_epochs" not in data and "normalize_advantage" in data:
+        return "A2C"
+    return "a stock on-policy algorithm"
