@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         "learning rate): per-update KL(old||new) summed over action dimensions, measured from outside by "
         "`KLMonitorCallback` on the whole buffer; mean over updates, then over seeds. TRPO bounds KL(new||old) averaged "
         "over action dimensions by its `target_kl`; KLTRPO bounds the joint KL, so the last column, the mean rounded to "
-        "two significant digits, is the `target_kl` of `sb3_kl/hyperparams/kltrpo.yml` for these tasks.",
+        "two significant digits, is the `target_kl` that `--write-config` writes into `sb3_kl/hyperparams/kltrpo.yml` "
+        "for these tasks (applied there together with a recorded zoo run of the entry).",
         "",
         "| env | TRPO target_kl (per dimension) | seeds | updates | joint KL per update, per seed | mean | p99 over states "
         "(mean) | records' code | KLTRPO target_kl |",
