@@ -5,8 +5,8 @@ Two rules, same runs otherwise (same seeds, hyperparameters, budget):
 
 - ``epoch_end``: after each epoch, one no-grad pass over the whole buffer measures the KL between the rollout policy
   and the policy the epoch leaves (the quantity ``train/kl`` logs);
-- ``minibatch_mean``: the mean of the epoch's per-minibatch KLs, each taken *before* that minibatch's step (the rule
-  of sb3-kl up to 0.x: it lags by one step, the first minibatch of an update contributes 0).
+- ``minibatch_mean``: the mean of the epoch's per-minibatch KLs, each taken *before* that minibatch's step (it lags
+  by one step, the first minibatch of an update contributes 0); sb3-kl's rule, kept after this comparison.
 
 Setting: Pendulum-v1 at 10x rl-zoo's learning rate (the stress setting of ``learning.py``), ClipKLPPO (its default
 ``kl_stop_factor=2``) and KLPPO without ratio clipping with ``kl_stop_factor=2``. For every judged epoch the script
