@@ -5,8 +5,8 @@ Two rules, same runs otherwise (same seeds, hyperparameters, budget):
 
 - ``epoch_end``: after each epoch, one no-grad pass over the whole buffer measures the KL between the rollout policy
   and the policy the epoch leaves (the quantity ``train/kl`` logs);
-- ``minibatch_mean``: the mean of the epoch's per-minibatch KLs, each taken *before* that minibatch's step (the rule
-  of sb3-kl up to 0.x: it lags by one step, the first minibatch of an update contributes 0).
+- ``minibatch_mean``: the mean of the epoch's per-minibatch KLs, each taken *before* that minibatch's step (it lags
+  by one step, the first minibatch of an update contributes 0); sb3-kl's rule, kept after this comparison.
 
 Setting: Pendulum-v1 at 10x rl-zoo's learning rate (the stress setting of ``learning.py``), ClipKLPPO (its default
 ``kl_stop_factor=2``) and KLPPO without ratio clipping with ``kl_stop_factor=2``. For every judged epoch the script
@@ -185,6 +185,12 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
     ratios = np.array([u["kl"] / u["target"] for u in updates])
     judged = record["judgements"]
     first = [j for j in judged if j["epoch"] == 0]
+    # judgements grouped by update (``update`` counts epochs: ``update - epoch`` is constant within an update)
+    by_update: dict[int, list[dict[str, Any]]] = {}
+    for j in judged:
+        by_update.setdefault(j["update"] - j["epoch"], []).append(j)
+    peaked = [js for js in by_update.values() if any(j["actual"] > KL_STOP_FACTOR * j["target"] for j in js)]
+    recovered = [js for js in peaked if js[-1]["actual"] <= KL_STOP_FACTOR * js[-1]["target"]]
     return dict(
         eval_mean=record["eval_mean"],
         in_band=float(np.mean((ratios >= BAND[0]) & (ratios <= BAND[1]))),
@@ -195,6 +201,8 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
         judged_over_actual=float(np.sum([j["judged"] for j in judged]) / max(np.sum([j["actual"] for j in judged]), 1e-12)),
         first_epoch_judged=float(np.mean([j["judged"] / j["target"] for j in first])),
         first_epoch_actual=float(np.mean([j["actual"] / j["target"] for j in first])),
+        peaks=float(len(peaked)),
+        peaks_recovered=float(len(recovered)),
         judge_cost=record["judge_seconds"] / record["train_seconds"],
         train_seconds=record["train_seconds"],
     )
@@ -219,12 +227,14 @@ def report() -> str:
         f"`in band` the share of updates with KL in [{BAND[0]}, {BAND[1]}] x target; `over stop` the share above "
         f"`kl_stop_factor` x target; `judged / actual` the sum over judged epochs of the judged KL over the sum of the "
         "actual KL of the policy the epoch left; `1st epoch` the judged vs actual KL after the first epoch of an "
-        "update; `judge cost` the time spent judging over the time in `train()` (for `minibatch_mean` the extra "
+        "update; `peaks` the updates in which the KL of the policy some epoch left exceeded `kl_stop_factor` x target, "
+        "`back below` those of them whose final KL ended at or below it (the remaining epochs' penalty pulled it back); "
+        "`judge cost` the time spent judging over the time in `train()` (for `minibatch_mean` the extra "
         "measurement of the actual KL is excluded).",
         "",
         "| algo | rule | seeds | eval return | update KL (mean) | update KL (max) | in band | over stop | epochs run "
-        "| judged / actual | 1st epoch judged | 1st epoch actual | judge cost |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| judged / actual | 1st epoch judged | 1st epoch actual | peaks | back below | judge cost |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for algo in ALGOS:
         for rule in RULES:
@@ -238,15 +248,21 @@ def report() -> str:
             lines.append(
                 f"| {algo} | {rule} | {len(group)} | {col('eval_mean', 4)} | {col('kl_ratio_mean')} | {col('kl_ratio_max')} "
                 f"| {col('in_band')} | {col('over_stop')} | {col('epochs')} | {col('judged_over_actual')} "
-                f"| {col('first_epoch_judged')} | {col('first_epoch_actual')} | {col('judge_cost', 2)} |"
+                f"| {col('first_epoch_judged')} | {col('first_epoch_actual')} | {col('peaks')} | {col('peaks_recovered')} "
+                f"| {col('judge_cost', 2)} |"
             )
-    lines += ["", "Per run:", "", "| algo | rule | seed | eval return | in band | over stop | epochs run | code |"]
-    lines += ["| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "Per run:",
+        "",
+        "| algo | rule | seed | eval return | in band | over stop | epochs run | peaks | back below | code |",
+    ]
+    lines += ["| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         s = summarize(r)
         lines.append(
             f"| {r['algo']} | {r['rule']} | {r['seed']} | {s['eval_mean']:.1f} | {s['in_band']:.2f} | {s['over_stop']:.2f} "
-            f"| {s['epochs']:.2f} | {r['code_version']} |"
+            f"| {s['epochs']:.2f} | {s['peaks']:.0f} | {s['peaks_recovered']:.0f} | {r['code_version']} |"
         )
     text = "\n".join(lines) + "\n"
     (RESULTS / "epoch_kl_stop.md").write_text(text)

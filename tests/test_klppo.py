@@ -429,42 +429,75 @@ def test_kl_coef_keeps_its_bounds_after_construction(algo_name, tmp_path):
     assert algo.load(tmp_path / "model.zip", kl_controller=wide, kl_coef=100.0).kl_coef == 100.0
 
 
-def test_early_stop_judges_the_kl_the_epoch_leaves():
-    """
-    The per-epoch early stop judges the KL between the rollout policy and the policy each epoch leaves, over the whole
-    buffer: recomputed here with ``torch.distributions`` from a snapshot of the policy after every epoch. With one
-    minibatch per epoch, a lagging judge (the KL before each step) would see 0 after the first epoch and never stop
-    there; this one stops after the first step that crosses ``kl_stop_factor * target_kl``.
-    """
-    judged, snapshots = [], []
+def _recording_klppo(judge: str, judged: list, snapshots: list) -> type:
+    """KLPPO judging with ``judge``, recording the judged KL and a snapshot of the policy after every epoch."""
 
     class Recording(KLPPO):
-        def _kl_ran_away(self, *args, **kwargs):
-            stop = super()._kl_ran_away(*args, **kwargs)
-            judged.append(float(np.mean(self._epoch_end_kl[0])))
-            snapshots.append(copy.deepcopy(self.policy))
+        _kl_stop_judge = judge
+
+        def _kl_ran_away(self, epoch_kl_sum, epoch_states, *args, **kwargs):
+            stop = super()._kl_ran_away(epoch_kl_sum, epoch_states, *args, **kwargs)
+            if judge == "epoch_end":
+                judged.append(float(np.mean(self._epoch_end_kl[0])))
+            else:
+                judged.append(epoch_kl_sum.item() / epoch_states)
+            snapshots.append({name: tensor.detach().clone() for name, tensor in self.policy.state_dict().items()})
             return stop
 
-    kwargs = dict(n_steps=64, batch_size=64, n_epochs=5, policy_kwargs=dict(net_arch=[16]), seed=0)
-    model = Recording("MlpPolicy", "CartPole-v1", learning_rate=0.05, target_kl=1e-3, kl_stop_factor=2.0, **kwargs)
-    model.learn(64)
-    logs = model.logger.name_to_value
-    assert logs["train/early_stop_epoch"] == len(judged) == 1 < kwargs["n_epochs"]
+    return Recording
+
+
+def _torch_kl_after_each_epoch(model, snapshots) -> list:
+    """KL(rollout policy || policy left by each epoch) over the buffer, with ``torch.distributions``."""
     obs = th.as_tensor(model.rollout_buffer.observations.reshape(64, -1))
     old = th.distributions.Categorical(logits=th.as_tensor(model.rollout_buffer.old_dist_params.reshape(64, -1)))
-    for value, policy in zip(judged, snapshots, strict=True):
+    kls = []
+    policy = model.policy  # the test is over: its parameters are replaced by each snapshot in turn
+    for state_dict in snapshots:
+        policy.load_state_dict(state_dict)
         with th.no_grad():
             new = th.distributions.Categorical(logits=policy.get_distribution(obs).distribution.logits)
-        assert value == pytest.approx(th.distributions.kl_divergence(old, new).mean().item(), rel=1e-5)
-    assert judged[-1] > 2.0 * 1e-3
-    assert logs["train/kl"] == pytest.approx(judged[-1], rel=1e-6)  # the last judgement's pass is the logged KL
+        kls.append(th.distributions.kl_divergence(old, new).mean().item())
+    return kls
 
-    # Below the threshold it runs every epoch, each judged on the policy that epoch left
-    judged.clear(), snapshots.clear()
-    calm = Recording("MlpPolicy", "CartPole-v1", learning_rate=1e-4, target_kl=0.02, kl_stop_factor=2.0, **kwargs)
-    calm.learn(64)
-    assert calm.logger.name_to_value["train/early_stop_epoch"] == len(judged) == kwargs["n_epochs"]
-    assert judged == sorted(judged) and judged[0] > 0  # one step per epoch at a small rate: the KL grows
+
+EARLY_STOP_KWARGS = dict(n_steps=64, batch_size=64, n_epochs=5, policy_kwargs=dict(net_arch=[16]), seed=0)
+
+
+def test_early_stop_judges_the_documented_lagging_kl():
+    """
+    The early stop judges the mean of the epoch's per-minibatch KLs, each taken before that minibatch's step. With one
+    minibatch per epoch that is 0 after the first epoch and, after epoch k, the KL (recomputed with
+    ``torch.distributions``) of the policy epoch k - 1 left: it lags by one epoch.
+    """
+    judged, snapshots = [], []
+    model = _recording_klppo("minibatch_mean", judged, snapshots)(
+        "MlpPolicy", "CartPole-v1", learning_rate=1e-3, target_kl=0.02, kl_stop_factor=2.0, **EARLY_STOP_KWARGS
+    )
+    assert model._kl_stop_judge == KLPPO._kl_stop_judge == "minibatch_mean"  # the documented default
+    model.learn(64)
+    actual = _torch_kl_after_each_epoch(model, snapshots)
+    assert len(judged) == EARLY_STOP_KWARGS["n_epochs"] and actual[0] > 0
+    assert abs(judged[0]) < 1e-6
+    np.testing.assert_allclose(judged[1:], actual[:-1], rtol=1e-4)
+
+
+def test_epoch_end_judge_measures_the_policy_the_epoch_leaves():
+    """
+    The alternative rule compared in ``benchmarks/epoch_kl_stop.py``: the KL of the policy each epoch leaves over the
+    whole buffer (recomputed with ``torch.distributions``); it stops after the first step that crosses
+    ``kl_stop_factor * target_kl``, and its last pass is the logged ``train/kl``.
+    """
+    judged, snapshots = [], []
+    model = _recording_klppo("epoch_end", judged, snapshots)(
+        "MlpPolicy", "CartPole-v1", learning_rate=0.05, target_kl=1e-3, kl_stop_factor=2.0, **EARLY_STOP_KWARGS
+    )
+    model.learn(64)
+    logs = model.logger.name_to_value
+    assert logs["train/early_stop_epoch"] == len(judged) == 1 < EARLY_STOP_KWARGS["n_epochs"]
+    np.testing.assert_allclose(judged, _torch_kl_after_each_epoch(model, snapshots), rtol=1e-5)
+    assert judged[-1] > 2.0 * 1e-3
+    assert logs["train/kl"] == pytest.approx(judged[-1], rel=1e-6)
 
 
 class RolloutDistributionSnapshot(BaseCallback):

@@ -20,10 +20,11 @@ class ClipKLPPO(KLPPO):
     Loss per minibatch: ``-E[min(r A, clip(r, 1 - eps, 1 + eps) A)] + beta * KL + vf_coef * L_V - ent_coef * H``.
     Clipping bounds each sample's ratio; the KL penalty (by default exact, forward ``KL(pi_old || pi_new)``, summed
     over action dimensions) keeps the policy close on the distribution as a whole, and beta is adapted after each
-    update so that the update's KL tracks ``target_kl``. Once the KL between the rollout policy and the policy an epoch
-    leaves exceeds ``kl_stop_factor * target_kl``, the remaining epochs are skipped: it is judged after each epoch, on
-    the mean per-state KL over the whole buffer (the quantity ``train/kl`` reports, one no-grad pass; a single
-    minibatch's KL is too noisy to stop on); ``train/early_stop_epoch`` logs the epoch at
+    update so that the update's KL tracks ``target_kl``. Once the KL of an epoch exceeds ``kl_stop_factor * target_kl``,
+    the remaining epochs are skipped: judged once per epoch (a single minibatch's KL is too noisy to stop on) on the
+    mean over the epoch's minibatch states of the per-state KL to the rollout policy, each taken before that
+    minibatch's step, so it lags the policy the epoch leaves (see ``KLPPO._kl_ran_away``); ``train/early_stop_epoch``
+    logs the epoch at
     which the update stopped (``n_epochs`` when it did not). A hinge (``kl_hinge_coef``), as in Schulman's
     modular_rl, adds a steep quadratic penalty on the minibatch KL above ``kl_hinge_factor * target_kl``.
 
@@ -69,8 +70,8 @@ class ClipKLPPO(KLPPO):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: The remaining epochs are skipped once the KL of the policy an epoch leaves (mean per-state
-        KL over the whole buffer, judged after each epoch) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
+    :param kl_stop_factor: The remaining epochs are skipped once the KL of an epoch (mean of its minibatches'
+        per-state KLs, each taken before that minibatch's step) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
         None disables the early stop
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple

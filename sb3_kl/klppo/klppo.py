@@ -78,10 +78,10 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: When set, the remaining epochs are skipped once the KL between the rollout policy and the
-        policy an epoch leaves exceeds ``kl_stop_factor * target_kl``: judged after each epoch on the mean per-state KL
-        over the whole buffer (the quantity ``train/kl`` logs, one extra no-grad pass per epoch; the last one is
-        reused for the logs)
+    :param kl_stop_factor: When set, the remaining epochs are skipped once the epoch's KL exceeds
+        ``kl_stop_factor * target_kl``, judged after each epoch on the mean over its minibatches' states of the
+        per-state KL to the rollout policy, each taken before that minibatch's step (so it lags: the first minibatch
+        of an update contributes 0, and the epoch's last step is seen by the next epoch only)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
         within the update, when beta alone would react only at the next one; 0 disables it
@@ -124,9 +124,10 @@ class KLPPO(KLOnPolicyAlgorithm):
         "CnnPolicy": CnnPolicy,
         "MultiInputPolicy": MultiInputPolicy,
     }
-    #: What the per-epoch early stop judges: ``"epoch_end"`` (the KL the epoch leaves, over the whole buffer) or
-    #: ``"minibatch_mean"`` (the lagging mean of per-minibatch KLs; kept to compare the rules, see ``_kl_ran_away``)
-    _kl_stop_judge: ClassVar[str] = "epoch_end"
+    #: What the per-epoch early stop judges: ``"minibatch_mean"`` (the mean of the epoch's per-minibatch KLs, each
+    #: taken before that minibatch's step) or ``"epoch_end"`` (the KL of the policy the epoch leaves, over the whole
+    #: buffer; kept to compare the rules, see ``_kl_ran_away`` and ``benchmarks/epoch_kl_stop.py``)
+    _kl_stop_judge: ClassVar[str] = "minibatch_mean"
     #: Action spaces accepted at construction (SB3's check)
     _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
         spaces.Box,
@@ -383,7 +384,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                     nonfinite_steps += 1
 
             self._n_updates += 1
-            # Early stop judged once per epoch on the KL the epoch leaves, over the whole buffer (see _kl_ran_away)
+            # Early stop judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
             if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if epoch < self.n_epochs - 1:
@@ -428,17 +429,18 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     def _kl_ran_away(self, epoch_kl_sum: th.Tensor, epoch_states: int, target_kl: float, epoch: int) -> bool:
         """
-        Whether the epoch loop stops here (never when ``kl_stop_factor`` is None): the mean per-state KL between the
-        rollout policy and the policy this epoch leaves, over all the buffer's states, in the algorithm's convention
-        (one no-grad pass with the policy in eval mode, as ``train/kl`` is measured), exceeds
-        ``kl_stop_factor * target_kl``. The pass is kept in ``_epoch_end_kl`` so that the update's logs reuse it.
+        Whether the epoch loop stops here (never when ``kl_stop_factor`` is None): the judged KL exceeds
+        ``kl_stop_factor * target_kl``. What is judged is the mean, over the states of the epoch's minibatches, of
+        the per-state KL (the algorithm's convention, as in the loss) between the rollout policy and the policy
+        *before* each minibatch's step. It lags the policy the epoch leaves: the first minibatch of an update
+        contributes 0 and the epoch's last step is not seen until the next epoch. Judging the KL of the policy the
+        epoch leaves instead (``_kl_stop_judge = "epoch_end"``: one no-grad pass over the buffer, kept in
+        ``_epoch_end_kl`` and reused by the logs) was measured on the x10 learning-rate stress setting
+        (``benchmarks/results/epoch_kl_stop.md``): it stopped on transient KL peaks that the remaining epochs' KL
+        penalty would have brought back, so more updates ended above the threshold and fewer in the band.
 
-        ``_kl_stop_judge = "minibatch_mean"`` judges instead the mean of the per-minibatch KLs of the epoch, each taken
-        before that minibatch's step (it lags: the first minibatch of an update contributes 0, the epoch's last step is
-        never seen); kept only to compare the two rules (``benchmarks/epoch_kl_stop.py``).
-
-        :param epoch_kl_sum: Sum over the epoch's states of their minibatch KL (``"minibatch_mean"`` only)
-        :param epoch_states: Number of states seen in the epoch (``"minibatch_mean"`` only)
+        :param epoch_kl_sum: Sum over the epoch's states of their minibatch KL (``"minibatch_mean"``)
+        :param epoch_states: Number of states seen in the epoch (``"minibatch_mean"``)
         :param target_kl: The current target
         :param epoch: Index of the epoch (for the verbose message)
         """
