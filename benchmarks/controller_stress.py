@@ -36,11 +36,14 @@ from learning import (  # noqa: E402
     count_collapses,
     default_target_kl,
     scale_learning_rate,
+    verdict,
 )
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "controller_stress_runs"
 ALGOS = ("klppo", "klppo_noclip")
+# the last commit with the previous KL defaults (kl_band=(0.5, 1.5), kl_hinge_coef=0): the "before" of each cell
+BEFORE = "cb2e099"
 # KL options of each variant (on top of the rl-zoo settings); "defaults" is KLPPO as shipped by the commit that ran
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -225,11 +228,12 @@ def report() -> str:
         "the learning grid's committed records of the same cells (`benchmarks/results/runs/full/`; they keep no beta, "
         "so its counts are nan). The KL options' defaults up to commit `cb2e099`: `kl_band=(0.5, 1.5)`, "
         "`kl_hinge_coef=0`; from `21c1b9d` on: `kl_band=(0.8, 1.25)`, `kl_hinge_coef=1000` (the variant "
-        "`band_0.8_1.25+hinge`).",
+        "`band_0.8_1.25+hinge`). *return - before*: difference of the seed means from the row `defaults` at "
+        f"`{BEFORE}` of the same cell, with the two-sided Welch p-value (p ≥ 0.05: inside the seed noise).",
         "",
         "| env | lr | algo | variant (KL options) | commit | seeds | in band | over | under | first | under at floor "
-        "| over at floor | max | eval return | AUC | collapses |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| over at floor | max | eval return | return - before (Welch p) | AUC | collapses |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(groups, key=lambda k: (k[0], k[1], k[2], list(VARIANTS).index(k[3]) if k[3] in VARIANTS else 99, k[4])):
         env_id, lr_mult, algo, variant, version = key
@@ -241,6 +245,8 @@ def report() -> str:
             return f"{100 * sum(s[name] * s['n'] for s in stats) / n:.0f}%"
 
         evals = [r["eval_mean"] for r in runs]
+        before = [r["eval_mean"] for r in groups.get((env_id, lr_mult, algo, "defaults", BEFORE), [])]
+        change = verdict(evals, before)[0] if before and key[3:] != ("defaults", BEFORE) else ""
         aucs = [area_under_curve(r["curve"], r["budget"]) for r in runs]
         options = ", ".join(f"{k}={v}" for k, v in runs[0]["options"].items()) or "defaults of that commit"
         lines.append(
@@ -248,7 +254,7 @@ def report() -> str:
             f"{','.join(str(r['seed']) for r in runs)} | {pooled('in_band')} | {pooled('over')} | {pooled('under')} | "
             f"{sum(s['first_misses'] for s in stats):.0f} | {sum(s['under_at_floor'] for s in stats):.0f} | "
             f"{sum(s['over_at_floor'] for s in stats):.0f} | {max(s['max_kl'] for s in stats):.1f} | "
-            f"{np.mean(evals):.1f} ± {np.std(evals):.1f} | {np.mean(aucs):.1f} | "
+            f"{np.mean(evals):.1f} ± {np.std(evals):.1f} | {change} | {np.mean(aucs):.1f} | "
             f"{sum(count_collapses(r['curve']) for r in runs)} |"
         )
     text = "\n".join(lines) + "\n"
