@@ -446,6 +446,7 @@ def test_alarm_beta_pinned_at_upper_bound():
         learning_rate=0.05,
         kl_coef=1.0,
         kl_coef_bounds=(1e-4, 1.0),
+        kl_hinge_coef=0.0,  # the hinge would hold the KL down and beta off its bound
         **TINY,
     )
     alarm = KLAlarmCallback(patience=2, tail_ratio=None)
