@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     band_help = (
         "target band as multiples of the logged target KL (default: the band the run logged, i.e. sb3_kl's kl_band,"
-        f" 0.5 1.5 unless changed; {DEFAULT_BAND[0]:g} {DEFAULT_BAND[1]:g} for runs that logged none)"
+        f" 0.8 1.25 unless changed; {DEFAULT_BAND[0]:g} {DEFAULT_BAND[1]:g} for runs that logged none)"
     )
 
     plot = sub.add_parser("plot", help="draw the KL/return timeline of each run")

@@ -53,7 +53,7 @@ def test_zoo_run_writes_progress_csv_that_plot_and_report_read(zoo, tmp_path, ca
     assert sb3_kl.cli.main(["report", str(run_dir)]) == 0
     report = capsys.readouterr().out
     assert "KL keys: mean=train/kl" in report
-    assert "[0.5, 1.5] x target (the run's kl_band)" in report  # KLPPO's default band, read from the run's log
+    assert "[0.8, 1.25] x target (the run's kl_band)" in report  # KLPPO's default band, read from the run's log
 
 
 def test_no_progress_csv_during_optimize(zoo):
