@@ -6,6 +6,7 @@ from sb3_kl.common.controllers import AdaptiveKLController, FixedKLController, K
 from sb3_kl.common.kl import KLSettings
 from sb3_kl.klppo import KLPPO
 from sb3_kl.kltrpo import KLTRPO
+from sb3_kl.ppo_recurrent import RecurrentKLPPO
 
 # Read version from file
 version_file = os.path.join(os.path.dirname(__file__), "version.txt")
@@ -24,5 +25,6 @@ __all__ = [
     "KLMonitorCallback",
     "KLSettings",
     "ProportionalKLController",
+    "RecurrentKLPPO",
     "VarianceFloorCallback",
 ]

@@ -42,6 +42,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
+from sb3_kl.common.recurrent import is_recurrent_policy, lstm_constructor_parameters
 from sb3_kl.common.validation import check_existing_file, check_pair
 
 #: Attribute set on the frozen copies built here (so ``_setup_model`` does not copy them again)
@@ -103,6 +104,8 @@ def reference_spec(policy: ActorCriticPolicy) -> tuple[type[ActorCriticPolicy], 
     kwargs.pop("lr_schedule", None)
     # Not part of SB3's constructor parameters, but it changes the module structure (and the state dict's keys)
     kwargs["share_features_extractor"] = policy.share_features_extractor
+    if is_recurrent_policy(policy):  # sb3-contrib's LSTM policies leave their LSTM arguments out as well
+        kwargs.update(lstm_constructor_parameters(policy))
     return type(policy), kwargs
 
 
