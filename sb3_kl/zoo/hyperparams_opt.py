@@ -140,6 +140,8 @@ HYPERPARAMS_SAMPLER = {
     "klppo": sample_klppo_params,
     "clip_klppo": sample_clip_klppo_params,
     "kltrpo": sample_kltrpo_params,
+    # as the zoo's ppo_lstm, which samples PPO's space: KLPPO's, the LSTM left at its configured size
+    "klppo_lstm": sample_klppo_params,
 }
 
 #: Zoo name -> converter of ``trial.params``
@@ -147,4 +149,5 @@ HYPERPARAMS_CONVERTER = {
     "klppo": convert_klppo_params,
     "clip_klppo": convert_klppo_params,
     "kltrpo": convert_kltrpo_params,
+    "klppo_lstm": convert_klppo_params,
 }

@@ -17,7 +17,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.utils import LinearSchedule
 
 import sb3_kl
-from sb3_kl import KLPPO, KLTRPO, ClipKLPPO
+from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, RecurrentKLPPO
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER
 
 #: Folder of the configs shipped with the package (``{algo}.yml``)
@@ -28,6 +28,7 @@ SB3_KL_ALGOS: dict[str, type[BaseAlgorithm]] = {
     "klppo": KLPPO,
     "clip_klppo": ClipKLPPO,
     "kltrpo": KLTRPO,
+    "klppo_lstm": RecurrentKLPPO,  # the zoo's name for RecurrentPPO is ppo_lstm
 }
 
 #: Hyperparameters that accept the zoo's ``lin_<float>`` syntax (and ``lin_<start>_<end>``) for our algorithms.
