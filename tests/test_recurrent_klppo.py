@@ -282,6 +282,23 @@ def test_recurrent_reference_is_rerun_over_the_same_sequences(tmp_path):
     assert np.isfinite(loaded.logger.name_to_value["train/ref_kl"])
 
 
+def test_feed_forward_reference():
+    from stable_baselines3 import PPO
+
+    reference = PPO("MlpPolicy", "CartPole-v1", policy_kwargs=dict(net_arch=[8]), seed=2)
+    model = _model("CartPole-v1", ref_policy=reference, ref_kl_coef=0.1, ref_kl_direction="forward")
+    model.learn(128)
+    # the reference is evaluated state by state: KL(ref || pi) on the buffer, against torch.distributions
+    buffer = model.rollout_buffer
+    observations = th.as_tensor(buffer.observations)  # flattened env-major by get()
+    with th.no_grad():
+        p = Categorical(logits=reference.policy.get_distribution(observations).distribution.logits.double())
+        q = Categorical(logits=th.as_tensor(buffer.ref_dist_params).double())
+        assert float((kl_divergence(p, q)).abs().max()) < 1e-6
+    assert model._last_ref_lstm_states is None
+    assert np.isfinite(model.logger.name_to_value["train/ref_kl"]) and model.logger.name_to_value["train/ref_kl"] > 0
+
+
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
