@@ -94,6 +94,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from sb3_kl.callbacks import KLMonitorCallback
 
     th.set_num_threads(1)
+    version = code_version()  # the commit the run starts from
     algo, env_id, seed, lr_mult = spec["algo"], spec["env"], spec["seed"], spec["lr_mult"]
     entry = zoo_settings(env_id)
     kwargs = {key: value for key, value in entry.items() if key not in ZOO_ONLY}
@@ -150,7 +151,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         cpu_seconds=cpu_seconds,
         env_steps_per_second=BUDGETS[env_id] / train_seconds,
         torch_threads=1,
-        code_version=code_version(),
+        code_version=version,
     )
     path = record_path(algo, env_id, lr_mult, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
