@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import torch as th
-from sb3_contrib import TRPO, MaskablePPO
+from sb3_contrib import TRPO, MaskablePPO, RecurrentPPO
 from sb3_contrib.common.envs import InvalidActionEnvDiscrete
 from stable_baselines3 import A2C, PPO
 from stable_baselines3.common.callbacks import BaseCallback
@@ -192,6 +192,14 @@ def test_monitor_maskable_ppo():
         # only 3 valid actions: the entropy is at most log 3 and KL to uniform over the valid actions is >= 0
         assert record["entropy"] <= np.log(3) + 1e-5
         assert record["to_uniform"] >= -1e-5
+
+
+def test_monitor_accepts_recurrent_policy():
+    # RecurrentPPO is measured on its sequences (tests/test_recurrent_callbacks.py checks the values)
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=32, batch_size=32, **TINY)
+    monitor = KLMonitorCallback()
+    model.learn(32, callback=monitor)
+    assert len(monitor.history) == 1 and np.isfinite(monitor.history[0]["mean"])
 
 
 class StdAfterEachStep(BaseCallback):
