@@ -281,6 +281,13 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             n_envs=self.n_envs,
         )
 
+    def _check_reference_policy(self, policy: BasePolicy) -> None:
+        """
+        Any actor-critic reference is accepted, recurrent ones included: a recurrent reference's LSTM is re-run over
+        the rollout's sequences (:meth:`_prepare_reference_distribution`). Overrides the feed-forward algorithms'
+        refusal of recurrent references.
+        """
+
     def _excluded_save_params(self) -> list[str]:
         return [*super()._excluded_save_params(), "_last_ref_lstm_states", "_update_evaluation"]
 
