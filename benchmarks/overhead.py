@@ -5,7 +5,9 @@ hyperparameters (rl-zoo's, ``settings.py``; both sides get the same keyword argu
 documented default ``clip_range=None``: the KL penalty replaces the ratio clip).
 
 Pairs: KLPPO vs PPO, ClipKLPPO vs PPO, KLTRPO vs sb3-contrib TRPO, PPO + KLMonitorCallback vs PPO,
-on CartPole-v1 and Pendulum-v1. Writes ``benchmarks/results/overhead.md`` (median ratio, min-max, per-pair ratios).
+on CartPole-v1 and Pendulum-v1; sb3-contrib RecurrentPPO + KLMonitorCallback vs RecurrentPPO (``monitor_lstm``) on
+their velocity-masked variants with rl-zoo's ``ppo_lstm`` settings. Writes ``benchmarks/results/overhead.md``
+(median ratio, min-max, per-pair ratios).
 For the monitor, a third figure that other load on the machine does not disturb: the share of ``learn()``'s wall-clock
 time spent inside the monitor's own hooks (snapshot and measurement), whose complement is the steps/s ratio it implies.
 
@@ -28,7 +30,9 @@ sys.path.insert(0, str(HERE))
 ENVS = ["CartPole-v1", "Pendulum-v1"]
 # environment steps per timed run (at least a few updates of each algorithm's rl-zoo settings)
 STEPS = {"CartPole-v1": 16_384, "Pendulum-v1": 16_384}
-GOALS = {"klppo": 0.95, "clip_klppo": 0.95, "kltrpo": 1.0, "monitor": 0.95}
+GOALS = {"klppo": 0.95, "clip_klppo": 0.95, "kltrpo": 1.0, "monitor": 0.95, "monitor_lstm": 0.95}
+# The recurrent pair runs on the velocity-masked task of each env, with the zoo's ppo_lstm settings for it
+RECURRENT_ENVS = {"CartPole-v1": "CartPoleNoVel-v1", "Pendulum-v1": "PendulumNoVel-v1"}
 LABELS = {
     "klppo": ("KLPPO", "PPO"),
     "clip_klppo": ("ClipKLPPO", "PPO"),
@@ -38,6 +42,7 @@ LABELS = {
     "clip_klppo_fused_adam": ("ClipKLPPO", "PPO with fused Adam"),
     "kltrpo": ("KLTRPO", "TRPO (sb3-contrib)"),
     "monitor": ("PPO + KLMonitorCallback", "PPO"),
+    "monitor_lstm": ("RecurrentPPO + KLMonitorCallback", "RecurrentPPO"),
 }
 
 
@@ -65,8 +70,32 @@ def timed_monitor() -> Any:
     return TimedKLMonitor()
 
 
+def build_recurrent(side: str, env_id: str, seed: int) -> tuple[Any, Any]:
+    """:return: (RecurrentPPO with the zoo's ppo_lstm settings for the masked task, monitor or None)"""
+    import rl_zoo3.import_envs  # noqa: F401  (registers the NoVel tasks)
+    from sb3_contrib import RecurrentPPO
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from recurrent_learning import ZOO_ONLY, zoo_settings
+
+    entry = zoo_settings(RECURRENT_ENVS[env_id])
+    kwargs = {key: value for key, value in entry.items() if key not in ZOO_ONLY}
+    env = make_vec_env(RECURRENT_ENVS[env_id], n_envs=entry["n_envs"], seed=seed)
+    if entry.get("normalize"):
+        env = VecNormalize(env, gamma=kwargs.get("gamma", 0.99))
+    callback = None
+    if side == "ours":
+        from sb3_kl.callbacks import KLMonitorCallback
+
+        callback = KLMonitorCallback()
+    return RecurrentPPO(entry["policy"], env, seed=seed, device="cpu", **kwargs), callback
+
+
 def build(comparison: str, side: str, env_id: str, seed: int) -> tuple[Any, Any]:
     """:return: (model, callback) for one side ("ours" or "stock") of a comparison"""
+    if comparison == "monitor_lstm":
+        return build_recurrent(side, env_id, seed)
     from sb3_contrib import TRPO
     from stable_baselines3 import PPO
     from stable_baselines3.common.env_util import make_vec_env
@@ -168,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for comparison, env_id, steps, ratios, cpu_ratios, ours_sps, stock_sps, _ in rows:
         ours, stock = LABELS[comparison]
+        env_id = RECURRENT_ENVS[env_id] if comparison == "monitor_lstm" else env_id
         median = float(np.median(ratios))
         goal = GOALS.get(comparison)
         goal_text, met = (f"≥ {goal}", "yes" if median >= goal else "NO") if goal is not None else ("-", "-")

@@ -7,6 +7,7 @@ from sb3_kl.common.kl import KLSettings
 from sb3_kl.klppo import KLPPO
 from sb3_kl.kltrpo import KLTRPO
 from sb3_kl.ppo_mask import MaskableKLPPO
+from sb3_kl.ppo_recurrent import RecurrentKLPPO
 
 # Read version from file
 version_file = os.path.join(os.path.dirname(__file__), "version.txt")
@@ -26,5 +27,6 @@ __all__ = [
     "KLSettings",
     "MaskableKLPPO",
     "ProportionalKLController",
+    "RecurrentKLPPO",
     "VarianceFloorCallback",
 ]

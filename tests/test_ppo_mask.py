@@ -339,3 +339,20 @@ def test_kl_bookkeeping_wraps_the_masked_collection():
     model = MaskableKLPPO("MlpPolicy", env, **SMALL).learn(64)
     with pytest.raises(StalePolicyError):
         model.train()  # the buffer was collected by the policy before the last update
+
+
+@pytest.mark.parametrize("algo_name", ["MaskableKLPPO", "RecurrentKLPPO"])
+def test_drop_in_variants_keep_klppo_kl_defaults(algo_name):
+    """Every KL option of KLPPO that the masked and recurrent variants take has KLPPO's default (no silent drift)."""
+    import inspect
+
+    import sb3_kl
+    from sb3_kl import KLPPO
+
+    klppo = inspect.signature(KLPPO.__init__).parameters
+    variant = inspect.signature(getattr(sb3_kl, algo_name).__init__).parameters
+    kl_options = [name for name in klppo if name.startswith(("kl_", "ref_", "target_kl", "min_std", "log_ratio_clip"))]
+    assert len(kl_options) > 10
+    for name in kl_options:
+        assert name in variant, f"{algo_name} lacks KLPPO's {name}"
+        assert variant[name].default == klppo[name].default, f"{algo_name}.{name} default differs from KLPPO's"

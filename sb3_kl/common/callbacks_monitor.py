@@ -29,6 +29,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     quantile_name,
 )
+from sb3_kl.common.recurrent import RolloutSequences, evaluate_sequences, is_recurrent_policy, step_major
 from sb3_kl.common.validation import check_bool, check_choice, check_int
 
 try:  # sb3-contrib is optional: only needed to recognise MaskablePPO's distributions
@@ -89,6 +90,12 @@ def model_target_kl(model: Any) -> float | None:
     return None
 
 
+def _step_major_observations(sequences: RolloutSequences) -> Any:
+    if isinstance(sequences.observations, dict):
+        return {key: step_major(value) for key, value in sequences.observations.items()}
+    return step_major(sequences.observations)
+
+
 class KLMonitorCallback(BaseCallback):
     """
     Measure the exact per-state KL between the rollout policy and the updated policy after every update.
@@ -131,7 +138,9 @@ class KLMonitorCallback(BaseCallback):
       observations are stored as ``observations/<key>`` and ``background_observations/<key>``; empty otherwise).
 
     Action masks of ``MaskablePPO`` are applied to both policies (taken from the rollout buffer). Recurrent policies
-    are rejected (their distribution depends on the LSTM state, which the buffer does not give back per state).
+    (sb3-contrib's ``RecurrentPPO``, ``RecurrentKLPPO``) are measured on their sequences: each policy's LSTM is re-run
+    over each env's rollout in time order, from the LSTM state stored at that env's first step, the stored episode
+    starts resetting it (one sequence per env, never cut elsewhere; see :mod:`sb3_kl.common.recurrent`).
 
     :param direction: ``"forward"`` = KL(pi_rollout || pi_updated) (default) or ``"reverse"``
     :param estimator: ``"analytic"`` (exact, default), or ``"k1"`` / ``"k3"`` sample estimators from the rollout's actions
@@ -206,6 +215,7 @@ class KLMonitorCallback(BaseCallback):
         self._snapshot: dict[str, Any] | None = None
         self._dist_params: DistributionParams | None = None
         self._masked = False
+        self._recurrent = False
         self._has_tensorboard = False
 
     # ----------------------------------------------------------------------------------------------------------
@@ -230,10 +240,12 @@ class KLMonitorCallback(BaseCallback):
 
     def _init_callback(self) -> None:
         policy = self.model.policy
-        if getattr(policy, "lstm_actor", None) is not None:
+        self._recurrent = is_recurrent_policy(policy)
+        if self._recurrent and not hasattr(self.model.rollout_buffer, "hidden_states_pi"):
             raise ValueError(
-                f"{type(self).__name__} does not support recurrent policies ({type(policy).__name__}): their action "
-                "distribution depends on the LSTM state, so it cannot be re-evaluated per stored state."
+                f"{type(self).__name__}: the policy {type(policy).__name__} is recurrent but the rollout buffer "
+                f"{type(self.model.rollout_buffer).__name__} stores no LSTM states: use sb3-contrib's "
+                "RecurrentRolloutBuffer (RecurrentPPO's)."
             )
         if not hasattr(policy, "get_distribution"):
             raise ValueError(
@@ -332,6 +344,8 @@ class KLMonitorCallback(BaseCallback):
         """
         assert self._dist_params is not None
         policy = self.model.policy
+        if snapshot.get("sequences") is not None:
+            return self._evaluate_sequences(snapshot)
         was_training = policy.training
         policy.set_training_mode(False)
         params, log_probs = [], []
@@ -346,7 +360,42 @@ class KLMonitorCallback(BaseCallback):
             policy.set_training_mode(was_training)
         return th.cat(params), (th.cat(log_probs) if log_probs else None)
 
+    def _evaluate_sequences(self, snapshot: dict[str, Any]) -> tuple[th.Tensor, th.Tensor | None]:
+        """
+        Recurrent policy: its LSTM re-run over each env's rollout in time order, from the state stored at the env's
+        first step, episode starts resetting it (:mod:`sb3_kl.common.recurrent`); results in step-major order.
+        """
+        assert self._dist_params is not None
+        evaluation = evaluate_sequences(
+            self.model.policy,
+            snapshot["sequences"],
+            self._dist_params,
+            with_log_prob=self.settings.estimator != "analytic",
+            chunk_size=self.chunk_size,
+        )
+        log_prob = None if evaluation.log_prob is None else step_major(evaluation.log_prob)
+        return step_major(evaluation.params), log_prob
+
+    def _take_recurrent_snapshot(self) -> dict[str, Any]:
+        buffer = self.model.rollout_buffer
+        if not buffer.full:
+            raise RuntimeError(f"{type(self).__name__}: the rollout buffer is not full at the end of the rollout.")
+        sequences = RolloutSequences.from_buffer(buffer, with_actions=self.settings.estimator != "analytic")
+        snapshot = {
+            "sequences": sequences,
+            # step-major observations, only kept for the top-k drill-down
+            "observations": _step_major_observations(sequences) if self.top_k > 0 else None,
+            "masks": None,
+            "n": sequences.n_steps * sequences.n_envs,
+            "n_envs": sequences.n_envs,
+            "update": self._updates_seen,
+        }
+        snapshot["old_params"], snapshot["old_log_prob"] = self._evaluate(snapshot)
+        return snapshot
+
     def _take_snapshot(self) -> dict[str, Any]:
+        if self._recurrent:
+            return self._take_recurrent_snapshot()
         observations, actions, masks, n_steps, n_envs = self._buffer_arrays()
         if isinstance(observations, dict):
             obs_tensor: Any = {key: self._to_tensor(value) for key, value in observations.items()}
@@ -372,7 +421,14 @@ class KLMonitorCallback(BaseCallback):
         log_ratio = None
         if new_log_prob is not None:
             log_ratio = new_log_prob - snapshot["old_log_prob"]
-        per_state_t = per_state_kl(self.settings, self._dist_params, snapshot["old_params"], new_params, log_ratio)
+        # In float64: a small per-state KL is a difference of nearly equal terms, which float32 rounds to ~1e-7
+        per_state_t = per_state_kl(
+            self.settings,
+            self._dist_params,
+            snapshot["old_params"].double(),
+            new_params.double(),
+            None if log_ratio is None else log_ratio.double(),
+        )
         per_state = per_state_t.cpu().numpy().astype(np.float64)
         record = self._statistics(snapshot, per_state, new_params)
         self.history.append(record)

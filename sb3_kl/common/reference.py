@@ -15,7 +15,6 @@ This module holds what the algorithms share for it:
 """
 
 import copy
-import inspect
 import math
 import os
 from typing import Any
@@ -43,6 +42,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
+from sb3_kl.common.recurrent import is_recurrent_policy, lstm_constructor_parameters
 from sb3_kl.common.validation import check_existing_file, check_pair
 
 #: Attribute set on the frozen copies built here (so ``_setup_model`` does not copy them again)
@@ -112,6 +112,8 @@ def reference_spec(policy: ActorCriticPolicy) -> tuple[type[ActorCriticPolicy], 
     kwargs.pop("lr_schedule", None)
     # Not part of SB3's constructor parameters, but it changes the module structure (and the state dict's keys)
     kwargs["share_features_extractor"] = policy.share_features_extractor
+    if is_recurrent_policy(policy):  # sb3-contrib's LSTM policies leave their LSTM arguments out as well
+        kwargs.update(lstm_constructor_parameters(policy))
     return type(policy), kwargs
 
 
@@ -161,26 +163,6 @@ def load_reference_policy(source: ReferenceSource, device: th.device | str = "cp
     frozen = build_reference_policy(policy_class, kwargs, device)
     frozen.load_state_dict(copy.deepcopy(policy.state_dict()))
     return frozen
-
-
-def is_recurrent_policy(policy: Any) -> bool:
-    """
-    Whether ``policy`` needs a recurrent state besides the observations to give its action distribution
-    (sb3-contrib's ``RecurrentActorCriticPolicy``, or any policy whose ``get_distribution`` has a required argument
-    after ``obs``, e.g. ``lstm_states``).
-    """
-    try:
-        from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
-
-        if isinstance(policy, RecurrentActorCriticPolicy):
-            return True
-    except ImportError:  # pragma: no cover - sb3-contrib is a dependency
-        pass
-    get_distribution = getattr(policy, "get_distribution", None)
-    if get_distribution is None:
-        return False
-    extra = list(inspect.signature(get_distribution).parameters.values())[1:]
-    return any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in extra)
 
 
 def check_reference_spaces(reference: ActorCriticPolicy, observation_space: spaces.Space, action_space: spaces.Space) -> None:

@@ -141,6 +141,8 @@ HYPERPARAMS_SAMPLER = {
     "clip_klppo": sample_clip_klppo_params,
     "kltrpo": sample_kltrpo_params,
     "klppo_mask": sample_klppo_params,  # MaskableKLPPO takes KLPPO's options
+    # as the zoo's ppo_lstm, which samples PPO's space: KLPPO's, the LSTM left at its configured size
+    "klppo_lstm": sample_klppo_params,
 }
 
 #: Zoo name -> converter of ``trial.params``
@@ -149,4 +151,5 @@ HYPERPARAMS_CONVERTER = {
     "clip_klppo": convert_klppo_params,
     "kltrpo": convert_kltrpo_params,
     "klppo_mask": convert_klppo_params,
+    "klppo_lstm": convert_klppo_params,
 }

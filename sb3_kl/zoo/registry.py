@@ -22,7 +22,7 @@ from stable_baselines3.common.logger import CSVOutputFormat
 from stable_baselines3.common.utils import LinearSchedule
 
 import sb3_kl
-from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, MaskableKLPPO
+from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, MaskableKLPPO, RecurrentKLPPO
 from sb3_kl.zoo.distributed import patch_experiment_manager
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER
 
@@ -35,6 +35,7 @@ SB3_KL_ALGOS: dict[str, type[BaseAlgorithm]] = {
     "clip_klppo": ClipKLPPO,
     "kltrpo": KLTRPO,
     "klppo_mask": MaskableKLPPO,
+    "klppo_lstm": RecurrentKLPPO,  # the zoo's name for RecurrentPPO is ppo_lstm
 }
 
 #: Zoo names of the algorithms that act with action masks (``enjoy`` passes the env's masks to ``predict``)

@@ -1,0 +1,268 @@
+"""
+Returns and KL stability of RecurrentKLPPO beside sb3-contrib's RecurrentPPO on the velocity-masked tasks the
+rl-zoo tunes ``ppo_lstm`` for (CartPoleNoVel-v1, PendulumNoVel-v1, and PendulumNoVel-v1 at 10x the zoo's learning
+rate), on the same seeds, with the zoo's ``ppo_lstm`` hyperparameters (read from the installed rl_zoo3). RecurrentKLPPO
+takes them without ``clip_range`` (the KL penalty alone controls the step, as KLPPO in ``learning.py``).
+
+The exact KL of every update is measured on both algorithms by ``KLMonitorCallback`` (each policy's LSTM re-run over
+each env's rollout). Each finished run writes one JSON record under ``benchmarks/results/recurrent_runs/``; the table
+(``benchmarks/results/recurrent_learning.md``) and figure (``benchmarks/results/recurrent_learning.png``) are
+regenerated from the records by ``--report``. Summaries (AUC, collapses, band share) are ``learning.py``'s.
+
+    python benchmarks/recurrent_learning.py --workers 2            # the grid, then the report
+    python benchmarks/recurrent_learning.py --report               # only the report
+"""
+
+import argparse
+import json
+import multiprocessing
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from learning import BAND, default_target_kl, describe, fmt, scale_learning_rate, summarize  # noqa: E402
+
+RESULTS = HERE / "results"
+RUNS = RESULTS / "recurrent_runs"
+ENVS = ["CartPoleNoVel-v1", "PendulumNoVel-v1"]
+ALGOS = ["recurrent_ppo", "recurrent_klppo"]
+# (env, learning-rate multiplier) cells of the grid
+CELLS = [("CartPoleNoVel-v1", 1.0), ("PendulumNoVel-v1", 1.0), ("PendulumNoVel-v1", 10.0)]
+SEEDS = [0, 1, 2]
+#: Environment steps per run. The zoo trains both tasks for 1e5 steps; LSTM training on this shared 2-core machine
+#: runs at roughly 150-250 env-steps per CPU-second, so to keep the 18 runs near 40 CPU-minutes (and within the
+#: session) CartPoleNoVel gets 96 updates of 8 x 32 steps and PendulumNoVel 4 updates of 4 x 1024 steps.
+BUDGETS = {"CartPoleNoVel-v1": 24_576, "PendulumNoVel-v1": 16_384}
+N_EVAL_EPISODES = 10
+#: Zoo keys that are not constructor arguments
+ZOO_ONLY = ("n_envs", "n_timesteps", "policy", "normalize", "env_wrapper", "frame_stack", "callback")
+
+
+def zoo_settings(env_id: str) -> dict[str, Any]:
+    """The zoo's ``ppo_lstm`` entry for ``env_id`` (from the installed rl_zoo3), with its schedules parsed."""
+    import rl_zoo3
+    import yaml
+    from stable_baselines3.common.utils import LinearSchedule
+    from torch import nn  # noqa: F401  (the zoo's policy_kwargs strings name nn.ReLU)
+
+    path = Path(rl_zoo3.__file__).parent / "hyperparams" / "ppo_lstm.yml"
+    entry = dict(yaml.safe_load(path.read_text())[env_id])
+    for key, value in list(entry.items()):
+        if isinstance(value, str) and value.startswith("lin_"):
+            entry[key] = LinearSchedule(float(value[4:]), 0.0, 1.0)
+    if isinstance(entry.get("policy_kwargs"), str):
+        entry["policy_kwargs"] = eval(entry["policy_kwargs"])
+    return entry
+
+
+def record_path(algo: str, env_id: str, lr_mult: float, seed: int) -> Path:
+    return RUNS / f"{algo}__{env_id}__lr{lr_mult:g}__s{seed}.json"
+
+
+def code_version() -> str:
+    """The commit that ran, ``+modified`` when the package or this script had uncommitted changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        modified = git("status", "--porcelain", "--", "../sb3_kl", "recurrent_learning.py", "learning.py")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train, evaluate and write the record of one run (in a worker process)."""
+    import rl_zoo3.import_envs  # noqa: F401  (registers the NoVel tasks)
+    import torch as th
+    from sb3_contrib import RecurrentPPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from sb3_kl import RecurrentKLPPO
+    from sb3_kl.callbacks import KLMonitorCallback
+
+    th.set_num_threads(1)
+    version = code_version()  # the commit the run starts from
+    algo, env_id, seed, lr_mult = spec["algo"], spec["env"], spec["seed"], spec["lr_mult"]
+    entry = zoo_settings(env_id)
+    kwargs = {key: value for key, value in entry.items() if key not in ZOO_ONLY}
+    if algo == "recurrent_klppo":
+        kwargs.pop("clip_range", None)
+    if lr_mult != 1.0:
+        scale_learning_rate(kwargs, lr_mult)
+    env = make_vec_env(env_id, n_envs=entry["n_envs"], seed=seed)
+    if entry.get("normalize"):
+        env = VecNormalize(env, gamma=kwargs.get("gamma", 0.99))
+    curve: list[tuple[int, float]] = []
+
+    class Curve(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_end(self) -> None:
+            if len(self.model.ep_info_buffer) > 0:
+                curve.append((self.num_timesteps, float(np.mean([info["r"] for info in self.model.ep_info_buffer]))))
+
+    monitor = KLMonitorCallback()
+    algorithm = RecurrentKLPPO if algo == "recurrent_klppo" else RecurrentPPO
+    model = algorithm(entry["policy"], env, seed=seed, device="cpu", **kwargs)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model.learn(BUDGETS[env_id], callback=[Curve(), monitor])
+    train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+
+    eval_env = make_vec_env(env_id, n_envs=1, seed=10_000 + seed)
+    if isinstance(env, VecNormalize):
+        eval_env = VecNormalize(eval_env, training=False, norm_reward=False)
+        eval_env.obs_rms = env.obs_rms
+    returns, _ = evaluate_policy(
+        model, eval_env, n_eval_episodes=N_EVAL_EPISODES, deterministic=True, return_episode_rewards=True
+    )
+    record = dict(
+        algo=algo,
+        env=env_id,
+        seed=seed,
+        lr_mult=lr_mult,
+        budget=BUDGETS[env_id],
+        zoo_budget=int(entry["n_timesteps"]),
+        n_envs=entry["n_envs"],
+        normalize=bool(entry.get("normalize")),
+        hyperparameters=describe(kwargs),
+        target_kl=default_target_kl("klppo", env_id, {}),
+        eval_returns=[float(r) for r in returns],
+        eval_mean=float(np.mean(returns)),
+        curve=curve,
+        kl_updates=[
+            dict(timesteps=int(h["num_timesteps"]), mean=float(h["mean"]), p99=float(h["p99"])) for h in monitor.history
+        ],
+        kl_source="sb3_kl.callbacks.KLMonitorCallback (exact, forward, summed; LSTMs re-run over each env's rollout)",
+        train_seconds=train_seconds,
+        cpu_seconds=cpu_seconds,
+        env_steps_per_second=BUDGETS[env_id] / train_seconds,
+        torch_threads=1,
+        code_version=version,
+    )
+    path = record_path(algo, env_id, lr_mult, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    print(f"{algo} {env_id} lr x{lr_mult:g} seed {seed}: eval {record['eval_mean']:.1f} ({cpu_seconds:.0f} CPU-s)", flush=True)
+    return record
+
+
+def load_records() -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))] if RUNS.exists() else []
+
+
+def report() -> str:
+    """Write ``recurrent_learning.md`` and ``recurrent_learning.png`` from the records; return the markdown."""
+    records = load_records()
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault((record["env"], record["lr_mult"], record["algo"]), []).append(record)
+    versions = sorted({r["code_version"] for r in records})
+    cpu = sum(r.get("cpu_seconds", 0.0) for r in records) / 60
+    budgets = ", ".join(f"{env_id} {budget}" for env_id, budget in BUDGETS.items())
+    lines = [
+        "# RecurrentKLPPO vs RecurrentPPO on velocity-masked tasks",
+        "",
+        "Generated by `python benchmarks/recurrent_learning.py --report` from the records in "
+        f"`benchmarks/results/recurrent_runs/` (code versions: {', '.join(versions) or 'none'}).",
+        "",
+        f"Settings: rl-zoo's `ppo_lstm` hyperparameters for each task (RecurrentKLPPO without `clip_range`, its default "
+        f"KL target), seeds {SEEDS}, **{budgets} environment steps per run instead of the zoo's 1e5** (LSTM training on "
+        f"this shared 2-core CPU; the grid took {cpu:.0f} CPU-minutes). The exact KL of every update is measured on both "
+        "algorithms by `KLMonitorCallback` (forward KL(old||new), summed over action dimensions; each policy's LSTM "
+        f"re-run over each env's rollout). Band = [{BAND[0]}, {BAND[1]}] x target (0.02 CartPoleNoVel, 0.03 "
+        "PendulumNoVel). Return: deterministic evaluation after training, "
+        f"{N_EVAL_EPISODES} episodes; AUC: mean training return over the run; collapses as `learning.py` counts them. "
+        "Mean ± std over seeds; a difference inside the seed spread is a tie.",
+        "",
+        "| task | lr | algorithm | seeds | eval return | AUC | collapses | KL mean | KL p99 | KL in band | env-steps/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for env_id, lr_mult in CELLS:
+        for algo in ALGOS:
+            group = groups.get((env_id, lr_mult, algo), [])
+            if not group:
+                continue
+            summaries = [summarize(r) for r in group]
+            lines.append(
+                f"| {env_id} | x{lr_mult:g} | {algo} | {len(group)} | {fmt([s['eval_mean'] for s in summaries])} | "
+                f"{fmt([s['auc'] for s in summaries])} | {sum(s['collapses'] for s in summaries)} | "
+                f"{fmt([s['kl_mean'] for s in summaries])} | {fmt([s['kl_p99'] for s in summaries])} | "
+                f"{fmt([s['in_band'] for s in summaries], 0, percent=True)} | "
+                f"{fmt([s['steps_per_s'] for s in summaries], 0)} |"
+            )
+    lines += ["", "![returns and KL per update](recurrent_learning.png)", ""]
+    text = "\n".join(lines)
+    (RESULTS / "recurrent_learning.md").write_text(text)
+    plot(groups)
+    return text
+
+
+def plot(groups: dict[tuple[str, float, str], list[dict[str, Any]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(CELLS), figsize=(5 * len(CELLS), 7), squeeze=False)
+    colors = {"recurrent_ppo": "tab:gray", "recurrent_klppo": "tab:blue"}
+    for col, (env_id, lr_mult) in enumerate(CELLS):
+        for algo in ALGOS:
+            for i, record in enumerate(groups.get((env_id, lr_mult, algo), [])):
+                label = algo if i == 0 else None
+                if record["curve"]:
+                    t, r = np.array(record["curve"]).T
+                    axes[0, col].plot(t, r, color=colors[algo], alpha=0.7, label=label)
+                if record["kl_updates"]:
+                    t = [u["timesteps"] for u in record["kl_updates"]]
+                    axes[1, col].plot(t, [u["mean"] for u in record["kl_updates"]], color=colors[algo], alpha=0.7, label=label)
+        target = 0.02 if env_id.startswith("CartPole") else 0.03
+        axes[1, col].axhspan(BAND[0] * target, BAND[1] * target, color="tab:green", alpha=0.15, label="band")
+        axes[1, col].set_yscale("log")
+        axes[0, col].set_title(f"{env_id}, lr x{lr_mult:g}")
+        axes[0, col].set_ylabel("mean training episode return")
+        axes[1, col].set_ylabel("exact KL per update (mean over states)")
+        axes[1, col].set_xlabel("environment steps")
+        axes[0, col].legend(fontsize=8)
+        axes[1, col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "recurrent_learning.png", dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--report", action="store_true", help="only regenerate the table and figure")
+    parser.add_argument("--force", action="store_true", help="re-run runs that have a record")
+    args = parser.parse_args(argv)
+    if not args.report:
+        # seed-major order: complete comparisons (both algorithms, every cell) finish first
+        specs = [
+            dict(algo=algo, env=env_id, lr_mult=lr_mult, seed=seed)
+            for seed in SEEDS
+            for env_id, lr_mult in CELLS
+            for algo in ALGOS
+            if args.force or not record_path(algo, env_id, lr_mult, seed).exists()
+        ]
+        with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
+            for _ in pool.imap_unordered(run_one, specs):
+                report()
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
