@@ -4,7 +4,8 @@ side by side in one process, in paired, interleaved runs (A B, then B A, ...), o
 hyperparameters (rl-zoo's, ``settings.py``; both sides get the same keyword arguments, except that KLPPO keeps its
 documented default ``clip_range=None``: the KL penalty replaces the ratio clip).
 
-Pairs: KLPPO vs PPO, ClipKLPPO vs PPO, KLTRPO vs sb3-contrib TRPO, PPO + KLMonitorCallback vs PPO,
+Pairs: KLPPO vs PPO, ClipKLPPO vs PPO, KLTRPO vs sb3-contrib TRPO (also both with sub_sampling_factor=8), PPO +
+KLMonitorCallback vs PPO,
 on CartPole-v1 and Pendulum-v1; sb3-contrib RecurrentPPO + KLMonitorCallback vs RecurrentPPO (``monitor_lstm``) on
 their velocity-masked variants with rl-zoo's ``ppo_lstm`` settings. Writes ``benchmarks/results/overhead.md``
 (median ratio, min-max, per-pair ratios).
@@ -30,7 +31,7 @@ sys.path.insert(0, str(HERE))
 ENVS = ["CartPole-v1", "Pendulum-v1"]
 # environment steps per timed run (at least a few updates of each algorithm's rl-zoo settings)
 STEPS = {"CartPole-v1": 16_384, "Pendulum-v1": 16_384}
-GOALS = {"klppo": 0.95, "clip_klppo": 0.95, "kltrpo": 1.0, "monitor": 0.95, "monitor_lstm": 0.95}
+GOALS = {"klppo": 0.95, "clip_klppo": 0.95, "kltrpo": 1.0, "kltrpo_subsampled": 1.0, "monitor": 0.95, "monitor_lstm": 0.95}
 # The recurrent pair runs on the velocity-masked task of each env, with the zoo's ppo_lstm settings for it
 RECURRENT_ENVS = {"CartPole-v1": "CartPoleNoVel-v1", "Pendulum-v1": "PendulumNoVel-v1"}
 LABELS = {
@@ -41,6 +42,8 @@ LABELS = {
     "klppo_fused_adam": ("KLPPO", "PPO with fused Adam"),
     "clip_klppo_fused_adam": ("ClipKLPPO", "PPO with fused Adam"),
     "kltrpo": ("KLTRPO", "TRPO (sb3-contrib)"),
+    # Both with sub_sampling_factor=8: KLTRPO's line search still checks every candidate on the whole buffer
+    "kltrpo_subsampled": ("KLTRPO", "TRPO (sb3-contrib)"),
     "monitor": ("PPO + KLMonitorCallback", "PPO"),
     "monitor_lstm": ("RecurrentPPO + KLMonitorCallback", "RecurrentPPO"),
 }
@@ -103,10 +106,15 @@ def build(comparison: str, side: str, env_id: str, seed: int) -> tuple[Any, Any]
     import sb3_kl
     from settings import KLPPO_DROPPED, PPO_SETTINGS, TRPO_SETTINGS
 
+    if comparison == "kltrpo_subsampled":
+        comparison = "kltrpo"
+        sub_sampling = dict(sub_sampling_factor=8)
+    else:
+        sub_sampling = {}
     family = TRPO_SETTINGS if comparison == "kltrpo" else PPO_SETTINGS
     setting = family[env_id]
     env = make_vec_env(env_id, n_envs=setting["n_envs"], seed=seed)
-    kwargs = dict(setting["kwargs"])
+    kwargs = {**setting["kwargs"], **sub_sampling}
     if comparison.endswith("_fused_adam"):
         if side == "stock":
             # SB3's Adam settings (eps=1e-5) plus the fused kernel

@@ -11,7 +11,7 @@ from sb3_kl.diagnostics.leadlag import METHOD, LeadLagResult, lead_lag
 from sb3_kl.diagnostics.logs import RunLog, Series, align
 
 #: Band (as multiples of the target) used for runs that did not log their own (``train/kl_band_low/high``), e.g. a
-#: stock agent watched by ``KLMonitorCallback``; sb3-kl's adaptive controller logs its ``kl_band`` (default (0.5, 1.5))
+#: stock agent watched by ``KLMonitorCallback``; sb3-kl's adaptive controller logs its ``kl_band`` (default (0.8, 1.25))
 DEFAULT_BAND = (0.5, 2.0)
 DEFAULT_COEF_BOUNDS = (1e-4, 10.0)
 PHASES = ("early", "middle", "late")

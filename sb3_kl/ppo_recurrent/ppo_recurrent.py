@@ -83,8 +83,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
     :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
         exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
-    :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``;
-        0 disables it (default)
+    :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
+        (1000 by default, as KLPPO: it holds the KL of a minibatch within the update); 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std. None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)

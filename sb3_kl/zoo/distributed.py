@@ -202,6 +202,29 @@ def advisory_lock(engine: Any, key: int) -> Iterator[Callable[[], None]]:
 _PROCESS_LOCKS: dict[int, threading.Lock] = {}
 
 
+def _serialize_sqlite_transactions(engine: Any) -> None:
+    """
+    Make every transaction on an SQLite ``engine`` start with ``BEGIN IMMEDIATE``. Optuna hands a waiting (enqueued
+    or re-queued) trial to one worker by reading its state and setting it to RUNNING under ``SELECT ... FOR UPDATE``,
+    which SQLite ignores: two workers could both read WAITING and run the same trial (the second then fails with
+    "Cannot tell a COMPLETE trial"). With the write lock taken at the start of the transaction the read and the
+    write are one step across processes (SQLAlchemy's documented recipe for pysqlite's transactions).
+
+    :param engine: The storage's SQLAlchemy engine
+    """
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _no_implicit_begin(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # pysqlite would otherwise BEGIN (deferred) on its own
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners (table creation) are replaced
+
+
 def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBStorage:
     """
     Build Optuna's ``RDBStorage`` for ``url`` with the heartbeat and retry of ``heartbeat``, after checking the
@@ -225,6 +248,9 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
     if dialect == "postgresql":
         # fail in seconds, not after the operating system's TCP timeout, when the host does not answer
         engine_kwargs["connect_args"] = {"connect_timeout": 10}
+    elif dialect == "sqlite":
+        # workers queue for SQLite's write lock (BEGIN IMMEDIATE, below) instead of failing after pysqlite's 5 s
+        engine_kwargs["connect_args"] = {"timeout": 60}
     try:
         engine = sqlalchemy.create_engine(url, **engine_kwargs)
     except ImportError as e:
@@ -255,7 +281,10 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
                 engine.dispose()
         for attempt in range(5):
             try:
-                return RDBStorage(**kwargs)
+                storage = RDBStorage(**kwargs)
+                if dialect == "sqlite":
+                    _serialize_sqlite_transactions(storage.engine)
+                return storage
             except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError):
                 if attempt == 4:
                     raise
