@@ -43,7 +43,7 @@ LABELS = {
     "clip_klppo_fused_adam": ("ClipKLPPO", "PPO with fused Adam"),
     "kltrpo": ("KLTRPO", "TRPO (sb3-contrib)"),
     # Both with sub_sampling_factor=8: KLTRPO's line search still checks every candidate on the whole buffer
-    "kltrpo_subsampled": ("KLTRPO", "TRPO (sb3-contrib)"),
+    "kltrpo_subsampled": ("KLTRPO, sub_sampling_factor=8", "TRPO (sb3-contrib), sub_sampling_factor=8"),
     "monitor": ("PPO + KLMonitorCallback", "PPO"),
     "monitor_lstm": ("RecurrentPPO + KLMonitorCallback", "RecurrentPPO"),
 }
