@@ -537,3 +537,18 @@ def test_default_hinge_holds_the_update_kl_with_beta_at_its_floor(kl_hinge_coef)
         assert model.kl_hinge_coef == 1000.0 and kl < 2 * 0.02
     else:
         assert kl > 20 * 0.02
+
+
+@pytest.mark.parametrize("env_name", ["cartpole", "pendulum", "multidiscrete"])
+def test_logged_kl_equals_independent_kl_far_outside_the_band(env_name):
+    """At a KL tens of times the target (huge learning rate, no hinge) train/kl is still the exact KL, not a clipped
+    or saturated value: the numbers a user reads when training blows up are the true ones."""
+    snapshots = SnapshotCallback()
+    model = KLPPO("MlpPolicy", ENVS[env_name](), learning_rate=0.5, kl_hinge_coef=0.0, **SMALL)
+    model.learn(SMALL["n_steps"], callback=snapshots)
+    old_policy, obs = snapshots.snapshots[-1]
+    reference = independent_kl(old_policy, model.policy, obs)
+    logged = model.logger.name_to_value
+    assert logged["train/kl"] > 20 * logged["train/target_kl"], "the update must leave the band far behind"
+    assert logged["train/kl"] == pytest.approx(reference.mean(), rel=1e-4)
+    assert logged["train/kl_max"] == pytest.approx(reference.max(), rel=1e-3)
