@@ -45,14 +45,20 @@ def code_version() -> str:
     return (commit + ("+modified" if modified else "")) if commit else "unknown"
 
 
+#: TRPO's seeds the targets come from: those ``learning.py``'s ``kltrpo_matched`` takes its target from, so that
+#: records of further TRPO seeds leave both unchanged
+SEEDS = (0, 1, 2)
+
+
 def round_significant(value: float, digits: int = 2) -> float:
     """``0.01764 -> 0.018``"""
     return round(value, digits - 1 - math.floor(math.log10(abs(value))))
 
 
 def joint_kl(env_id: str) -> dict[str, Any]:
-    """TRPO's per-update joint KL on ``env_id``, from its records at the zoo learning rate."""
-    paths = sorted(RUNS.glob(f"trpo__{env_id}__lr1__s*.json"))
+    """TRPO's per-update joint KL on ``env_id``, from its records at the zoo learning rate (seeds ``SEEDS``)."""
+    paths = [RUNS / f"trpo__{env_id}__lr1__s{seed}.json" for seed in SEEDS]
+    paths = [path for path in paths if path.exists()]
     if not paths:
         raise FileNotFoundError(f"no TRPO record for {env_id} in {RUNS}")
     records = [json.loads(path.read_text()) for path in paths]
