@@ -356,3 +356,60 @@ def test_drop_in_variants_keep_klppo_kl_defaults(algo_name):
     for name in kl_options:
         assert name in variant, f"{algo_name} lacks KLPPO's {name}"
         assert variant[name].default == klppo[name].default, f"{algo_name}.{name} default differs from KLPPO's"
+
+
+def _spy_on_masks(monkeypatch) -> list[bool]:
+    """Record, for every ``predict`` of a maskable policy, whether it was given action masks."""
+    from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
+
+    masks_given: list[bool] = []
+    predict = MaskableActorCriticPolicy.predict
+
+    def spy(self, observation, state=None, episode_start=None, deterministic=False, action_masks=None):
+        masks_given.append(action_masks is not None)
+        return predict(self, observation, state, episode_start, deterministic, action_masks=action_masks)
+
+    monkeypatch.setattr(MaskableActorCriticPolicy, "predict", spy)
+    return masks_given
+
+
+def test_zoo_evaluations_during_training_use_masks(tmp_path, monkeypatch):
+    """The zoo's periodic evaluation (``--eval-freq``), which picks ``best_model.zip``, acts with the env's masks."""
+    pytest.importorskip("rl_zoo3")
+    from sb3_kl.zoo.__main__ import main
+
+    env_id = "InvalidActionMultiDiscrete-v0"
+    masks_given = _spy_on_masks(monkeypatch)
+    main(
+        ["train", "--algo", "klppo_mask", "--env", env_id, "-n", "256", "--seed", "1", "-f", str(tmp_path),
+         "--eval-freq", "128", "--eval-episodes", "1", "--n-eval-envs", "1", "--verbose", "0",
+         "-params", "n_envs:2", "n_steps:64", "policy_kwargs:dict(net_arch=[16])"]
+    )  # fmt: skip
+    run_dir = tmp_path / "klppo_mask" / f"{env_id}_1"
+    # evaluations at 128 and 256 steps, each one 100-step episode; training itself never calls predict
+    assert len(masks_given) >= 200 and all(masks_given)
+    assert (run_dir / "evaluations.npz").exists() and (run_dir / "best_model.zip").exists()
+
+
+def test_zoo_tuning_trials_are_evaluated_with_masks(tmp_path, monkeypatch):
+    """A ``-optimize`` trial of klppo_mask reports the return of masked evaluations to Optuna."""
+    pytest.importorskip("rl_zoo3")
+    import optuna
+    from rl_zoo3 import exp_manager
+
+    from sb3_kl.zoo.__main__ import main
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="mask", storage=storage, direction="maximize")
+    study.enqueue_trial({"n_steps_pow": 6, "batch_size_pow": 6, "n_epochs": 1, "net_arch": "tiny"})
+    masks_given = _spy_on_masks(monkeypatch)
+    main(
+        ["train", "--algo", "klppo_mask", "--env", "InvalidActionMultiDiscrete-v0", "-n", "256", "--seed", "0",
+         "-f", str(tmp_path), "--verbose", "0", "-params", "n_envs:2", "-optimize", "--n-trials", "1",
+         "--n-evaluations", "1", "--eval-episodes", "1", "--sampler", "random", "--pruner", "none",
+         "--no-optim-plots", "--storage", storage, "--study-name", "mask"]
+    )  # fmt: skip
+    trials = optuna.load_study(study_name="mask", storage=storage).trials
+    assert trials[0].state == optuna.trial.TrialState.COMPLETE
+    assert len(masks_given) >= 100 and all(masks_given)
+    assert exp_manager.TrialEvalCallback.__name__ == "TrialEvalCallback", "the zoo's own class is put back"

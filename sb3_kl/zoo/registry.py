@@ -14,10 +14,12 @@ from typing import Any
 
 import gymnasium as gym
 import rl_zoo3
-from rl_zoo3 import hyperparams_opt
+from rl_zoo3 import exp_manager, hyperparams_opt
+from rl_zoo3.callbacks import TrialEvalCallback
 from rl_zoo3.exp_manager import ExperimentManager
+from sb3_contrib.common.maskable.callbacks import MaskableEvalCallback
 from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.logger import CSVOutputFormat
 from stable_baselines3.common.utils import LinearSchedule
 
@@ -38,7 +40,8 @@ SB3_KL_ALGOS: dict[str, type[BaseAlgorithm]] = {
     "klppo_lstm": RecurrentKLPPO,  # the zoo's name for RecurrentPPO is ppo_lstm
 }
 
-#: Zoo names of the algorithms that act with action masks (``enjoy`` passes the env's masks to ``predict``)
+#: Zoo names of the algorithms that act with action masks (``enjoy`` passes the env's masks to ``predict``, and the
+#: evaluations during ``train`` and ``-optimize`` use sb3-contrib's masked evaluation)
 MASKABLE_ALGOS = ("klppo_mask",)
 
 #: Masked tasks registered in Gymnasium for the zoo (which has none): id -> (entry point, keyword arguments).
@@ -184,10 +187,40 @@ def _patch_experiment_manager() -> None:
     ExperimentManager._preprocess_hyperparams = _preprocess_hyperparams  # type: ignore[method-assign]
 
 
+class MaskableTrialEvalCallback(TrialEvalCallback, MaskableEvalCallback):
+    """
+    The zoo's :class:`~rl_zoo3.callbacks.TrialEvalCallback` (reports each evaluation to the Optuna trial, prunes)
+    evaluating with the env's action masks, as :class:`~sb3_contrib.common.maskable.callbacks.MaskableEvalCallback`
+    does: the tuning objective of a maskable algorithm is the return it gets when it acts as it will be used.
+    """
+
+
+def masked_eval_callback(callback: EvalCallback) -> MaskableEvalCallback:
+    """
+    :param callback: An ``EvalCallback`` the zoo built for a run
+    :return: The same evaluation (env, frequency, episodes, best-model and log paths, new-best callback) with masks
+    """
+    log_path = os.path.dirname(callback.log_path) if callback.log_path is not None else None
+    return MaskableEvalCallback(
+        callback.eval_env,
+        callback_on_new_best=callback.callback_on_new_best,
+        n_eval_episodes=callback.n_eval_episodes,
+        eval_freq=callback.eval_freq,
+        log_path=log_path,
+        best_model_save_path=callback.best_model_save_path,
+        deterministic=callback.deterministic,
+        render=callback.render,
+        verbose=callback.verbose,
+        warn=callback.warn,
+    )
+
+
 def _patch_create_callbacks() -> None:
     """
     Make ``ExperimentManager.create_callbacks`` add a :class:`ProgressCSVCallback` writing ``progress.csv`` into the
-    run's folder when training an sb3_kl algorithm (not during ``-optimize``). Idempotent.
+    run's folder when training an sb3_kl algorithm (not during ``-optimize``), and evaluate a maskable algorithm with
+    its masks (the zoo's ``EvalCallback`` would let it pick masked actions, and keep the best model by that return).
+    Idempotent.
     """
     original = ExperimentManager.create_callbacks
     if getattr(original, "_sb3_kl_patched", False):
@@ -195,12 +228,40 @@ def _patch_create_callbacks() -> None:
 
     def create_callbacks(self: ExperimentManager) -> None:
         original(self)
+        if self.algo in MASKABLE_ALGOS:
+            self.callbacks = [
+                masked_eval_callback(callback) if type(callback) is EvalCallback else callback for callback in self.callbacks
+            ]
         if self.algo in SB3_KL_ALGOS and not self.optimize_hyperparameters:
             self.callbacks.append(ProgressCSVCallback(self.save_path))
 
     create_callbacks._sb3_kl_patched = True  # type: ignore[attr-defined]
     create_callbacks.__doc__ = original.__doc__
     ExperimentManager.create_callbacks = create_callbacks  # type: ignore[method-assign]
+
+
+def _patch_objective() -> None:
+    """
+    Make ``ExperimentManager.objective`` (one ``-optimize`` trial) evaluate a maskable algorithm with its masks
+    (:class:`MaskableTrialEvalCallback`). The zoo builds its ``TrialEvalCallback`` inside the method, so the name is
+    swapped in its module for the duration of the trial. Idempotent.
+    """
+    original = ExperimentManager.objective
+    if getattr(original, "_sb3_kl_patched", False):
+        return
+
+    def objective(self: ExperimentManager, trial: Any) -> float:
+        if self.algo not in MASKABLE_ALGOS:
+            return original(self, trial)
+        exp_manager.TrialEvalCallback = MaskableTrialEvalCallback  # type: ignore[misc]
+        try:
+            return original(self, trial)
+        finally:
+            exp_manager.TrialEvalCallback = TrialEvalCallback  # type: ignore[misc]
+
+    objective._sb3_kl_patched = True  # type: ignore[attr-defined]
+    objective.__doc__ = original.__doc__
+    ExperimentManager.objective = objective  # type: ignore[method-assign]
 
 
 def register() -> None:
@@ -219,3 +280,4 @@ def register() -> None:
     _patch_experiment_manager()
     patch_experiment_manager()  # -optimize on database storages: heartbeat, safe schema creation, exact cap
     _patch_create_callbacks()
+    _patch_objective()
