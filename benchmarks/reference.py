@@ -1,6 +1,6 @@
 """
-Issue 8: reference-policy KL. Pretrain on Pendulum-v1, fine-tune on a modified task (an action cost) with and
-without the anchor to the pretrained policy, over several seeds; measure the new-task return, the original-task
+Reference-policy KL (anchoring a fine-tuned policy to a pretrained one). Pretrain on Pendulum-v1, fine-tune on a
+modified task (an action cost) with and without the anchor to the pretrained policy, over several seeds; measure the new-task return, the original-task
 return after fine-tuning (forgetting) and the KL to the reference over training.
 
     nice -n 10 python benchmarks/reference.py --task action-cost --action-cost 0.5 [--steps 81920] [--seeds 0 1 2]
@@ -249,7 +249,7 @@ def report(args: argparse.Namespace, command: str) -> None:
     pre = json.load(open(record_path(f"{tag}_pretrained")))
     runs = {c: [json.load(open(record_path(f"{tag}_{c}_s{s}"))) for s in args.seeds] for c in conditions(args)}
     lines = [
-        f"# Issue 8: reference-policy KL on Pendulum-v1 (pretrain, then fine-tune with {description})",
+        f"# Reference-policy KL on Pendulum-v1 (pretrain, then fine-tune with {description})",
         "",
         f"Command: `{command}`",
         "",
