@@ -1,7 +1,7 @@
 """
 Reference-policy KL (anchoring a fine-tuned policy to a pretrained one). Pretrain on Pendulum-v1, fine-tune on a
-modified task (an action cost) with and without the anchor to the pretrained policy, over several seeds; measure the new-task return, the original-task
-return after fine-tuning (forgetting) and the KL to the reference over training.
+modified task (an action cost) with and without the anchor to the pretrained policy, over several seeds; measure the
+new-task return, the original-task return after fine-tuning (forgetting) and the KL to the reference over training.
 
     nice -n 10 python benchmarks/reference.py --task action-cost --action-cost 0.5 [--steps 81920] [--seeds 0 1 2]
         [--jobs 2] [--ref-target-kl 0.05]
