@@ -28,7 +28,7 @@ HYPERPARAMS_DIR = ROOT / "sb3_kl" / "hyperparams"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 RUNS_DIR = RESULTS_DIR / "zoo_runs"
 TABLE = RESULTS_DIR / "zoo_configs.md"
-ALGOS = ("klppo", "clip_klppo", "kltrpo")
+ALGOS = ("klppo", "clip_klppo", "kltrpo", "klppo_mask", "klppo_lstm")
 
 #: Return regarded as solved / good, for the table's last column (the zoo's usual reference levels)
 REFERENCE_RETURN = {
@@ -39,6 +39,10 @@ REFERENCE_RETURN = {
     "LunarLanderContinuous-v3": 200.0,
     "HalfCheetah-v5": 3000.0,
     "Hopper-v5": 2500.0,
+    "CartPoleNoVel-v1": 475.0,
+    "PendulumNoVel-v1": -200.0,
+    # 100 steps per episode, reward 1 per correct action (at most 100)
+    "InvalidActionMultiDiscrete-v0": 95.0,
 }
 
 
@@ -54,12 +58,34 @@ def shipped_entries(algos: list[str], envs: list[str] | None) -> list[tuple[str,
     return entries
 
 
+def code_version() -> str:
+    """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        modified = git("status", "--porcelain", "--", "sb3_kl", "benchmarks/zoo_configs.py")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+
+
 def evaluate(model_dir: Path, algo: str, env_id: str, n_episodes: int, seed: int) -> tuple[float, float]:
-    """Deterministic return of the final model, with the training VecNormalize statistics if any (zoo helpers)."""
+    """
+    Deterministic return of the final model, with the training VecNormalize statistics if any (zoo helpers). A
+    maskable algorithm acts with the env's action masks (sb3-contrib's ``evaluate_policy``); SB3's carries an LSTM's
+    state across steps for a recurrent one.
+    """
     import rl_zoo3
+    from sb3_contrib.common.maskable.evaluation import evaluate_policy as evaluate_masked
     from stable_baselines3.common.evaluation import evaluate_policy
 
     import sb3_kl.zoo
+
+    if algo in sb3_kl.zoo.MASKABLE_ALGOS:
+        evaluate_policy = evaluate_masked
 
     hyperparams, stats_path = rl_zoo3.get_saved_hyperparams(str(model_dir / env_id), test_mode=True)
     env = rl_zoo3.create_test_env(
@@ -108,6 +134,7 @@ def run_entry(algo: str, env_id: str, config: dict[str, Any], seed: int, log_roo
         "command": " ".join(command),
         "wall_time_s": round(wall, 1),
         "returncode": status.returncode,
+        "code_version": code_version(),
     }
     if status.returncode == 0:
         run_dirs = sorted((log_folder / algo).glob(f"{env_id}_*"), key=lambda path: path.stat().st_mtime)
@@ -145,9 +172,11 @@ def write_table() -> None:
         "*Shipped*: whether `sb3_kl/hyperparams/{algo}.yml` contains exactly this config. Wall times are from a machine",
         "shared with other jobs (load average about 12 on 2 cores), so they overstate the cost of a run.",
         "",
-        "| algo | env | budget (steps) | seed | eval return | train return (last 100 ep) | reference | shipped | wall time "
-        "| command |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "*Code*: the sb3-kl commit of the run (older records did not store it).",
+        "",
+        "| algo | env | budget (steps) | seed | eval return | train return (last 100 ep) | reference | shipped | code "
+        "| wall time | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["returncode"] != 0:
@@ -160,7 +189,7 @@ def write_table() -> None:
         lines.append(
             f"| {r['algo']} | {r['env']} | {r['n_timesteps']:,} | {r['seed']} | {eval_text} | {train_text} | "
             f"{reference if reference is not None else '-'} | {'yes' if is_shipped else 'no'} | "
-            f"{r['wall_time_s'] / 60:.1f} min | `{r['command']}` |"
+            f"{r.get('code_version', 'unrecorded')} | {r['wall_time_s'] / 60:.1f} min | `{r['command']}` |"
         )
     lines += ["", *summary_matrix(results, shipped), ""]
     TABLE.write_text("\n".join(lines))
