@@ -84,7 +84,7 @@ def evaluate(model_dir: Path, algo: str, env_id: str, n_episodes: int, seed: int
 
     import sb3_kl.zoo
 
-    if algo in sb3_kl.zoo.MASKABLE_ALGOS:
+    if algo in sb3_kl.zoo.registry.MASKABLE_ALGOS:
         evaluate_policy = evaluate_masked
 
     hyperparams, stats_path = rl_zoo3.get_saved_hyperparams(str(model_dir / env_id), test_mode=True)
