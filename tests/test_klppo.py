@@ -552,3 +552,35 @@ def test_logged_kl_equals_independent_kl_far_outside_the_band(env_name):
     assert logged["train/kl"] > 20 * logged["train/target_kl"], "the update must leave the band far behind"
     assert logged["train/kl"] == pytest.approx(reference.mean(), rel=1e-4)
     assert logged["train/kl_max"] == pytest.approx(reference.max(), rel=1e-3)
+
+
+def test_gsde_kl_gradient_reaches_the_features():
+    """
+    gSDE builds the std from the latent features but SB3 detaches them from the distribution (learn_features=False):
+    the KL in KLPPO's loss must still be differentiated through them. Checked against a copy of the policy whose
+    distribution keeps them attached (learn_features=True) and torch.distributions' KL.
+    """
+    model = KLPPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=2, use_sde=True, learning_rate=1e-2, seed=0)
+    model.learn(64)
+    data = next(iter(model.rollout_buffer.get(32)))
+    _, distribution = model._forward_samples(data)
+    kl = model._per_state_kl(data.old_dist_params, distribution, None).mean()
+
+    independent = type(model.policy)(**model.policy._get_constructor_parameters())
+    independent.load_state_dict(model.policy.state_dict())
+    independent.action_dist.learn_features = True
+    d = model.action_space.shape[0]
+    old = th.distributions.Normal(data.old_dist_params[:, :d], data.old_dist_params[:, d:].exp())
+    expected = th.distributions.kl_divergence(old, independent.get_distribution(data.observations).distribution).sum(-1).mean()
+    assert kl.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert expected.item() > 1e-4
+
+    def gradients(value, policy):
+        named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        grads = th.autograd.grad(value, [p for _, p in named], allow_unused=True)
+        return {n: th.zeros_like(p) if g is None else g for (n, p), g in zip(named, grads, strict=True)}
+
+    got, want = gradients(kl, model.policy), gradients(expected, independent)
+    for name in ("mlp_extractor.policy_net.0.weight", "log_std", "action_net.weight"):
+        assert want[name].abs().max() > 1e-6, name
+        assert th.allclose(got[name], want[name], rtol=1e-4, atol=1e-7), name

@@ -328,3 +328,38 @@ def test_kl_stop_factor_and_hinge():
     model = _model("CartPole-v1", learning_rate=5e-2, target_kl=1e-4, kl_stop_factor=1.0, kl_hinge_coef=10.0, n_epochs=8)
     model.learn(128)
     assert model.logger.name_to_value["train/early_stop_epoch"] < 8
+
+
+def _kl_gradients(kl, policy):
+    names, params = zip(*[(n, p) for n, p in policy.named_parameters() if p.requires_grad], strict=True)
+    grads = th.autograd.grad(kl, params, allow_unused=True)
+    return {n: th.zeros_like(p) if g is None else g for n, p, g in zip(names, params, grads, strict=True)}
+
+
+def test_gsde_kl_gradient_reaches_the_lstm_and_latent():
+    """
+    With gSDE the std of a state is built from the LSTM's latent features (SB3 detaches them from the distribution,
+    learn_features=False): the KL in the loss must still be differentiated through them, else the penalty cannot
+    hold the std. Checked against a copy of the policy whose distribution keeps the features attached
+    (learn_features=True) and torch.distributions' KL on the same padded minibatch.
+    """
+    model = _model("Pendulum-v1", use_sde=True, learning_rate=1e-2)
+    model.learn(128)  # one update: the buffer still holds the rollout and the rollout policy's parameters
+    data = next(iter(model.rollout_buffer.get(32)))
+    mask = data.mask > 1e-8
+    terms = (None, None, model.kl_coef, 0.0, model._current_target_kl())
+    kl = model._minibatch_loss(data, *terms)["kl"]
+
+    independent = _copy_policy(model.policy)
+    independent.action_dist.learn_features = True
+    distribution, _ = independent.get_distribution(data.observations, data.lstm_states.pi, data.episode_starts)
+    d = model.action_space.shape[0]
+    old = Normal(data.old_dist_params[:, :d], data.old_dist_params[:, d:].exp())
+    expected = kl_divergence(old, distribution.distribution).sum(-1)[mask].mean()
+    assert kl.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert expected.item() > 1e-4
+
+    got, want = _kl_gradients(kl, model.policy), _kl_gradients(expected, independent)
+    for name in ("lstm_actor.weight_hh_l0", "mlp_extractor.policy_net.0.weight", "log_std", "action_net.weight"):
+        assert want[name].abs().max() > 1e-6, name
+        assert th.allclose(got[name], want[name], rtol=1e-4, atol=1e-7), name

@@ -124,6 +124,53 @@ class DistributionParams(ABC):
         """
 
 
+#: Attribute under which :func:`attach_sde_features` keeps its Normal beside a gSDE distribution
+_KL_NORMAL_ATTRIBUTE = "_sb3_kl_normal"
+
+
+def attach_sde_features(distribution: Distribution, latent_sde: th.Tensor, log_std: th.Tensor | None) -> None:
+    """
+    Let the KL of a gSDE distribution be differentiated through the policy's features.
+
+    gSDE (``StateDependentNoiseDistribution``) makes the action std a function of the policy's latent features,
+    ``std^2 = latent^2 @ sigma^2 + epsilon``, but with SB3's default ``learn_features=False`` it is built from a
+    *detached* copy of them: the log-probabilities (the policy gradient) do not move the features through the std,
+    which is gSDE's design. A KL term built on that distribution has the right value, since the std at a state
+    moves with the features, but the wrong gradient: nothing pushes back on the change of std that a change of
+    features causes, so the KL penalty and hinge cannot hold it, however large beta grows. With LSTM features (and
+    ReLU latents that switch off) the std of some states collapses within one update and the KL is in the
+    thousands (``benchmarks/results/recurrent_kl_probe.md``).
+
+    This keeps, beside ``distribution``, a Normal with the same values whose std is differentiable in
+    ``latent_sde``; the KL functions of this module (:func:`kl_normal`) use it. The distribution itself
+    (log-probabilities, entropy, sampling) is unchanged. Nothing is done for other distributions or when the
+    distribution already learns its features.
+
+    :param distribution: The distribution just built by ``proba_distribution(mean_actions, log_std, latent_sde)``
+    :param latent_sde: The latent features it was built from, with their gradient
+    :param log_std: The policy's ``log_std`` parameter it was built from (None for a policy without one)
+    """
+    if not isinstance(distribution, StateDependentNoiseDistribution) or distribution.learn_features or log_std is None:
+        return
+    variance = th.mm(latent_sde**2, distribution.get_std(log_std) ** 2)
+    normal = th.distributions.Normal(distribution.distribution.loc, th.sqrt(variance + distribution.epsilon))
+    # Keyed by the distribution's current Normal: a policy reuses its distribution object, and the next
+    # proba_distribution() call replaces the Normal, which makes this one stale
+    setattr(distribution, _KL_NORMAL_ATTRIBUTE, (distribution.distribution, normal))
+
+
+def kl_normal(distribution: Distribution) -> th.distributions.Normal:
+    """
+    :param distribution: A Gaussian SB3 distribution (diagonal or gSDE)
+    :return: The Normal the KL is computed on: the one :func:`attach_sde_features` attached to the distribution's
+        current Normal if any (same values, std differentiable in the features), else the distribution's own
+    """
+    attached = getattr(distribution, _KL_NORMAL_ATTRIBUTE, None)
+    if attached is not None and attached[0] is distribution.distribution:
+        return attached[1]
+    return distribution.distribution  # type: ignore[return-value]
+
+
 class GaussianParams(DistributionParams):
     """
     Diagonal Gaussian (``Box`` actions, with or without gSDE): parameters are ``[mean, log_std]``.
@@ -136,8 +183,8 @@ class GaussianParams(DistributionParams):
         self.action_dim = action_dim
 
     def extract(self, distribution: Distribution) -> th.Tensor:
-        normal = distribution.distribution
-        return th.cat([normal.loc, th.log(normal.scale)], dim=-1)  # type: ignore[union-attr]
+        normal = kl_normal(distribution)
+        return th.cat([normal.loc, th.log(normal.scale)], dim=-1)
 
     def split(self, params: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         """:return: mean and log_std, each ``(batch, action_dim)``"""
@@ -153,12 +200,12 @@ class GaussianParams(DistributionParams):
 
     def kl_per_dim_to(self, old_params: th.Tensor, distribution: Distribution, reverse: bool = False) -> th.Tensor:
         # Straight from the live distribution's mean and std (no concatenation)
-        normal = distribution.distribution
+        normal = kl_normal(distribution)
         mean_old, log_std_old = self.split(old_params)
         var_old = th.exp(2.0 * log_std_old)
-        diff_sq = (normal.loc - mean_old) ** 2  # type: ignore[union-attr]
-        var_new = normal.scale**2  # type: ignore[union-attr]
-        log_std_ratio = th.log(normal.scale) - log_std_old  # type: ignore[union-attr]  # log(s_new / s_old)
+        diff_sq = (normal.loc - mean_old) ** 2
+        var_new = normal.scale**2
+        log_std_ratio = th.log(normal.scale) - log_std_old  # log(s_new / s_old)
         if reverse:  # KL(new || old)
             return (var_new + diff_sq) / (2.0 * var_old) - 0.5 - log_std_ratio
         return (var_old + diff_sq) / (2.0 * var_new) - 0.5 + log_std_ratio
@@ -166,8 +213,8 @@ class GaussianParams(DistributionParams):
     def joint_kl_to(self, old_params: th.Tensor, distribution: Distribution, reverse: bool = False) -> th.Tensor:
         # One autograd node with a closed-form gradient instead of a dozen elementwise nodes: this KL sits in every
         # minibatch of KLPPO's loss, where the per-op overhead of small tensors dominates its cost
-        normal = distribution.distribution
-        loc, scale = normal.loc, normal.scale  # type: ignore[union-attr]
+        normal = kl_normal(distribution)
+        loc, scale = normal.loc, normal.scale
         fused = th.is_grad_enabled() and not old_params.requires_grad and loc.shape == scale.shape
         if not fused or not (loc.requires_grad or scale.requires_grad):
             return self.kl_per_dim_to(old_params, distribution, reverse).sum(dim=-1)

@@ -34,6 +34,7 @@ from sb3_kl.common.validation import check_bool, check_int, check_path, check_pr
 from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
     DistributionParams,
+    attach_sde_features,
     GaussianParams,
     KLSettings,
     kl_quantiles,
@@ -528,7 +529,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             latent_pi = self.policy.mlp_extractor.forward_actor(pi_features)
             latent_vf = self.policy.mlp_extractor.forward_critic(vf_features)
         values = self.policy.value_net(latent_vf).flatten()
-        return values, self.policy._get_action_dist_from_latent(latent_pi)
+        distribution = self.policy._get_action_dist_from_latent(latent_pi)
+        # gSDE: the KL terms of the loss are differentiated through the features its std is built from
+        attach_sde_features(distribution, latent_pi, getattr(self.policy, "log_std", None))
+        return values, distribution
 
     @staticmethod
     def _sample_masks(data: Any) -> th.Tensor | None:

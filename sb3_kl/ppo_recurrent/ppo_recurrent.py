@@ -6,12 +6,13 @@ import torch as th
 from gymnasium import spaces
 from sb3_contrib import RecurrentPPO
 from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
-from stable_baselines3.common.policies import BasePolicy
+from stable_baselines3.common.distributions import Distribution
+from stable_baselines3.common.policies import BaseModel, BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.utils import explained_variance
 
 from sb3_kl.common.controllers import KLController
-from sb3_kl.common.kl import per_state_kl
+from sb3_kl.common.kl import attach_sde_features, per_state_kl
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.recurrent import SequenceEvaluation, evaluate_sequences, is_recurrent_policy, zero_lstm_states
 from sb3_kl.common.recurrent_buffers import (
@@ -326,6 +327,24 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     # ----------------------------------------------------------------------------------------------------------
     # The loss
 
+    def _sequence_distribution(
+        self, observations: Any, lstm_states: tuple[th.Tensor, th.Tensor], episode_starts: th.Tensor
+    ) -> Distribution:
+        """
+        The policy's ``get_distribution(obs, lstm_states, episode_starts)`` (the same modules in the same order), with
+        the latent features kept so that, with gSDE, the KL terms are differentiated through the features the std is
+        built from (:func:`~sb3_kl.common.kl.attach_sde_features`).
+
+        :return: the action distribution (with gradients)
+        """
+        policy = self.policy
+        features = BaseModel.extract_features(policy, observations, policy.pi_features_extractor)
+        latent_pi, _ = policy._process_sequence(features, lstm_states, episode_starts, policy.lstm_actor)
+        latent_pi = policy.mlp_extractor.forward_actor(latent_pi)
+        distribution = policy._get_action_dist_from_latent(latent_pi)
+        attach_sde_features(distribution, latent_pi, getattr(policy, "log_std", None))
+        return distribution
+
     def _minibatch_loss(
         self,
         data: RecurrentKLRolloutBufferSamples,
@@ -343,7 +362,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         mask = data.mask > 1e-8
         actions = self._actions_for_log_prob(data.actions)
         # The policy's own sequence evaluation from the minibatch's stored LSTM states (RecurrentPPO's minibatches)
-        distribution, _ = self.policy.get_distribution(data.observations, data.lstm_states.pi, data.episode_starts)
+        distribution = self._sequence_distribution(data.observations, data.lstm_states.pi, data.episode_starts)
         values = self.policy.predict_values(data.observations, data.lstm_states.vf, data.episode_starts).flatten()
         log_prob = distribution.log_prob(actions)
         with th.set_grad_enabled(self.ent_coef != 0):
