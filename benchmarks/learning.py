@@ -143,8 +143,8 @@ def record_path(tier: str, algo: str, env_id: str, lr_mult: float, seed: int) ->
 def matched_target_kl(tier: str, env_id: str, lr_mult: float = 1.0) -> float:
     """
     The KL sb3-contrib's TRPO actually took per update on ``env_id`` (mean over the recorded updates of its seeds
-    ``MATCHED_SEEDS`` of the monitor's exact joint KL(old||new), summed over action dimensions): ``kltrpo_matched``'s ``target_kl``, so that
-    KLTRPO takes steps of the same size and only the constraint differs.
+    ``MATCHED_SEEDS`` of the monitor's exact joint KL(old||new), summed over action dimensions): ``kltrpo_matched``'s
+    ``target_kl``, so that KLTRPO takes steps of the same size and only the constraint differs.
     """
     kls = [
         u["mean"]
@@ -261,10 +261,12 @@ def train_and_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def code_version() -> str:
+def code_version(*scripts: str) -> str:
     """
     The commit of the sb3-kl checkout that ran, with ``+modified`` when the package or the benchmark code had
     uncommitted changes (results files do not count), or ``"unknown"`` outside a git checkout.
+
+    :param scripts: The benchmark files (names in ``benchmarks/``) whose changes count; default this script's
     """
     import subprocess
 
@@ -273,7 +275,7 @@ def code_version() -> str:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", "../sb3_kl", "settings.py", "learning.py")
+        modified = git("status", "--porcelain", "--", "../sb3_kl", *(scripts or ("settings.py", "learning.py")))
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (commit + ("+modified" if modified else "")) if commit else "unknown"

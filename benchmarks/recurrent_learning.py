@@ -16,7 +16,6 @@ regenerated from the records by ``--report``. Summaries (AUC, collapses, band sh
 import argparse
 import json
 import multiprocessing
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import learning  # noqa: E402
 from learning import BAND, default_target_kl, describe, fmt, scale_learning_rate, summarize  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -68,16 +68,7 @@ def record_path(algo: str, env_id: str, lr_mult: float, seed: int) -> Path:
 
 def code_version() -> str:
     """The commit that ran, ``+modified`` when the package or this script had uncommitted changes."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", "../sb3_kl", "recurrent_learning.py", "learning.py")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+    return learning.code_version("recurrent_learning.py", "learning.py")
 
 
 def kl_options(model: Any) -> dict[str, Any] | None:

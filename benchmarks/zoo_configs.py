@@ -24,6 +24,10 @@ import torch as th
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import learning  # noqa: E402
+
 HYPERPARAMS_DIR = ROOT / "sb3_kl" / "hyperparams"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 RUNS_DIR = RESULTS_DIR / "zoo_runs"
@@ -60,16 +64,7 @@ def shipped_entries(algos: list[str], envs: list[str] | None) -> list[tuple[str,
 
 def code_version() -> str:
     """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", "sb3_kl", "benchmarks/zoo_configs.py")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+    return learning.code_version("zoo_configs.py")
 
 
 def evaluate(model_dir: Path, algo: str, env_id: str, n_episodes: int, seed: int) -> tuple[float, float]:
