@@ -34,7 +34,8 @@ RUNS = RESULTS / "recurrent_runs"
 ENVS = ["CartPoleNoVel-v1", "PendulumNoVel-v1"]
 ALGOS = ["recurrent_ppo", "recurrent_klppo"]
 #: Run only when named with ``--algos``: RecurrentKLPPO with the zoo's ``clip_range`` kept (KL penalty and ratio clip)
-VARIANTS = ["recurrent_klppo_clip"]
+#: and RecurrentKLPPO without clip_range whose KL target decays linearly to 0 as the zoo's learning rate and clip range do
+VARIANTS = ["recurrent_klppo_clip", "recurrent_klppo_lin_target"]
 # (env, learning-rate multiplier) cells of the grid
 CELLS = [("CartPoleNoVel-v1", 1.0), ("PendulumNoVel-v1", 1.0), ("PendulumNoVel-v1", 10.0)]
 SEEDS = [0, 1, 2]
@@ -105,6 +106,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.utils import LinearSchedule
     from stable_baselines3.common.vec_env import VecNormalize
 
     from sb3_kl import RecurrentKLPPO
@@ -115,8 +117,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     algo, env_id, seed, lr_mult = spec["algo"], spec["env"], spec["seed"], spec["lr_mult"]
     entry = zoo_settings(env_id)
     kwargs = {key: value for key, value in entry.items() if key not in ZOO_ONLY}
-    if algo == "recurrent_klppo":
+    if algo in ("recurrent_klppo", "recurrent_klppo_lin_target"):
         kwargs.pop("clip_range", None)
+    if algo == "recurrent_klppo_lin_target":
+        kwargs["target_kl"] = LinearSchedule(default_target_kl("klppo", env_id, {}), 0.0, 1.0)
     if lr_mult != 1.0:
         scale_learning_rate(kwargs, lr_mult)
     env = make_vec_env(env_id, n_envs=entry["n_envs"], seed=seed)
@@ -204,8 +208,9 @@ def report() -> str:
         f"`benchmarks/results/recurrent_runs/` (code versions: {', '.join(versions) or 'none'}).",
         "",
         "Settings: rl-zoo's `ppo_lstm` hyperparameters for each task (RecurrentKLPPO without `clip_range`, "
-        "`recurrent_klppo_clip` with the zoo's `clip_range` as well, both with the default "
-        f"KL target; its KL options as the runs recorded them: {options_text}), seeds {seeds}, "
+        "`recurrent_klppo_clip` with the zoo's `clip_range` as well, `recurrent_klppo_lin_target` without it and with "
+        "a KL target decaying linearly to 0 (its band share is scored against the initial target), all starting from "
+        f"the default KL target; its KL options as the runs recorded them: {options_text}), seeds {seeds}, "
         f"**{budgets} environment steps per run instead of the zoo's 1e5** (LSTM training on this shared 2-core CPU; "
         f"the grid took {cpu:.0f} CPU-minutes). The exact KL of every update is measured on both algorithms by "
         "`KLMonitorCallback` (forward KL(old||new), summed over action dimensions; each policy's LSTM re-run over each "
@@ -245,7 +250,12 @@ def plot(groups: dict[tuple[str, float, str], list[dict[str, Any]]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(CELLS), figsize=(5 * len(CELLS), 7), squeeze=False)
-    colors = {"recurrent_ppo": "tab:gray", "recurrent_klppo": "tab:blue", "recurrent_klppo_clip": "tab:orange"}
+    colors = {
+        "recurrent_ppo": "tab:gray",
+        "recurrent_klppo": "tab:blue",
+        "recurrent_klppo_clip": "tab:orange",
+        "recurrent_klppo_lin_target": "tab:green",
+    }
     for col, (env_id, lr_mult) in enumerate(CELLS):
         for algo in ALGOS + VARIANTS:
             for i, record in enumerate(groups.get((env_id, lr_mult, algo), [])):
