@@ -193,9 +193,16 @@ def report() -> str:
     for record in records:
         groups.setdefault((record["env"], record["lr_mult"], record["algo"]), []).append(record)
     versions = sorted({r["code_version"] for r in records})
-    options = sorted({json.dumps(r["kl_options"], sort_keys=True) for r in records if r.get("kl_options")})
+    options: dict[str, set[str]] = {}
+    for r in records:
+        if r.get("kl_options"):
+            hyperparameters = r["hyperparameters"]
+            recorded = {**r["kl_options"], "target_kl": hyperparameters.get("target_kl", "default")}
+            # a schedule as the run was given it (kl_options holds its value at the start)
+            recorded["clip_range"] = hyperparameters.get("clip_range", recorded["clip_range"])
+            options.setdefault(r["algo"], set()).add(", ".join(f"`{key}={value}`" for key, value in recorded.items()))
     options_text = (
-        "; ".join(", ".join(f"`{key}={value}`" for key, value in json.loads(o).items()) for o in options)
+        "; ".join(f"{algo}: {' / '.join(sorted(values))}" for algo, values in sorted(options.items()))
         or "not recorded (records made before the options were recorded)"
     )
     seeds = sorted({r["seed"] for r in records})
@@ -210,7 +217,7 @@ def report() -> str:
         "Settings: rl-zoo's `ppo_lstm` hyperparameters for each task (RecurrentKLPPO without `clip_range`, "
         "`recurrent_klppo_clip` with the zoo's `clip_range` as well, `recurrent_klppo_lin_target` without it and with "
         "a KL target decaying linearly to 0 (its band share is scored against the initial target), all starting from "
-        f"the default KL target; its KL options as the runs recorded them: {options_text}), seeds {seeds}, "
+        f"the default KL target; the KL options as the runs recorded them: {options_text}), seeds {seeds}, "
         f"**{budgets} environment steps per run instead of the zoo's 1e5** (LSTM training on this shared 2-core CPU; "
         f"the grid took {cpu:.0f} CPU-minutes). The exact KL of every update is measured on both algorithms by "
         "`KLMonitorCallback` (forward KL(old||new), summed over action dimensions; each policy's LSTM re-run over each "
