@@ -12,10 +12,12 @@ Where the KL of a RecurrentKLPPO update comes from. Per update of a short run wi
   range of the per-state std ratio new/old.
 
 ``--detached-sde`` runs the same with the gSDE KL differentiated as before the fix (the std's features detached, as
-SB3's distribution has them): the before/after comparison on one committed code version.
+SB3's distribution has them): the before/after comparison on one committed code version. The same comparison for
+feed-forward KLPPO (Pendulum-v1, gSDE, 10x the zoo lr) closes the report.
 
     python benchmarks/recurrent_kl_probe.py           # the probe runs, then the report
     python benchmarks/recurrent_kl_probe.py --report  # only the report (benchmarks/results/recurrent_kl_probe.md)
+    python benchmarks/recurrent_kl_probe.py --feedforward-only  # only feed-forward KLPPO on Pendulum-v1 at 10x lr
 """
 
 import argparse
@@ -191,8 +193,93 @@ def run_probe(env_id: str, lr_mult: float, updates: int, detached_sde: bool, see
     return record
 
 
+#: Feed-forward KLPPO on Pendulum-v1 (the zoo's ppo settings without clip_range, gSDE) at 10x the zoo learning rate:
+#: (seeds, updates), each with the gSDE KL detached and attached
+FEEDFORWARD = ([0, 1], 8)
+
+
+def run_feedforward(seed: int, updates: int, detached_sde: bool) -> dict[str, Any]:
+    """KLPPO's exact per-update KL (``train/kl``) on Pendulum-v1 at 10x the zoo lr, the gSDE KL detached or attached."""
+    import rl_zoo3
+    import yaml
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    import sb3_kl.common.on_policy_algorithm as algorithm_module
+    from sb3_kl import KLPPO
+
+    th.set_num_threads(1)
+    version = code_version()
+    entry = dict(yaml.safe_load((Path(rl_zoo3.__file__).parent / "hyperparams" / "ppo.yml").read_text())["Pendulum-v1"])
+    kwargs = {key: value for key, value in entry.items() if key not in ZOO_ONLY and key != "clip_range"}
+    scale_learning_rate(kwargs, 10.0)
+    env = make_vec_env("Pendulum-v1", n_envs=entry["n_envs"], seed=seed)
+    if entry.get("normalize"):
+        env = VecNormalize(env, gamma=kwargs.get("gamma", 0.99))
+    kls: list[float] = []
+
+    class UpdateKL(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:
+            if self.model._n_updates > 0 and "train/kl" in self.model.logger.name_to_value:
+                kls.append(float(self.model.logger.name_to_value["train/kl"]))
+
+        def _on_training_end(self) -> None:
+            self._on_rollout_start()
+
+    attach = algorithm_module.attach_sde_features
+    if detached_sde:
+        algorithm_module.attach_sde_features = lambda *args: None
+    try:
+        model = KLPPO(entry["policy"], env, seed=seed, device="cpu", **kwargs)
+        model.learn(updates * model.n_steps * model.n_envs, callback=UpdateKL())
+    finally:
+        algorithm_module.attach_sde_features = attach
+    record = dict(
+        algo="klppo",
+        env="Pendulum-v1",
+        lr_mult=10.0,
+        seed=seed,
+        detached_sde=detached_sde,
+        kl_updates=kls,
+        target_kl=model._current_target_kl(),
+        code_version=version,
+    )
+    RUNS.mkdir(parents=True, exist_ok=True)
+    name = f"feedforward__Pendulum-v1__lr10__s{seed}__{'detached' if detached_sde else 'attached'}.json"
+    (RUNS / name).write_text(json.dumps(record, indent=1))
+    return record
+
+
+def feedforward_lines() -> list[str]:
+    records = [json.loads(p.read_text()) for p in sorted(RUNS.glob("feedforward__*.json"))]
+    if not records:
+        return []
+    lines = [
+        "",
+        "## Feed-forward KLPPO, Pendulum-v1, 10x the zoo learning rate",
+        "",
+        "The zoo's `ppo` settings for Pendulum-v1 (gSDE) without `clip_range`, KLPPO's KL defaults (target "
+        f"{records[0]['target_kl']:g}); exact KL of each update (`train/kl`), code versions "
+        f"{', '.join(sorted({r['code_version'] for r in records}))}.",
+        "",
+        "| seed | gSDE KL | KL per update | mean | max |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        kls = r["kl_updates"]
+        lines.append(
+            f"| {r['seed']} | {'detached' if r['detached_sde'] else 'attached'} | {', '.join(f'{k:.3g}' for k in kls)} | "
+            f"{np.mean(kls):.3g} | {np.max(kls):.3g} |"
+        )
+    return lines
+
+
 def report() -> str:
-    records = [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))]
+    records = [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json")) if not p.name.startswith("feedforward__")]
     versions = sorted({r["code_version"] for r in records})
     lines = [
         "# Where the KL of a RecurrentKLPPO update comes from",
@@ -240,7 +327,7 @@ def report() -> str:
             for r in records
         }
     )
-    lines += ["", "Settings: " + "; ".join(settings) + ".", ""]
+    lines += ["", "Settings: " + "; ".join(settings) + ".", *feedforward_lines(), ""]
     text = "\n".join(lines)
     (RESULTS / "recurrent_kl_probe.md").write_text(text)
     return text
@@ -249,10 +336,16 @@ def report() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", action="store_true", help="only regenerate the table")
+    parser.add_argument("--feedforward-only", action="store_true", help="only the feed-forward KLPPO runs, then the report")
     args = parser.parse_args(argv)
     if not args.report:
-        for env_id, lr_mult, updates, detached in PROBES:
-            run_probe(env_id, lr_mult, updates, detached)
+        if not args.feedforward_only:
+            for env_id, lr_mult, updates, detached in PROBES:
+                run_probe(env_id, lr_mult, updates, detached)
+        seeds, updates = FEEDFORWARD
+        for seed in seeds:
+            for detached in (True, False):
+                run_feedforward(seed, updates, detached)
     print(report())
 
 
