@@ -30,10 +30,11 @@ def test_registration_and_shipped_config(zoo):
     assert rl_zoo3.ALGOS["ppo_lstm"].__name__ == "RecurrentPPO"  # the zoo's own entry is untouched
     configs = yaml.safe_load(Path(zoo.default_config("klppo_lstm")).read_text())
     assert set(configs) == {"CartPoleNoVel-v1", "PendulumNoVel-v1"}
-    # the zoo's ppo_lstm settings, without the clip range
+    # the zoo's ppo_lstm settings; the clip range kept on CartPoleNoVel only (measured: recurrent_learning.md)
     stock = yaml.safe_load((Path(rl_zoo3.__file__).parent / "hyperparams" / "ppo_lstm.yml").read_text())
     for env_id, config in configs.items():
-        expected = {key: value for key, value in stock[env_id].items() if key != "clip_range"}
+        keep_clip = env_id.startswith("CartPole")
+        expected = {key: value for key, value in stock[env_id].items() if keep_clip or key != "clip_range"}
         assert {key: value for key, value in config.items() if key != "target_kl"} == expected
         assert config["target_kl"] == (0.02 if env_id.startswith("CartPole") else 0.03)
 
@@ -64,7 +65,8 @@ def test_train_and_enjoy_klppo_lstm(zoo, tmp_path, capsys):
     assert (run_dir / env_id / "vecnormalize.pkl").is_file()  # the shipped config normalises observations
     model = zoo.SB3_KL_ALGOS["klppo_lstm"].load(run_dir / f"{env_id}.zip")
     assert model.num_timesteps >= 256 and model.policy.lstm_actor.hidden_size == 16
-    assert model.clip_range is None and model.target_kl(1.0) == pytest.approx(0.02)
+    assert model.clip_range(1.0) == pytest.approx(0.2) and model.clip_range(0.5) == pytest.approx(0.1)  # lin_0.2
+    assert model.target_kl(1.0) == pytest.approx(0.02)
 
     capsys.readouterr()
     main(["enjoy", "--algo", "klppo_lstm", "--env", env_id, "-f", str(tmp_path), "--no-render", "-n", "300"])

@@ -42,7 +42,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     at the env's first step (episode starts resetting it), and stored in the buffer; the KL measured after the update
     (``train/kl``, quantiles), which drives beta, re-runs the updated policy the same way
     (:mod:`sb3_kl.common.recurrent`). A recurrent ``ref_policy`` is re-run over the same sequences, its LSTM state
-    carried from one rollout to the next as if it had acted alongside.
+    carried from one rollout to the next as if it had acted alongside. With gSDE the KL terms are differentiated
+    through the LSTM features the action std is built from (:func:`~sb3_kl.common.kl.attach_sde_features`).
 
     Two defaults differ from ``RecurrentPPO`` as in ``KLPPO``: ``clip_range=None`` (no ratio clipping; pass 0.2 to clip
     as well) and ``target_kl`` is the controller's target (``None``: 0.02 discrete, 0.03 ``Box``), not an early stop.
