@@ -1,16 +1,20 @@
 """
 Returns and KL stability of RecurrentKLPPO beside sb3-contrib's RecurrentPPO on the velocity-masked tasks the
 rl-zoo tunes ``ppo_lstm`` for (CartPoleNoVel-v1, PendulumNoVel-v1, and PendulumNoVel-v1 at 10x the zoo's learning
-rate), on the same seeds, with the zoo's ``ppo_lstm`` hyperparameters (read from the installed rl_zoo3). RecurrentKLPPO
-takes them without ``clip_range`` (the KL penalty alone controls the step, as KLPPO in ``learning.py``).
+rate), on the same seeds, with the zoo's ``ppo_lstm`` hyperparameters (read from the installed rl_zoo3) and the zoo's
+budget (``--budget zoo``, 1e5 steps; ``--budget reduced``: the shorter runs of an earlier session). RecurrentKLPPO
+takes them without ``clip_range`` (the KL penalty alone controls the step, as KLPPO in ``learning.py``);
+``recurrent_klppo_clip`` keeps the zoo's ``clip_range``, as the shipped ``klppo_lstm`` config for CartPoleNoVel-v1 does.
 
 The exact KL of every update is measured on both algorithms by ``KLMonitorCallback`` (each policy's LSTM re-run over
-each env's rollout). Each finished run writes one JSON record under ``benchmarks/results/recurrent_runs/``; the table
-(``benchmarks/results/recurrent_learning.md``) and figure (``benchmarks/results/recurrent_learning.png``) are
-regenerated from the records by ``--report``. Summaries (AUC, collapses, band share) are ``learning.py``'s.
+each env's rollout). Each finished run writes one JSON record under ``benchmarks/results/recurrent_runs/<budget>/``;
+the tables (``benchmarks/results/recurrent_learning.md``) and figures (``recurrent_learning.png`` for the zoo budget,
+``recurrent_learning_reduced.png``) are regenerated from the records by ``--report``. Summaries (AUC, collapses, band
+share) are ``learning.py``'s.
 
-    python benchmarks/recurrent_learning.py --workers 2            # the grid, then the report
-    python benchmarks/recurrent_learning.py --report               # only the report
+    python benchmarks/recurrent_learning.py --workers 2                                  # the grid, then the report
+    python benchmarks/recurrent_learning.py --algos recurrent_klppo_clip --envs CartPoleNoVel-v1   # the shipped config
+    python benchmarks/recurrent_learning.py --report                                     # only the report
 """
 
 import argparse
@@ -39,10 +43,13 @@ VARIANTS = ["recurrent_klppo_clip", "recurrent_klppo_lin_target"]
 # (env, learning-rate multiplier) cells of the grid
 CELLS = [("CartPoleNoVel-v1", 1.0), ("PendulumNoVel-v1", 1.0), ("PendulumNoVel-v1", 10.0)]
 SEEDS = [0, 1, 2]
-#: Environment steps per run. The zoo trains both tasks for 1e5 steps; LSTM training on this shared 2-core machine
-#: runs at roughly 150-250 env-steps per CPU-second, so to keep the 18 runs near 40 CPU-minutes (and within the
-#: session) CartPoleNoVel gets 96 updates of 8 x 32 steps and PendulumNoVel 4 updates of 4 x 1024 steps.
-BUDGETS = {"CartPoleNoVel-v1": 24_576, "PendulumNoVel-v1": 16_384}
+#: Environment steps per run, per budget tier. ``zoo``: the zoo's ``n_timesteps`` (1e5 for both tasks). ``reduced``: an
+#: earlier session's shorter runs (LSTM training on a shared 2-core machine runs at roughly 150-250 env-steps per
+#: CPU-second): CartPoleNoVel 96 updates of 8 x 32 steps, PendulumNoVel 4 updates of 4 x 1024 steps.
+BUDGETS = {
+    "zoo": {"CartPoleNoVel-v1": 100_000, "PendulumNoVel-v1": 100_000},
+    "reduced": {"CartPoleNoVel-v1": 24_576, "PendulumNoVel-v1": 16_384},
+}
 N_EVAL_EPISODES = 10
 #: Zoo keys that are not constructor arguments
 ZOO_ONLY = ("n_envs", "n_timesteps", "policy", "normalize", "env_wrapper", "frame_stack", "callback")
@@ -65,8 +72,8 @@ def zoo_settings(env_id: str) -> dict[str, Any]:
     return entry
 
 
-def record_path(algo: str, env_id: str, lr_mult: float, seed: int) -> Path:
-    return RUNS / f"{algo}__{env_id}__lr{lr_mult:g}__s{seed}.json"
+def record_path(budget: str, algo: str, env_id: str, lr_mult: float, seed: int) -> Path:
+    return RUNS / budget / f"{algo}__{env_id}__lr{lr_mult:g}__s{seed}.json"
 
 
 def code_version() -> str:
@@ -105,7 +112,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
     th.set_num_threads(1)
     version = code_version()  # the commit the run starts from
-    algo, env_id, seed, lr_mult = spec["algo"], spec["env"], spec["seed"], spec["lr_mult"]
+    algo, env_id, seed, lr_mult, budget_tier = spec["algo"], spec["env"], spec["seed"], spec["lr_mult"], spec["budget"]
+    budget = BUDGETS[budget_tier][env_id]
     entry = zoo_settings(env_id)
     kwargs = {key: value for key, value in entry.items() if key not in ZOO_ONLY}
     if algo in ("recurrent_klppo", "recurrent_klppo_lin_target"):
@@ -131,7 +139,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     algorithm = RecurrentPPO if algo == "recurrent_ppo" else RecurrentKLPPO
     model = algorithm(entry["policy"], env, seed=seed, device="cpu", **kwargs)
     start, cpu_start = time.perf_counter(), time.process_time()
-    model.learn(BUDGETS[env_id], callback=[Curve(), monitor])
+    model.learn(budget, callback=[Curve(), monitor])
     train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 
     eval_env = make_vec_env(env_id, n_envs=1, seed=10_000 + seed)
@@ -146,7 +154,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         env=env_id,
         seed=seed,
         lr_mult=lr_mult,
-        budget=BUDGETS[env_id],
+        budget=budget,
+        budget_tier=budget_tier,
         zoo_budget=int(entry["n_timesteps"]),
         n_envs=entry["n_envs"],
         normalize=bool(entry.get("normalize")),
@@ -162,24 +171,48 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         kl_options=kl_options(model),
         train_seconds=train_seconds,
         cpu_seconds=cpu_seconds,
-        env_steps_per_second=BUDGETS[env_id] / train_seconds,
+        env_steps_per_second=budget / train_seconds,
         torch_threads=1,
         code_version=version,
     )
-    path = record_path(algo, env_id, lr_mult, seed)
+    path = record_path(budget_tier, algo, env_id, lr_mult, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
     print(f"{algo} {env_id} lr x{lr_mult:g} seed {seed}: eval {record['eval_mean']:.1f} ({cpu_seconds:.0f} CPU-s)", flush=True)
     return record
 
 
-def load_records() -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))] if RUNS.exists() else []
+def load_records(budget: str) -> list[dict[str, Any]]:
+    folder = RUNS / budget
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.exists() else []
+
+
+def figure_name(budget: str) -> str:
+    return "recurrent_learning.png" if budget == "zoo" else f"recurrent_learning_{budget}.png"
 
 
 def report() -> str:
-    """Write ``recurrent_learning.md`` and ``recurrent_learning.png`` from the records; return the markdown."""
-    records = load_records()
+    """Write ``recurrent_learning.md`` and one figure per budget tier from the records; return the markdown."""
+    lines = [
+        "# RecurrentKLPPO vs RecurrentPPO on velocity-masked tasks",
+        "",
+        "Generated by `python benchmarks/recurrent_learning.py --report` from the records in "
+        "`benchmarks/results/recurrent_runs/<budget>/`. `recurrent_klppo_clip` on CartPoleNoVel-v1 is the shipped "
+        "`klppo_lstm` config (the zoo's `clip_range` kept); on PendulumNoVel-v1 the shipped config is `recurrent_klppo`.",
+        "",
+    ]
+    for budget in BUDGETS:
+        lines += report_tier(budget)
+    text = "\n".join(lines)
+    (RESULTS / "recurrent_learning.md").write_text(text)
+    return text
+
+
+def report_tier(budget_tier: str) -> list[str]:
+    """The section of one budget tier (and its figure); no lines when it has no records."""
+    records = load_records(budget_tier)
+    if not records:
+        return []
     groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault((record["env"], record["lr_mult"], record["algo"]), []).append(record)
@@ -198,22 +231,26 @@ def report() -> str:
     )
     seeds = sorted({r["seed"] for r in records})
     cpu = sum(r.get("cpu_seconds", 0.0) for r in records) / 60
-    budgets = ", ".join(f"{env_id} {budget}" for env_id, budget in BUDGETS.items())
+    budgets = ", ".join(f"{env_id} {budget:,}" for env_id, budget in BUDGETS[budget_tier].items())
+    budget_text = (
+        f"**the zoo's budget, {budgets} environment steps per run**"
+        if budget_tier == "zoo"
+        else f"**{budgets} environment steps per run instead of the zoo's 1e5** (an earlier session's shorter runs)"
+    )
     lines = [
-        "# RecurrentKLPPO vs RecurrentPPO on velocity-masked tasks",
+        f"## {'Zoo budget' if budget_tier == 'zoo' else 'Reduced budget'} (`--budget {budget_tier}`)",
         "",
-        "Generated by `python benchmarks/recurrent_learning.py --report` from the records in "
-        f"`benchmarks/results/recurrent_runs/` (code versions: {', '.join(versions) or 'none'}).",
+        f"Records in `benchmarks/results/recurrent_runs/{budget_tier}/` (code versions: {', '.join(versions)}).",
         "",
         "Settings: rl-zoo's `ppo_lstm` hyperparameters for each task (RecurrentKLPPO without `clip_range`, "
         "`recurrent_klppo_clip` with the zoo's `clip_range` as well, `recurrent_klppo_lin_target` without it and with "
         "a KL target decaying linearly to 0 (its band share is scored against the initial target), all starting from "
         f"the default KL target; the KL options as the runs recorded them: {options_text}), seeds {seeds}, "
-        f"**{budgets} environment steps per run instead of the zoo's 1e5** (LSTM training on this shared 2-core CPU; "
-        f"the grid took {cpu:.0f} CPU-minutes). The exact KL of every update is measured on both algorithms by "
-        "`KLMonitorCallback` (forward KL(old||new), summed over action dimensions; each policy's LSTM re-run over each "
-        f"env's rollout). KL in band: share of updates with a KL in [{BAND[0]}, {BAND[1]}] x target (0.02 "
-        "CartPoleNoVel, 0.03 PendulumNoVel; `learning.py`'s scoring band, not the controller's `kl_band`). Return: "
+        f"{budget_text} (one torch thread; the runs took {cpu:.0f} CPU-minutes). The exact KL of every update is "
+        "measured on both algorithms by `KLMonitorCallback` (forward KL(old||new), summed over action dimensions; "
+        "each policy's LSTM re-run over each env's rollout). KL in band: share of updates with a KL in "
+        f"[{BAND[0]}, {BAND[1]}] x target (0.02 CartPoleNoVel, 0.03 PendulumNoVel; `learning.py`'s scoring band, not "
+        "the controller's `kl_band`). Return: "
         f"deterministic evaluation after training, {N_EVAL_EPISODES} episodes; AUC: mean training return over the "
         "run; collapses as `learning.py` counts them. "
         "Mean ± std over seeds; a difference inside the seed spread is a tie.",
@@ -234,14 +271,12 @@ def report() -> str:
                 f"{fmt([s['in_band'] for s in summaries], 0, percent=True)} | "
                 f"{fmt([s['steps_per_s'] for s in summaries], 0)} |"
             )
-    lines += ["", "![returns and KL per update](recurrent_learning.png)", ""]
-    text = "\n".join(lines)
-    (RESULTS / "recurrent_learning.md").write_text(text)
-    plot(groups)
-    return text
+    lines += ["", f"![returns and KL per update]({figure_name(budget_tier)})", ""]
+    plot(groups, figure_name(budget_tier))
+    return lines
 
 
-def plot(groups: dict[tuple[str, float, str], list[dict[str, Any]]]) -> None:
+def plot(groups: dict[tuple[str, float, str], list[dict[str, Any]]], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,7 +309,7 @@ def plot(groups: dict[tuple[str, float, str], list[dict[str, Any]]]) -> None:
         axes[0, col].legend(fontsize=8)
         axes[1, col].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "recurrent_learning.png", dpi=90)
+    fig.savefig(RESULTS / name, dpi=90)
     plt.close(fig)
 
 
@@ -285,16 +320,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="re-run runs that have a record")
     parser.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS + VARIANTS)
     parser.add_argument("--envs", nargs="+", default=None, help="only the cells of these tasks")
+    parser.add_argument("--lr-mults", nargs="+", type=float, default=None, help="only the cells of these multipliers")
+    parser.add_argument("--budget", choices=list(BUDGETS), default="zoo", help="environment steps per run (BUDGETS)")
     args = parser.parse_args(argv)
     if not args.report:
         # cell by cell (CELLS' order), each seed's comparison (both algorithms) completed before the next seed
         specs = [
-            dict(algo=algo, env=env_id, lr_mult=lr_mult, seed=seed)
+            dict(algo=algo, env=env_id, lr_mult=lr_mult, seed=seed, budget=args.budget)
             for env_id, lr_mult in CELLS
             for seed in SEEDS
             for algo in args.algos
             if (args.envs is None or env_id in args.envs)
-            and (args.force or not record_path(algo, env_id, lr_mult, seed).exists())
+            and (args.lr_mults is None or lr_mult in args.lr_mults)
+            and (args.force or not record_path(args.budget, algo, env_id, lr_mult, seed).exists())
         ]
         with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
             for _ in pool.imap_unordered(run_one, specs):
