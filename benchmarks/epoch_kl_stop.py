@@ -24,7 +24,6 @@ Example::
 import argparse
 import functools
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,16 +49,9 @@ def code_version() -> str:
     The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
     process starts its first run (the package is imported then: later edits of the checkout do not change the run).
     """
+    import learning
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", "../sb3_kl", "settings.py", "learning.py", "epoch_kl_stop.py")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+    return learning.code_version("settings.py", "learning.py", "epoch_kl_stop.py")
 
 
 def instrumented(base: type, rule: str) -> type:

@@ -16,7 +16,6 @@ Writes ``benchmarks/results/kltrpo_budget_use.md`` and ``.json`` (each record na
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,16 +35,9 @@ REL_TOL = 1e-4
 
 def code_version() -> str:
     """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
+    import learning
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", "../sb3_kl", "settings.py", Path(__file__).name)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+    return learning.code_version("settings.py", Path(__file__).name)
 
 
 def run(env_id: str, variant: str, seed: int, n_updates: int) -> dict[str, Any]:

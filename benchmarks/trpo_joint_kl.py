@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,17 +31,10 @@ ENVS = ["LunarLanderContinuous-v3", "Hopper-v5", "HalfCheetah-v5"]
 
 
 def code_version() -> str:
-    """The commit of this checkout, with ``+modified`` when this script had uncommitted changes."""
+    """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
+    import learning
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", Path(__file__).name)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit + ("+modified" if modified else "")) if commit else "unknown"
+    return learning.code_version(Path(__file__).name)
 
 
 #: TRPO's seeds the targets come from: those ``learning.py``'s ``kltrpo_matched`` takes its target from, so that
