@@ -112,6 +112,7 @@ def run_entry(algo: str, env_id: str, config: dict[str, Any], seed: int, log_roo
         "--num-threads", "1", "--eval-freq", "-1", "--verbose", "0", "-f", str(log_folder),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    version = code_version()  # the checkout the run starts from
     start = time.time()
     log_file = log_root / f"{algo}_{env_id}_seed{seed}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +130,7 @@ def run_entry(algo: str, env_id: str, config: dict[str, Any], seed: int, log_roo
         "command": " ".join(command),
         "wall_time_s": round(wall, 1),
         "returncode": status.returncode,
-        "code_version": code_version(),
+        "code_version": version,
     }
     if status.returncode == 0:
         run_dirs = sorted((log_folder / algo).glob(f"{env_id}_*"), key=lambda path: path.stat().st_mtime)
