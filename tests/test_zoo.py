@@ -284,7 +284,7 @@ def test_every_shipped_config_entry_was_run():
     yaml = pytest.importorskip("yaml")
     # An entry is shipped only with a recorded run of exactly that config (benchmarks/zoo_configs.py)
     runs_dir = ROOT / "benchmarks" / "results" / "zoo_runs"
-    for algo in ALGOS:
+    for algo in (*ALGOS, "klppo_mask", "klppo_lstm"):
         configs = yaml.safe_load((ROOT / "sb3_kl" / "hyperparams" / f"{algo}.yml").read_text())
         for env_id, config in configs.items():
             runs = [json.loads(path.read_text()) for path in runs_dir.glob(f"{algo}_{env_id}_seed*.json")]
