@@ -482,6 +482,7 @@ def report(tier: str) -> str:
         lines.append("")
     lines += baseline_comparison(groups, envs), ""
     lines += budget_use(groups, envs), ""
+    lines += kl_stop_default_comparison(groups), ""
     lines += goals(groups), ""
     text = "\n".join(lines)
     (RESULTS / f"learning{suffix}.md").write_text(text)
@@ -585,6 +586,83 @@ def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs:
 
 # Stock algorithms: their records do not depend on the sb3-kl version
 STOCK = ("ppo", "ppo_target_kl", "trpo")
+
+
+# KLPPO's ``kl_stop_factor`` default went from None to 1.5 at this commit; the records made before it are kept in
+# ``results/kl_stop_default_before/`` for the before/after below
+KL_STOP_DEFAULT_COMMIT = "6f9a57c"
+
+
+def made_after(version: str, commit: str) -> bool:
+    """Whether a record's code version is ``commit`` or a descendant of it (``git merge-base --is-ancestor``)."""
+    import subprocess
+
+    version = version.removesuffix("+modified")
+    if version in ("unknown", "unrecorded", ""):
+        return False
+    try:
+        result = subprocess.run(["git", "merge-base", "--is-ancestor", commit, version], cwd=HERE, capture_output=True)
+    except OSError:
+        return False
+    return result.returncode == 0
+
+
+def kl_stop_default_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
+    """
+    Before/after of KLPPO's ``kl_stop_factor`` default (None -> 1.5), cell by cell: the records of the old default
+    (``results/kl_stop_default_before/``) beside the grid's records made with the new one, on the same seeds.
+    """
+    folder = RESULTS / "kl_stop_default_before"
+    before: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
+        record = json.loads(path.read_text())
+        before.setdefault((record["env"], record["algo"], record["lr_mult"]), []).append(record)
+    lines = [
+        "## KLPPO's early-stop default: `kl_stop_factor` None (before) and 1.5 (after)",
+        "",
+        f"Since {KL_STOP_DEFAULT_COMMIT} KLPPO skips an update's remaining epochs once an epoch's KL exceeds 1.5 x "
+        "target (SB3's PPO stops at the same multiple of its `target_kl`); before, the default was no early stop. "
+        "Before: the records made with the old default, kept in `benchmarks/results/kl_stop_default_before/`; after: "
+        "this grid's records made at that commit or later, same seeds. `over 2x`: share of updates whose KL exceeds "
+        "twice the target. Difference of the evaluation returns (after - before) with its Welch p-value: tie when "
+        f"p ≥ {SIGNIFICANCE}.",
+        "",
+        "| env | lr | algo | n | eval before | eval after | difference | AUC before | AUC after | in band before "
+        "| in band after | over 2x before | over 2x after | collapses before / after |",
+        "|" + "---|" * 14,
+    ]
+    for env, algo, mult in sorted(before, key=lambda k: (k[2], MAIN_ENVS.index(k[0]), k[1])):
+        old = before[(env, algo, mult)]
+        seeds = {r["seed"] for r in old}
+        new = [
+            r
+            for r in groups.get((env, algo, mult), [])
+            if r["seed"] in seeds and made_after(r.get("code_version", ""), KL_STOP_DEFAULT_COMMIT)
+        ]
+        old = [r for r in old if r["seed"] in {r["seed"] for r in new}]
+        if not new:
+            lines.append(f"| {env} | x{mult:g} | {algo} | 0 | not re-run yet |" + " |" * 9)
+            continue
+
+        def over(rs: list[dict[str, Any]], factor: float = 2.0) -> list[float]:
+            return [float(np.mean([u["mean"] > factor * r["target_kl"] for u in r["kl_updates"]])) for r in rs]
+
+        a, b = [r["eval_mean"] for r in new], [r["eval_mean"] for r in old]
+        text, result = verdict(a, b)
+        cells = [
+            fmt(b),
+            fmt(a),
+            f"{text}: {result}",
+            fmt([summarize(r)["auc"] for r in old]),
+            fmt([summarize(r)["auc"] for r in new]),
+            fmt([summarize(r)["in_band"] for r in old], digits=0, percent=True),
+            fmt([summarize(r)["in_band"] for r in new], digits=0, percent=True),
+            fmt(over(old), digits=0, percent=True),
+            fmt(over(new), digits=0, percent=True),
+            f"{sum(count_collapses(r['curve']) for r in old)} / {sum(count_collapses(r['curve']) for r in new)}",
+        ]
+        lines.append(f"| {env} | x{mult:g} | {algo} | {len(new)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def code_versions(records: list[dict[str, Any]]) -> dict[str, int]:
