@@ -16,7 +16,7 @@ from stable_baselines3.common.envs import (
 )
 from stable_baselines3.common.utils import LinearSchedule
 
-from sb3_kl import KLPPO
+from sb3_kl import ClipKLPPO, KLPPO
 from sb3_kl.common.buffers import StalePolicyError
 from sb3_kl.common.on_policy_algorithm import NonFiniteUpdateError
 
@@ -222,8 +222,9 @@ class StdRecorder(BaseCallback):
 
 @pytest.mark.parametrize("use_sde", [False, True])
 def test_variance_floor_holds_under_a_loss_that_pushes_std_down(use_sde):
-    # a strongly negative entropy coefficient drives the std down (the KL hinge, which would hold it back, is off)
-    kwargs = dict(SMALL, learning_rate=5e-2, ent_coef=-5.0, use_sde=use_sde, kl_hinge_coef=0.0)
+    # a strongly negative entropy coefficient drives the std down (the KL hinge and early stop, which would hold it
+    # back, are off)
+    kwargs = dict(SMALL, learning_rate=5e-2, ent_coef=-5.0, use_sde=use_sde, kl_hinge_coef=0.0, kl_stop_factor=None)
     unfloored, recorder = KLPPO("MlpPolicy", "Pendulum-v1", **kwargs), StdRecorder()
     unfloored.learn(6 * SMALL["n_steps"], callback=recorder)
     floor = 0.6
@@ -464,9 +465,38 @@ def _torch_kl_after_each_epoch(model, snapshots) -> list:
 EARLY_STOP_KWARGS = dict(n_steps=64, batch_size=64, n_epochs=5, policy_kwargs=dict(net_arch=[16]), seed=0)
 
 
+def test_minibatch_early_stop_ends_the_update_before_the_first_step_over_the_threshold():
+    """
+    The default early stop (SB3's rule): before each minibatch's step, that minibatch's KL to the rollout policy is
+    compared with ``kl_stop_factor * target_kl``, and the update ends without the step that would start from a policy
+    already over it. With one minibatch per epoch the judged KL is the KL (recomputed with ``torch.distributions``) of
+    the policy the previous epoch left, over the whole buffer; the update stops at the first one over 1.5 x target and
+    its final policy is the judged one (``train/kl`` equals the judged KL, and ``train/early_stop_epoch`` is that epoch).
+    """
+    judged, snapshots = [], []
+
+    class Recording(KLPPO):
+        def _minibatch_kl_ran_away(self, kl, target_kl, epoch):
+            judged.append(kl.item())
+            snapshots.append({name: tensor.detach().clone() for name, tensor in self.policy.state_dict().items()})
+            return super()._minibatch_kl_ran_away(kl, target_kl, epoch)
+
+    model = Recording("MlpPolicy", "CartPole-v1", learning_rate=0.02, target_kl=2e-3, **EARLY_STOP_KWARGS)
+    assert model._kl_stop_judge == KLPPO._kl_stop_judge == "minibatch" and model.kl_stop_factor == 1.5  # the defaults
+    model.learn(64)
+    logs = model.logger.name_to_value
+    actual = _torch_kl_after_each_epoch(model, snapshots)
+    np.testing.assert_allclose(judged, actual, rtol=1e-4, atol=1e-7)
+    threshold = 1.5 * 2e-3
+    assert all(kl <= threshold for kl in judged[:-1]) and judged[-1] > threshold, "stops at the first KL over it"
+    assert 1 < len(judged) == logs["train/early_stop_epoch"] < EARLY_STOP_KWARGS["n_epochs"]
+    assert logs["train/kl"] == pytest.approx(judged[-1], rel=1e-4), "the step from the judged policy was not taken"
+
+
 def test_early_stop_judges_the_documented_lagging_kl():
     """
-    The early stop judges the mean of the epoch's per-minibatch KLs, each taken before that minibatch's step. With one
+    ClipKLPPO's early stop (KLPPO's ``_kl_stop_judge = "minibatch_mean"``) judges the mean of the epoch's per-minibatch
+    KLs, each taken before that minibatch's step. With one
     minibatch per epoch that is 0 after the first epoch and, after epoch k, the KL (recomputed with
     ``torch.distributions``) of the policy epoch k - 1 left: it lags by one epoch.
     """
@@ -474,7 +504,7 @@ def test_early_stop_judges_the_documented_lagging_kl():
     model = _recording_klppo("minibatch_mean", judged, snapshots)(
         "MlpPolicy", "CartPole-v1", learning_rate=1e-3, target_kl=0.02, kl_stop_factor=2.0, **EARLY_STOP_KWARGS
     )
-    assert model._kl_stop_judge == KLPPO._kl_stop_judge == "minibatch_mean"  # the documented default
+    assert model._kl_stop_judge == ClipKLPPO._kl_stop_judge == "minibatch_mean"  # ClipKLPPO's documented rule
     model.learn(64)
     actual = _torch_kl_after_each_epoch(model, snapshots)
     assert len(judged) == EARLY_STOP_KWARGS["n_epochs"] and actual[0] > 0
@@ -517,7 +547,8 @@ def test_default_hinge_holds_the_update_kl_with_beta_at_its_floor(kl_hinge_coef)
     """
     beta at its floor (where it sinks after many low-KL updates) and a learning rate that moves the policy far in
     one update: without the hinge the update overshoots the target 20 times over or more; the default hinge keeps
-    it under twice the target (the epoch early stop is off, so the hinge alone is tested). The KL is checked against torch.distributions on snapshots of both policies.
+    it under twice the target (the early stop is off, so the hinge alone is tested). The KL is checked against
+    torch.distributions on snapshots of both policies.
     """
     hinge = {} if kl_hinge_coef is None else dict(kl_hinge_coef=kl_hinge_coef)
     model = KLPPO(

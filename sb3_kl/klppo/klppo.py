@@ -78,12 +78,12 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: The remaining epochs are skipped once the epoch's KL exceeds ``kl_stop_factor * target_kl``
-        (default 1.5, the multiple SB3's PPO stops at; None: no early stop), judged after each epoch on the mean over
-        its minibatches' states of the per-state KL to the rollout policy, each taken before that minibatch's step (so
-        it lags: the first minibatch of an update contributes 0, and the epoch's last step is seen by the next epoch
-        only). The default was None until the x10 learning-rate stress grid showed the penalty alone cannot hold the
-        KL when Adam's steps are too large (``benchmarks/results/learning.md``, section on the early-stop default)
+    :param kl_stop_factor: The update ends (its remaining minibatches and epochs are skipped) before the first step
+        whose minibatch's KL to the rollout policy, measured before that step in the algorithm's convention, exceeds
+        ``kl_stop_factor * target_kl``: SB3's rule for PPO's ``target_kl``, which stops at the same multiple 1.5 (the
+        default; None: no early stop). The default was None, and the rule a per-epoch one, until the x10
+        learning-rate stress grid showed that the penalty and hinge alone cannot hold the KL when Adam's steps are too
+        large, nor a stop judged once per epoch (``benchmarks/results/learning.md``, section on the early-stop default)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
         within the update, when beta alone would react only at the next one; 0 disables it
@@ -126,10 +126,12 @@ class KLPPO(KLOnPolicyAlgorithm):
         "CnnPolicy": CnnPolicy,
         "MultiInputPolicy": MultiInputPolicy,
     }
-    #: What the per-epoch early stop judges: ``"minibatch_mean"`` (the mean of the epoch's per-minibatch KLs, each
-    #: taken before that minibatch's step) or ``"epoch_end"`` (the KL of the policy the epoch leaves, over the whole
-    #: buffer; kept to compare the rules, see ``_kl_ran_away`` and ``benchmarks/epoch_kl_stop.py``)
-    _kl_stop_judge: ClassVar[str] = "minibatch_mean"
+    #: What the KL early stop judges: ``"minibatch"`` (default; each minibatch's KL, taken before its step: the update
+    #: ends before the first step whose minibatch is already over the threshold, SB3's rule for PPO's ``target_kl``),
+    #: ``"minibatch_mean"`` (after each epoch, the mean of its per-minibatch KLs) or ``"epoch_end"`` (after each
+    #: epoch, the KL of the policy it leaves over the whole buffer). The two per-epoch rules are kept to compare the
+    #: rules (``benchmarks/epoch_kl_stop.py``, ``benchmarks/results/learning.md``); see ``_kl_ran_away``
+    _kl_stop_judge: ClassVar[str] = "minibatch"
     #: Action spaces accepted at construction (SB3's check)
     _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
         spaces.Box,
@@ -251,15 +253,15 @@ class KLPPO(KLOnPolicyAlgorithm):
 
         # Same sanity checks as SB3's PPO (same exceptions, so PPO users see no difference)
         if normalize_advantage:
-            assert (
-                batch_size > 1
-            ), "`batch_size` must be greater than 1. See https://github.com/DLR-RM/stable-baselines3/issues/440"
+            assert batch_size > 1, (
+                "`batch_size` must be greater than 1. See https://github.com/DLR-RM/stable-baselines3/issues/440"
+            )
 
         if self.env is not None:
             buffer_size = self.env.num_envs * self.n_steps
-            assert buffer_size > 1 or (
-                not normalize_advantage
-            ), f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+            assert buffer_size > 1 or (not normalize_advantage), (
+                f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+            )
             untruncated_batches = buffer_size // batch_size
             if buffer_size % batch_size > 0:
                 warnings.warn(
@@ -296,7 +298,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             self.clip_range = FloatSchedule(self.clip_range)
         if self.clip_range_vf is not None:
             if isinstance(self.clip_range_vf, (float, int)):
-                assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, " "pass `None` to deactivate vf clipping"
+                assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, pass `None` to deactivate vf clipping"
 
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
@@ -324,6 +326,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         kl_grad_ratio = float("nan")
         early_stop_epoch = self.n_epochs
         loss = th.zeros(())
+        stop = False
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
@@ -366,10 +369,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                 # https://github.com/DLR-RM/stable-baselines3/issues/417 and http://joschu.net/blog/kl-approx.html
                 with th.no_grad():
                     approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
-                    if self.kl_stop_factor is not None and self._kl_stop_judge == "minibatch_mean":
-                        # summed as a tensor: one synchronisation per epoch, not per minibatch
-                        epoch_kl_sum += kl.detach() * len(advantages)
-                        epoch_states += len(advantages)
+                    # for the per-epoch judge "minibatch_mean", summed as a tensor (one synchronisation per epoch)
+                    epoch_kl_sum += kl.detach() * len(advantages)
+                    epoch_states += len(advantages)
                 pg_losses.append(policy_loss.item())
                 value_losses.append(value_loss.item())
                 entropy_losses.append(entropy_loss.item())
@@ -380,14 +382,18 @@ class KLPPO(KLOnPolicyAlgorithm):
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(kl_loss, policy_loss)
 
+                # Early stop before a step from a policy already too far from the rollout's (_minibatch_kl_ran_away)
+                stop = self._minibatch_kl_ran_away(kl, target_kl, epoch)
+                if stop:
+                    break
                 if self._optimizer_step(loss):
                     applied_steps += 1
                 else:
                     nonfinite_steps += 1
 
             self._n_updates += 1
-            # Early stop judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
-            if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+            # or judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
+            if stop or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if epoch < self.n_epochs - 1:
                     kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
@@ -429,8 +435,31 @@ class KLPPO(KLOnPolicyAlgorithm):
         self._record_update_kl(per_state, new_params, target_kl)
         self._record_reference_kl()
 
+    def _minibatch_kl_ran_away(self, kl: th.Tensor, target_kl: float, epoch: int) -> bool:
+        """
+        The default early stop (``_kl_stop_judge = "minibatch"``, never when ``kl_stop_factor`` is None): whether the
+        minibatch's KL to the rollout policy, measured before its step (the algorithm's convention, as in the loss),
+        exceeds ``kl_stop_factor * target_kl``; the update then ends without that step. This is SB3's rule for PPO's
+        ``target_kl`` (judged there on the k3 estimate over the same minibatch), and it is what holds the KL when the
+        learning rate is too high: at 10x the zoo rate the per-epoch rules (``_kl_ran_away``) let one epoch of steps
+        carry most updates past twice the target (``benchmarks/results/learning.md``).
+
+        :param kl: The minibatch's mean per-state KL (before its step)
+        :param target_kl: The current target
+        :param epoch: Index of the epoch (for the verbose message)
+        """
+        if self.kl_stop_factor is None or self._kl_stop_judge != "minibatch":
+            return False
+        value = kl.item()
+        if value <= self.kl_stop_factor * target_kl:
+            return False
+        if self.verbose >= 1:
+            print(f"Early stopping at epoch {epoch + 1} due to reaching KL {value:.4f}")
+        return True
+
     def _kl_ran_away(self, epoch_kl_sum: th.Tensor, epoch_states: int, target_kl: float, epoch: int) -> bool:
         """
+        The per-epoch rules, kept to compare them with the default per-minibatch one (``_minibatch_kl_ran_away``).
         Whether the epoch loop stops here (never when ``kl_stop_factor`` is None): the judged KL exceeds
         ``kl_stop_factor * target_kl``. What is judged is the mean, over the states of the epoch's minibatches, of
         the per-state KL (the algorithm's convention, as in the loss) between the rollout policy and the policy
@@ -446,7 +475,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         :param target_kl: The current target
         :param epoch: Index of the epoch (for the verbose message)
         """
-        if self.kl_stop_factor is None:
+        if self.kl_stop_factor is None or self._kl_stop_judge == "minibatch":
             return False
         if self._kl_stop_judge == "minibatch_mean":
             epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1)
