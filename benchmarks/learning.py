@@ -444,8 +444,9 @@ def report(tier: str) -> str:
         f"`benchmarks/results/runs/{tier}/`. Hyperparameters: rl-baselines3-zoo's tuned settings (`benchmarks/settings.py`); "
         "`klppo` is the drop-in swap (PPO's entry unchanged: where it sets `clip_range`, KLPPO clips and penalizes); "
         "`klppo_noclip` is KLPPO with its own default `clip_range=None` (run only where PPO's entry clips: elsewhere "
-        "`klppo` is that run); both stop an update's epochs at KLPPO's default `kl_stop_factor=1.5` (records made "
-        f"before {KL_STOP_DEFAULT_COMMIT}: no early stop; see the before/after section); `ppo_target_kl` is stock PPO with SB3's KL early stop, `target_kl` set to the target "
+        "`klppo` is that run); both end an update before the first minibatch step whose KL is over 1.5 x target "
+        f"(KLPPO's default early stop since {KL_STOP_DEFAULT_COMMIT}; earlier records: none, see the before/after "
+        "section); `ppo_target_kl` is stock PPO with SB3's KL early stop, `target_kl` set to the target "
         "KLPPO controls toward (0.02 discrete, 0.03 continuous) and PPO's clip, the baseline an SB3 user would pick "
         "instead; `kltrpo_matched` is KLTRPO with `target_kl` set to the joint KL TRPO took per update on that "
         "environment (from TRPO's records), so both take steps of the same size. Evaluation: "
@@ -589,9 +590,11 @@ def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs:
 STOCK = ("ppo", "ppo_target_kl", "trpo")
 
 
-# KLPPO's ``kl_stop_factor`` default went from None to 1.5 at this commit; the records made before it are kept in
-# ``results/kl_stop_default_before/`` for the before/after below
-KL_STOP_DEFAULT_COMMIT = "6f9a57c"
+# KLPPO's early stop became the default at this commit (``kl_stop_factor`` None -> 1.5, judged on each minibatch's KL
+# before its step); the records made before are kept in ``results/kl_stop_default_before/`` for the before/after below,
+# and those of the intermediate rule (1.5 judged once per epoch, commit 6f9a57c, x10 cells) in
+# ``results/kl_stop_epoch_mean_judge/``
+KL_STOP_DEFAULT_COMMIT = "5f95045"
 
 
 def made_after(version: str, commit: str) -> bool:
@@ -619,13 +622,14 @@ def kl_stop_default_comparison(groups: dict[tuple[str, str, float], list[dict[st
         record = json.loads(path.read_text())
         before.setdefault((record["env"], record["algo"], record["lr_mult"]), []).append(record)
     lines = [
-        "## KLPPO's early-stop default: `kl_stop_factor` None (before) and 1.5 (after)",
+        "## KLPPO's early-stop default: none (before) and 1.5 x target per minibatch (after)",
         "",
-        f"Since {KL_STOP_DEFAULT_COMMIT} KLPPO skips an update's remaining epochs once an epoch's KL exceeds 1.5 x "
-        "target (SB3's PPO stops at the same multiple of its `target_kl`); before, the default was no early stop. "
-        "Before: the records made with the old default, kept in `benchmarks/results/kl_stop_default_before/`; after: "
-        "this grid's records made at that commit or later, same seeds. `over 2x`: share of updates whose KL exceeds "
-        "twice the target. Difference of the evaluation returns (after - before) with its Welch p-value: tie when "
+        f"Since {KL_STOP_DEFAULT_COMMIT} KLPPO ends an update before the first optimizer step whose minibatch's KL to "
+        "the rollout policy (measured before the step) exceeds `kl_stop_factor` x target, with `kl_stop_factor=1.5`: "
+        "SB3's rule and multiple for PPO's `target_kl`. Before, the default was no early stop. Before: the records made "
+        "with the old default, kept in `benchmarks/results/kl_stop_default_before/`; after: this grid's records made "
+        "at that commit or later, same seeds. `over 2x`: share of updates whose KL exceeds twice the target. "
+        "Difference of the evaluation returns (after - before) with its Welch p-value: tie when "
         f"p ≥ {SIGNIFICANCE}.",
         "",
         "| env | lr | algo | n | eval before | eval after | difference | AUC before | AUC after | in band before "
@@ -663,7 +667,35 @@ def kl_stop_default_comparison(groups: dict[tuple[str, str, float], list[dict[st
             f"{sum(count_collapses(r['curve']) for r in old)} / {sum(count_collapses(r['curve']) for r in new)}",
         ]
         lines.append(f"| {env} | x{mult:g} | {algo} | {len(new)} | " + " | ".join(cells) + " |")
+    lines += ["", *intermediate_stop_rule()]
     return "\n".join(lines)
+
+
+def intermediate_stop_rule() -> list[str]:
+    """The rule tried first (1.5 x target judged once per epoch on the mean of its minibatches' KLs), x10 cells."""
+    folder = RESULTS / "kl_stop_epoch_mean_judge"
+    cells: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
+        record = json.loads(path.read_text())
+        cells.setdefault((record["env"], record["algo"], record["lr_mult"]), []).append(record)
+    if not cells:
+        return []
+    versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in cells.values() for r in rs}))
+    lines = [
+        "The rule tried first, 1.5 x target judged once per epoch on the mean of its minibatches' KLs (records in "
+        f"`benchmarks/results/kl_stop_epoch_mean_judge/`, code {versions}), held the KL on Pendulum at 10x the "
+        "learning rate but not on HalfCheetah without clipping, where a whole epoch of steps passes before it can stop.",
+        "",
+        "| env | lr | algo | n | eval | in band | over 2x |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (env, algo, mult), runs in sorted(cells.items()):
+        over = [float(np.mean([u["mean"] > 2 * r["target_kl"] for u in r["kl_updates"]])) for r in runs]
+        lines.append(
+            f"| {env} | x{mult:g} | {algo} | {len(runs)} | {fmt([r['eval_mean'] for r in runs])} | "
+            f"{fmt([summarize(r)['in_band'] for r in runs], digits=0, percent=True)} | {fmt(over, digits=0, percent=True)} |"
+        )
+    return lines
 
 
 def code_versions(records: list[dict[str, Any]]) -> dict[str, int]:
