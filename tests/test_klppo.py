@@ -467,7 +467,8 @@ EARLY_STOP_KWARGS = dict(n_steps=64, batch_size=64, n_epochs=5, policy_kwargs=di
 
 def test_minibatch_early_stop_ends_the_update_before_the_first_step_over_the_threshold():
     """
-    The default early stop (SB3's rule): before each minibatch's step, that minibatch's KL to the rollout policy is
+    SB3's early-stop rule (``_kl_stop_judge = "minibatch"``, compared with the default in the learning grid): before
+    each minibatch's step, that minibatch's KL to the rollout policy is
     compared with ``kl_stop_factor * target_kl``, and the update ends without the step that would start from a policy
     already over it. With one minibatch per epoch the judged KL is the KL (recomputed with ``torch.distributions``) of
     the policy the previous epoch left, over the whole buffer; the update stops at the first one over 1.5 x target and
@@ -476,13 +477,15 @@ def test_minibatch_early_stop_ends_the_update_before_the_first_step_over_the_thr
     judged, snapshots = [], []
 
     class Recording(KLPPO):
+        _kl_stop_judge = "minibatch"
+
         def _minibatch_kl_ran_away(self, kl, target_kl, epoch):
             judged.append(kl.item())
             snapshots.append({name: tensor.detach().clone() for name, tensor in self.policy.state_dict().items()})
             return super()._minibatch_kl_ran_away(kl, target_kl, epoch)
 
     model = Recording("MlpPolicy", "CartPole-v1", learning_rate=0.02, target_kl=2e-3, **EARLY_STOP_KWARGS)
-    assert model._kl_stop_judge == KLPPO._kl_stop_judge == "minibatch" and model.kl_stop_factor == 1.5  # the defaults
+    assert model.kl_stop_factor == 1.5  # the default
     model.learn(64)
     logs = model.logger.name_to_value
     actual = _torch_kl_after_each_epoch(model, snapshots)
@@ -495,8 +498,7 @@ def test_minibatch_early_stop_ends_the_update_before_the_first_step_over_the_thr
 
 def test_early_stop_judges_the_documented_lagging_kl():
     """
-    ClipKLPPO's early stop (KLPPO's ``_kl_stop_judge = "minibatch_mean"``) judges the mean of the epoch's per-minibatch
-    KLs, each taken before that minibatch's step. With one
+    The early stop judges the mean of the epoch's per-minibatch KLs, each taken before that minibatch's step. With one
     minibatch per epoch that is 0 after the first epoch and, after epoch k, the KL (recomputed with
     ``torch.distributions``) of the policy epoch k - 1 left: it lags by one epoch.
     """
@@ -504,7 +506,7 @@ def test_early_stop_judges_the_documented_lagging_kl():
     model = _recording_klppo("minibatch_mean", judged, snapshots)(
         "MlpPolicy", "CartPole-v1", learning_rate=1e-3, target_kl=0.02, kl_stop_factor=2.0, **EARLY_STOP_KWARGS
     )
-    assert model._kl_stop_judge == ClipKLPPO._kl_stop_judge == "minibatch_mean"  # ClipKLPPO's documented rule
+    assert model._kl_stop_judge == KLPPO._kl_stop_judge == ClipKLPPO._kl_stop_judge == "minibatch_mean"  # the default
     model.learn(64)
     actual = _torch_kl_after_each_epoch(model, snapshots)
     assert len(judged) == EARLY_STOP_KWARGS["n_epochs"] and actual[0] > 0

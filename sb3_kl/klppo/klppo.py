@@ -78,12 +78,13 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: The update ends (its remaining minibatches and epochs are skipped) before the first step
-        whose minibatch's KL to the rollout policy, measured before that step in the algorithm's convention, exceeds
-        ``kl_stop_factor * target_kl``: SB3's rule for PPO's ``target_kl``, which stops at the same multiple 1.5 (the
-        default; None: no early stop). The default was None, and the rule a per-epoch one, until the x10
-        learning-rate stress grid showed that the penalty and hinge alone cannot hold the KL when Adam's steps are too
-        large, nor a stop judged once per epoch (``benchmarks/results/learning.md``, section on the early-stop default)
+    :param kl_stop_factor: The remaining epochs are skipped once the epoch's KL exceeds ``kl_stop_factor * target_kl``
+        (default 1.5, the multiple at which SB3's PPO stops; None: no early stop), judged after each epoch on the mean
+        over its minibatches' states of the per-state KL to the rollout policy, each taken before that minibatch's
+        step (so it lags: the first minibatch of an update contributes 0, and the epoch's last step is seen by the
+        next epoch only). The default was None until the x10 learning-rate stress grid showed that the penalty and
+        hinge alone cannot hold the KL when Adam's steps are too large; SB3's per-minibatch rule was measured too and
+        rejected (``benchmarks/results/learning.md``, section on the early-stop default)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
         within the update, when beta alone would react only at the next one; 0 disables it
@@ -126,12 +127,12 @@ class KLPPO(KLOnPolicyAlgorithm):
         "CnnPolicy": CnnPolicy,
         "MultiInputPolicy": MultiInputPolicy,
     }
-    #: What the KL early stop judges: ``"minibatch"`` (default; each minibatch's KL, taken before its step: the update
-    #: ends before the first step whose minibatch is already over the threshold, SB3's rule for PPO's ``target_kl``),
-    #: ``"minibatch_mean"`` (after each epoch, the mean of its per-minibatch KLs) or ``"epoch_end"`` (after each
-    #: epoch, the KL of the policy it leaves over the whole buffer). The two per-epoch rules are kept to compare the
-    #: rules (``benchmarks/epoch_kl_stop.py``, ``benchmarks/results/learning.md``); see ``_kl_ran_away``
-    _kl_stop_judge: ClassVar[str] = "minibatch"
+    #: What the KL early stop judges: ``"minibatch_mean"`` (default; after each epoch, the mean of its per-minibatch
+    #: KLs, each taken before that minibatch's step), ``"epoch_end"`` (after each epoch, the KL of the policy it leaves
+    #: over the whole buffer) or ``"minibatch"`` (each minibatch's KL before its step, ending the update there: SB3's
+    #: rule for PPO's ``target_kl``). The other two are kept to compare the rules (``benchmarks/epoch_kl_stop.py``,
+    #: ``benchmarks/results/learning.md``); see ``_kl_ran_away`` and ``_minibatch_kl_ran_away``
+    _kl_stop_judge: ClassVar[str] = "minibatch_mean"
     #: Action spaces accepted at construction (SB3's check)
     _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
         spaces.Box,
@@ -437,12 +438,12 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     def _minibatch_kl_ran_away(self, kl: th.Tensor, target_kl: float, epoch: int) -> bool:
         """
-        The default early stop (``_kl_stop_judge = "minibatch"``, never when ``kl_stop_factor`` is None): whether the
-        minibatch's KL to the rollout policy, measured before its step (the algorithm's convention, as in the loss),
-        exceeds ``kl_stop_factor * target_kl``; the update then ends without that step. This is SB3's rule for PPO's
-        ``target_kl`` (judged there on the k3 estimate over the same minibatch), and it is what holds the KL when the
-        learning rate is too high: at 10x the zoo rate the per-epoch rules (``_kl_ran_away``) let one epoch of steps
-        carry most updates past twice the target (``benchmarks/results/learning.md``).
+        SB3's early-stop rule (``_kl_stop_judge = "minibatch"``, kept to compare it with the default per-epoch one;
+        never when ``kl_stop_factor`` is None): whether the minibatch's KL to the rollout policy, measured before its
+        step (the algorithm's convention, as in the loss), exceeds ``kl_stop_factor * target_kl``; the update then ends
+        without that step. Measured on the learning grid (``benchmarks/results/learning.md``): it holds HalfCheetah's
+        KL at 10x the zoo learning rate, but with Pendulum's 64-state minibatches it stops on a noisy minibatch KL
+        while the update's KL is still under the target, so fewer updates land in the band and the AUC drops.
 
         :param kl: The minibatch's mean per-state KL (before its step)
         :param target_kl: The current target
@@ -459,7 +460,6 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     def _kl_ran_away(self, epoch_kl_sum: th.Tensor, epoch_states: int, target_kl: float, epoch: int) -> bool:
         """
-        The per-epoch rules, kept to compare them with the default per-minibatch one (``_minibatch_kl_ran_away``).
         Whether the epoch loop stops here (never when ``kl_stop_factor`` is None): the judged KL exceeds
         ``kl_stop_factor * target_kl``. What is judged is the mean, over the states of the epoch's minibatches, of
         the per-state KL (the algorithm's convention, as in the loss) between the rollout policy and the policy

@@ -83,8 +83,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: The update ends before the first step whose minibatch's KL (measured before that step)
-        exceeds ``kl_stop_factor * target_kl``, as in KLPPO (default 1.5; None: no early stop)
+    :param kl_stop_factor: The remaining epochs are skipped once the KL of the states seen in an epoch exceeds
+        ``kl_stop_factor * target_kl`` (judged once per epoch, as in KLPPO; default 1.5; None: no early stop)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (1000 by default, as KLPPO: it holds the KL of a minibatch within the update); 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
@@ -128,8 +128,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     _gradient_ratio = KLPPO._gradient_ratio
     _kl_ran_away = KLPPO._kl_ran_away
     _minibatch_kl_ran_away = KLPPO._minibatch_kl_ran_away
-    #: The early stop judges KLPPO's rule: each minibatch's KL before its step (see ``KLPPO._minibatch_kl_ran_away``)
-    _kl_stop_judge: ClassVar[str] = "minibatch"
+    #: The early stop judges KLPPO's documented rule: the mean of the epoch's minibatch KLs (see ``KLPPO._kl_ran_away``)
+    _kl_stop_judge: ClassVar[str] = "minibatch_mean"
 
     def __init__(
         self,
