@@ -484,8 +484,7 @@ def test_minibatch_early_stop_ends_the_update_before_the_first_step_over_the_thr
             snapshots.append({name: tensor.detach().clone() for name, tensor in self.policy.state_dict().items()})
             return super()._minibatch_kl_ran_away(kl, target_kl, epoch)
 
-    model = Recording("MlpPolicy", "CartPole-v1", learning_rate=0.02, target_kl=2e-3, **EARLY_STOP_KWARGS)
-    assert model.kl_stop_factor == 1.5  # the default
+    model = Recording("MlpPolicy", "CartPole-v1", learning_rate=0.02, target_kl=2e-3, kl_stop_factor=1.5, **EARLY_STOP_KWARGS)
     model.learn(64)
     logs = model.logger.name_to_value
     actual = _torch_kl_after_each_epoch(model, snapshots)

@@ -28,8 +28,7 @@ class ClipKLPPO(KLPPO):
     which the update stopped (``n_epochs`` when it did not). A hinge (``kl_hinge_coef``), as in Schulman's
     modular_rl, adds a steep quadratic penalty on the minibatch KL above ``kl_hinge_factor * target_kl``.
 
-    This is :class:`~sb3_kl.KLPPO` with ratio clipping on by default and a looser early stop (2.0 x target, KLPPO's
-    is 1.5, since the clip already bounds each step); the loss is KLPPO's.
+    This is :class:`~sb3_kl.KLPPO` with ratio clipping and early stopping switched on by default; the loss is KLPPO's.
 
     Paper: https://arxiv.org/abs/1707.06347 (sections 3 and 4)
     Code: the minibatch loop follows SB3's PPO (https://github.com/DLR-RM/stable-baselines3)

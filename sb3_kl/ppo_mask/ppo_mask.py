@@ -102,7 +102,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
     :param kl_stop_factor: Skip the remaining epochs once an epoch's KL exceeds ``kl_stop_factor * target_kl``
-        (default 1.5 as in KLPPO; None: no early stop)
+        (None, the default, as in KLPPO: no early stop)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor of Gaussian policies; masked policies are discrete, so it must stay None
@@ -170,7 +170,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
         kl_direction: str = "forward",
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
-        kl_stop_factor: float | None = 1.5,
+        kl_stop_factor: float | None = None,
         kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,

@@ -84,7 +84,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
     :param kl_stop_factor: The remaining epochs are skipped once the KL of the states seen in an epoch exceeds
-        ``kl_stop_factor * target_kl`` (judged once per epoch, as in KLPPO; default 1.5; None: no early stop)
+        ``kl_stop_factor * target_kl`` (judged once per epoch, as in KLPPO; None, the default: no early stop)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (1000 by default, as KLPPO: it holds the KL of a minibatch within the update); 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
@@ -161,7 +161,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         kl_direction: str = "forward",
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
-        kl_stop_factor: float | None = 1.5,
+        kl_stop_factor: float | None = None,
         kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
