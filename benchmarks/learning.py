@@ -431,9 +431,7 @@ def report(tier: str) -> str:
     records = load_records(tier)
     if not records:
         raise SystemExit(f"No records under {RESULTS / 'runs' / tier}: run the grid first.")
-    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
-    for record in records:
-        groups.setdefault((record["env"], record["algo"], record["lr_mult"]), []).append(record)
+    groups = group_records(records)
     envs = [e for e in MAIN_ENVS if any(k[0] == e for k in groups)]
     algos = [a for a in ALL_ALGOS if any(k[1] == a for k in groups)]
     suffix = "" if tier == "full" else f"_{tier}"
@@ -588,14 +586,24 @@ def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs:
 STOCK = ("ppo", "ppo_target_kl", "trpo")
 
 
+def group_records(records: list[dict[str, Any]]) -> dict[tuple[str, str, float], list[dict[str, Any]]]:
+    """Records grouped by cell: (env, algo, lr_mult)."""
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault((record["env"], record["algo"], record["lr_mult"]), []).append(record)
+    return groups
+
+
 def load_folder(name: str) -> dict[tuple[str, str, float], list[dict[str, Any]]]:
-    """Records of a side experiment kept in ``results/<name>/``, grouped by (env, algo, lr_mult)."""
-    cells: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    """Records of a side experiment kept in ``results/<name>/``, grouped by cell."""
     folder = RESULTS / name
-    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
-        record = json.loads(path.read_text())
-        cells.setdefault((record["env"], record["algo"], record["lr_mult"]), []).append(record)
-    return cells
+    return group_records([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.exists() else [])
+
+
+def update_share(record: dict[str, Any], low: float, high: float) -> float:
+    """Share of a run's updates whose KL lies in [low, high) x target."""
+    target = record["target_kl"]
+    return float(np.mean([low * target <= u["mean"] < high * target for u in record["kl_updates"]]))
 
 
 def kl_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
@@ -627,9 +635,6 @@ def kl_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]
         seeds = {r["seed"] for r in new}
         old = [r for r in groups.get((env, algo, mult), []) if r["seed"] in seeds]
 
-        def over(rs: list[dict[str, Any]], factor: float = 2.0) -> list[float]:
-            return [float(np.mean([u["mean"] > factor * r["target_kl"] for u in r["kl_updates"]])) for r in rs]
-
         a, b = [r["eval_mean"] for r in new], [r["eval_mean"] for r in old]
         text, result = verdict(a, b) if b else ("n/a", "n/a")
         cells = [
@@ -640,8 +645,8 @@ def kl_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]
             fmt([summarize(r)["auc"] for r in new]),
             fmt([summarize(r)["in_band"] for r in old], digits=0, percent=True),
             fmt([summarize(r)["in_band"] for r in new], digits=0, percent=True),
-            fmt(over(old), digits=0, percent=True),
-            fmt(over(new), digits=0, percent=True),
+            fmt([update_share(r, BAND[1], np.inf) for r in old], digits=0, percent=True),
+            fmt([update_share(r, BAND[1], np.inf) for r in new], digits=0, percent=True),
             f"{sum(count_collapses(r['curve']) for r in old)} / {sum(count_collapses(r['curve']) for r in new)}",
         ]
         lines.append(f"| {env} | x{mult:g} | {algo} | {len(new)} | " + " | ".join(cells) + " |")
@@ -657,26 +662,22 @@ def minibatch_stop_rule() -> list[str]:
     versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in cells.values() for r in rs}))
     lines = [
         "SB3's own rule was measured too: the update ends before the first optimizer step whose minibatch's KL "
-        '(before the step) exceeds 1.5 x target (`KLPPO._kl_stop_judge = "minibatch"`; records in '
-        f"`benchmarks/results/kl_stop_minibatch_judge/`, code {versions}; the grid was stopped once these cells had "
-        "answered). It held HalfCheetah's KL at 10x the learning rate, where a whole epoch of steps passes before the "
-        "per-epoch rule can stop, but on Pendulum's 64-state minibatches it stopped on noisy minibatch KLs while the "
-        "update's KL was still low (`under 0.5x`), and KLPPO without clipping collapsed on CartPole.",
+        "(before the step) exceeds 1.5 x target (KLPPO's default at the commit of these records, later removed; "
+        f"records in `benchmarks/results/kl_stop_minibatch_judge/`, code {versions}; the grid was stopped once these "
+        "cells had answered). It held HalfCheetah's KL at 10x the learning rate, where a whole epoch of steps passes "
+        "before the per-epoch rule can stop, but on Pendulum's 64-state minibatches it stopped on noisy minibatch KLs "
+        "while the update's KL was still low (`under 0.5x`), and KLPPO without clipping collapsed on CartPole.",
         "",
         "| env | lr | algo | n | eval | AUC | in band | under 0.5x | over 2x | collapses |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (env, algo, mult), runs in sorted(cells.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
-
-        def share(r: dict[str, Any], low: float, high: float) -> float:
-            return float(np.mean([low * r["target_kl"] <= u["mean"] < high * r["target_kl"] for u in r["kl_updates"]]))
-
         lines.append(
             f"| {env} | x{mult:g} | {algo} | {len(runs)} | {fmt([r['eval_mean'] for r in runs])} | "
             f"{fmt([summarize(r)['auc'] for r in runs])} | "
             f"{fmt([summarize(r)['in_band'] for r in runs], digits=0, percent=True)} | "
-            f"{fmt([share(r, 0.0, BAND[0]) for r in runs], digits=0, percent=True)} | "
-            f"{fmt([share(r, BAND[1], np.inf) for r in runs], digits=0, percent=True)} | "
+            f"{fmt([update_share(r, 0.0, BAND[0]) for r in runs], digits=0, percent=True)} | "
+            f"{fmt([update_share(r, BAND[1], np.inf) for r in runs], digits=0, percent=True)} | "
             f"{sum(count_collapses(r['curve']) for r in runs)} |"
         )
     return lines

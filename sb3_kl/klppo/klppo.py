@@ -127,11 +127,9 @@ class KLPPO(KLOnPolicyAlgorithm):
         "CnnPolicy": CnnPolicy,
         "MultiInputPolicy": MultiInputPolicy,
     }
-    #: What the KL early stop judges: ``"minibatch_mean"`` (default; after each epoch, the mean of its per-minibatch
-    #: KLs, each taken before that minibatch's step), ``"epoch_end"`` (after each epoch, the KL of the policy it leaves
-    #: over the whole buffer) or ``"minibatch"`` (each minibatch's KL before its step, ending the update there: SB3's
-    #: rule for PPO's ``target_kl``). The other two are kept to compare the rules (``benchmarks/epoch_kl_stop.py``,
-    #: ``benchmarks/results/learning.md``); see ``_kl_ran_away`` and ``_minibatch_kl_ran_away``
+    #: What the per-epoch early stop judges: ``"minibatch_mean"`` (the mean of the epoch's per-minibatch KLs, each
+    #: taken before that minibatch's step) or ``"epoch_end"`` (the KL of the policy the epoch leaves, over the whole
+    #: buffer; kept to compare the rules, see ``_kl_ran_away`` and ``benchmarks/epoch_kl_stop.py``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
     #: Action spaces accepted at construction (SB3's check)
     _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
@@ -254,15 +252,15 @@ class KLPPO(KLOnPolicyAlgorithm):
 
         # Same sanity checks as SB3's PPO (same exceptions, so PPO users see no difference)
         if normalize_advantage:
-            assert batch_size > 1, (
-                "`batch_size` must be greater than 1. See https://github.com/DLR-RM/stable-baselines3/issues/440"
-            )
+            assert (
+                batch_size > 1
+            ), "`batch_size` must be greater than 1. See https://github.com/DLR-RM/stable-baselines3/issues/440"
 
         if self.env is not None:
             buffer_size = self.env.num_envs * self.n_steps
-            assert buffer_size > 1 or (not normalize_advantage), (
-                f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
-            )
+            assert buffer_size > 1 or (
+                not normalize_advantage
+            ), f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
             untruncated_batches = buffer_size // batch_size
             if buffer_size % batch_size > 0:
                 warnings.warn(
@@ -299,7 +297,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             self.clip_range = FloatSchedule(self.clip_range)
         if self.clip_range_vf is not None:
             if isinstance(self.clip_range_vf, (float, int)):
-                assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, pass `None` to deactivate vf clipping"
+                assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, " "pass `None` to deactivate vf clipping"
 
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
@@ -327,7 +325,6 @@ class KLPPO(KLOnPolicyAlgorithm):
         kl_grad_ratio = float("nan")
         early_stop_epoch = self.n_epochs
         loss = th.zeros(())
-        stop = False
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
@@ -370,9 +367,10 @@ class KLPPO(KLOnPolicyAlgorithm):
                 # https://github.com/DLR-RM/stable-baselines3/issues/417 and http://joschu.net/blog/kl-approx.html
                 with th.no_grad():
                     approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
-                    # for the per-epoch judge "minibatch_mean", summed as a tensor (one synchronisation per epoch)
-                    epoch_kl_sum += kl.detach() * len(advantages)
-                    epoch_states += len(advantages)
+                    if self.kl_stop_factor is not None and self._kl_stop_judge == "minibatch_mean":
+                        # summed as a tensor: one synchronisation per epoch, not per minibatch
+                        epoch_kl_sum += kl.detach() * len(advantages)
+                        epoch_states += len(advantages)
                 pg_losses.append(policy_loss.item())
                 value_losses.append(value_loss.item())
                 entropy_losses.append(entropy_loss.item())
@@ -383,18 +381,14 @@ class KLPPO(KLOnPolicyAlgorithm):
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(kl_loss, policy_loss)
 
-                # Early stop before a step from a policy already too far from the rollout's (_minibatch_kl_ran_away)
-                stop = self._minibatch_kl_ran_away(kl, target_kl, epoch)
-                if stop:
-                    break
                 if self._optimizer_step(loss):
                     applied_steps += 1
                 else:
                     nonfinite_steps += 1
 
             self._n_updates += 1
-            # or judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
-            if stop or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+            # Early stop judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
+            if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if epoch < self.n_epochs - 1:
                     kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
@@ -436,28 +430,6 @@ class KLPPO(KLOnPolicyAlgorithm):
         self._record_update_kl(per_state, new_params, target_kl)
         self._record_reference_kl()
 
-    def _minibatch_kl_ran_away(self, kl: th.Tensor, target_kl: float, epoch: int) -> bool:
-        """
-        SB3's early-stop rule (``_kl_stop_judge = "minibatch"``, kept to compare it with the default per-epoch one;
-        never when ``kl_stop_factor`` is None): whether the minibatch's KL to the rollout policy, measured before its
-        step (the algorithm's convention, as in the loss), exceeds ``kl_stop_factor * target_kl``; the update then ends
-        without that step. Measured on the learning grid (``benchmarks/results/learning.md``): it holds HalfCheetah's
-        KL at 10x the zoo learning rate, but with Pendulum's 64-state minibatches it stops on a noisy minibatch KL
-        while the update's KL is still under the target, so fewer updates land in the band and the AUC drops.
-
-        :param kl: The minibatch's mean per-state KL (before its step)
-        :param target_kl: The current target
-        :param epoch: Index of the epoch (for the verbose message)
-        """
-        if self.kl_stop_factor is None or self._kl_stop_judge != "minibatch":
-            return False
-        value = kl.item()
-        if value <= self.kl_stop_factor * target_kl:
-            return False
-        if self.verbose >= 1:
-            print(f"Early stopping at epoch {epoch + 1} due to reaching KL {value:.4f}")
-        return True
-
     def _kl_ran_away(self, epoch_kl_sum: th.Tensor, epoch_states: int, target_kl: float, epoch: int) -> bool:
         """
         Whether the epoch loop stops here (never when ``kl_stop_factor`` is None): the judged KL exceeds
@@ -475,7 +447,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         :param target_kl: The current target
         :param epoch: Index of the epoch (for the verbose message)
         """
-        if self.kl_stop_factor is None or self._kl_stop_judge == "minibatch":
+        if self.kl_stop_factor is None:
             return False
         if self._kl_stop_judge == "minibatch_mean":
             epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1)

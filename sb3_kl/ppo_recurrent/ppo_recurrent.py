@@ -83,8 +83,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
-    :param kl_stop_factor: The remaining epochs are skipped once the KL of the states seen in an epoch exceeds
-        ``kl_stop_factor * target_kl`` (judged once per epoch, as in KLPPO; None, the default: no early stop)
+    :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
+        exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (1000 by default, as KLPPO: it holds the KL of a minibatch within the update); 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
@@ -127,7 +127,6 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     _optimizer_step = KLPPO._optimizer_step
     _gradient_ratio = KLPPO._gradient_ratio
     _kl_ran_away = KLPPO._kl_ran_away
-    _minibatch_kl_ran_away = KLPPO._minibatch_kl_ran_away
     #: The early stop judges KLPPO's documented rule: the mean of the epoch's minibatch KLs (see ``KLPPO._kl_ran_away``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
 
@@ -420,7 +419,6 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         kl_grad_ratio = float("nan")
         early_stop_epoch = self.n_epochs
         loss = th.zeros(())
-        stop = False
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
@@ -443,16 +441,13 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                     clip_fractions.append(out["clip_fraction"])
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
-                stop = self._minibatch_kl_ran_away(out["kl"], target_kl, epoch)
-                if stop:
-                    break
                 if self._optimizer_step(loss):
                     applied_steps += 1
                 else:
                     nonfinite_steps += 1
 
             self._n_updates += 1
-            if stop or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+            if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if epoch < self.n_epochs - 1:
                     # the gradient ratio on the last minibatch seen, with the final parameters
