@@ -129,6 +129,7 @@ ROWS: list[Row] = [
     *ok(ALGOS, "kl_reduction", "max"),
     *ok(PPOS, "log_ratio_clip", 0.0, INF),
     *ok(PPOS, "kl_stop_factor", 0.0, NAN),
+    *ok(PPOS, "kl_saturation_stop_factor", 0.0, -1.0, NAN),
     *ok(PPOS, "kl_hinge_coef", -1.0, NAN),
     *ok(PPOS, "kl_hinge_factor", 0.0),
     *ok(ALGOS, "min_std", 0.0, NAN, env="box"),

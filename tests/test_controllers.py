@@ -35,6 +35,21 @@ def test_adaptive_bounds_are_respected():
     assert controller.kl_coef == 0.25
 
 
+def test_near_upper_bound_is_one_step_below_it():
+    """The stop at beta's bound stays armed one adaptation step below it (KLPPO's kl_saturation_stop_factor)."""
+    adaptive = AdaptiveKLController(kl_coef=4.0, kl_adapt_factor=2.0, kl_coef_bounds=(0.25, 4.0))
+    assert adaptive.at_upper_bound and adaptive.near_upper_bound
+    adaptive.update(0.0, 0.01)  # one low-KL update: 2.0, one step below the bound
+    assert not adaptive.at_upper_bound and adaptive.near_upper_bound
+    adaptive.update(0.0, 0.01)  # 1.0: two steps below
+    assert not adaptive.near_upper_bound
+    # 10 / 1.5 * 1.5 is not exactly 10 in floating point
+    assert AdaptiveKLController(kl_coef=10 / 1.5, kl_adapt_factor=1.5).near_upper_bound
+    proportional = ProportionalKLController(kl_coef=3.9, kl_coef_bounds=(0.25, 4.0))
+    assert not proportional.near_upper_bound
+    assert ProportionalKLController(kl_coef=4.0, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
+
+
 def test_ppo_paper_rule():
     """PPO paper: factor 2 and band (1/1.5, 1.5)."""
     controller = AdaptiveKLController(kl_coef=1.0, kl_adapt_factor=2.0, kl_band=(1 / 1.5, 1.5))

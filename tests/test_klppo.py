@@ -291,6 +291,86 @@ def test_kl_stop_factor_stops_early():
     assert np.isfinite(model.logger.name_to_value["train/kl_grad_ratio"])
 
 
+STOP_AT_BOUND = dict(
+    learning_rate=0.05, n_epochs=10, target_kl=1e-3, n_steps=64, batch_size=16, policy_kwargs=dict(net_arch=[16]), seed=0
+)
+
+
+class MinibatchKLSpy:
+    """Wraps ``_minibatch_kl_ran_away`` to keep every (minibatch KL, threshold, verdict) it judged."""
+
+    def __init__(self, model):
+        self.calls = []
+        judge = model._minibatch_kl_ran_away
+
+        def spy(kl, stop_kl, epoch):
+            verdict = judge(kl, stop_kl, epoch)
+            self.calls.append((kl.item(), stop_kl, verdict))
+            return verdict
+
+        model._minibatch_kl_ran_away = spy
+
+
+@pytest.mark.parametrize("algo", [KLPPO, ClipKLPPO])
+def test_saturation_stop_ends_the_update_when_beta_is_at_its_bound(algo):
+    """
+    With beta at the upper end of its bounds, the update ends before the first minibatch step whose minibatch KL
+    exceeds kl_saturation_stop_factor * target_kl; the same run without the stop takes every epoch.
+    """
+    for factor in (1.5, None):
+        model = algo(
+            "MlpPolicy",
+            "CartPole-v1",
+            kl_coef=1.0,
+            kl_coef_bounds=(1e-4, 1.0),
+            kl_stop_factor=None,
+            kl_saturation_stop_factor=factor,
+            **STOP_AT_BOUND,
+        )
+        spy = MinibatchKLSpy(model)
+        model.learn(64)
+        logged = model.logger.name_to_value
+        if factor is None:
+            assert logged["train/early_stop_at_kl_coef_bound"] == 0.0 and logged["train/early_stop_epoch"] == 10
+            assert spy.calls == [] and model.kl_controller.n_updates == 1
+            continue
+        assert logged["train/early_stop_at_kl_coef_bound"] == 1.0 and logged["train/early_stop_epoch"] < 10
+        # every judged minibatch but the last was under the threshold; the last one, over it, took no step
+        assert all(stop_kl == pytest.approx(1.5e-3) for _, stop_kl, _ in spy.calls)
+        assert [verdict for _, _, verdict in spy.calls] == [False] * (len(spy.calls) - 1) + [True]
+        assert all(kl <= stop_kl for kl, stop_kl, _ in spy.calls[:-1]) and spy.calls[-1][0] > spy.calls[-1][1]
+        assert np.isfinite(logged["train/kl_grad_ratio"])
+        # the stop, not beta, set that update's KL: beta is held at its bound, not adapted
+        assert model.kl_controller.n_updates == 0 and model.kl_coef == 1.0 and logged["train/kl_coef"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(kl_coef=0.5, kl_coef_bounds=(1e-4, 10.0)),  # beta inside its bounds
+        dict(kl_coef=1.0, kl_coef_bounds=(1e-4, 1.0), kl_controller="fixed"),  # a fixed beta is the user's choice
+    ],
+)
+def test_saturation_stop_changes_nothing_while_beta_can_rise(kwargs):
+    """Unless an adapting controller has beta at its upper bound, the updates are those without the stop, bit for bit."""
+    params = []
+    for factor in (1.5, None):
+        model = KLPPO(
+            "MlpPolicy", "CartPole-v1", kl_stop_factor=None, kl_saturation_stop_factor=factor, **kwargs, **STOP_AT_BOUND
+        )
+        model.learn(64)
+        assert model.logger.name_to_value["train/early_stop_at_kl_coef_bound"] == 0.0
+        params.append(th.nn.utils.parameters_to_vector(model.policy.parameters()).detach().clone())
+    assert th.equal(params[0], params[1])
+
+
+def test_saturation_stop_factor_is_saved(tmp_path):
+    model = KLPPO("MlpPolicy", "CartPole-v1", kl_saturation_stop_factor=1.2, **SMALL)
+    model.save(tmp_path / "model")
+    assert KLPPO.load(tmp_path / "model").kl_saturation_stop_factor == 1.2
+    assert KLPPO("MlpPolicy", "CartPole-v1", **SMALL).kl_saturation_stop_factor == 1.5
+
+
 def test_hinge_adds_to_the_penalty():
     model = KLPPO("MlpPolicy", "CartPole-v1", kl_hinge_coef=1000.0, kl_hinge_factor=2.0, **SMALL)
     kl = th.tensor(0.05)
@@ -319,6 +399,7 @@ def test_hinge_adds_to_the_penalty():
         ({"min_std": -0.1}, ValueError, "min_std"),
         ({"min_std": 0.1}, ValueError, "min_std"),  # CartPole is discrete: no variance to floor
         ({"kl_stop_factor": 0.0}, ValueError, "kl_stop_factor"),
+        ({"kl_saturation_stop_factor": -1.5}, ValueError, "kl_saturation_stop_factor"),
         ({"kl_hinge_coef": -1.0}, ValueError, "kl_hinge_coef"),
         ({"log_ratio_clip": 0.0}, ValueError, "log_ratio_clip"),
         ({"clip_range": -0.2}, ValueError, "clip_range"),

@@ -308,6 +308,7 @@ def test_feed_forward_reference():
         ({"kl_controller": "pid"}, ValueError, "kl_controller"),
         ({"min_std": 0.1}, ValueError, "min_std"),  # CartPole is discrete: no variance to floor
         ({"kl_stop_factor": 0.0}, ValueError, "kl_stop_factor"),
+        ({"kl_saturation_stop_factor": 0.0}, ValueError, "kl_saturation_stop_factor"),
         ({"kl_hinge_coef": -1.0}, ValueError, "kl_hinge_coef"),
         ({"clip_range": -0.2}, ValueError, "clip_range"),
         ({"batch_size": 0}, ValueError, "batch_size"),
@@ -328,6 +329,25 @@ def test_kl_stop_factor_and_hinge():
     model = _model("CartPole-v1", learning_rate=5e-2, target_kl=1e-4, kl_stop_factor=1.0, kl_hinge_coef=10.0, n_epochs=8)
     model.learn(128)
     assert model.logger.name_to_value["train/early_stop_epoch"] < 8
+
+
+def test_saturation_stop_with_beta_at_its_bound():
+    """As in KLPPO: with beta at its upper bound the update ends before the first minibatch step over the threshold."""
+    epochs = {}
+    for factor in (1.5, None):
+        model = _model(
+            "CartPole-v1",
+            learning_rate=5e-2,
+            target_kl=1e-3,
+            kl_coef=1.0,
+            kl_coef_bounds=(1e-4, 1.0),
+            kl_saturation_stop_factor=factor,
+            n_epochs=8,
+        )
+        model.learn(128)
+        epochs[factor] = model.logger.name_to_value["train/early_stop_epoch"]
+        assert model.logger.name_to_value["train/early_stop_at_kl_coef_bound"] == float(factor is not None)
+    assert epochs[1.5] < 8 and epochs[None] == 8
 
 
 def _kl_gradients(kl, policy):

@@ -73,6 +73,9 @@ class ClipKLPPO(KLPPO):
     :param kl_stop_factor: The remaining epochs are skipped once the KL of an epoch (mean of its minibatches'
         per-state KLs, each taken before that minibatch's step) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
         None disables the early stop
+    :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds``, the update ends before
+        the first optimizer step whose minibatch KL exceeds ``kl_saturation_stop_factor * target_kl`` (default 1.5,
+        as in KLPPO; None: never)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
         within the update, when beta alone would react only at the next one; 0 disables it
@@ -141,6 +144,7 @@ class ClipKLPPO(KLPPO):
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
         kl_stop_factor: float | None = 2.0,
+        kl_saturation_stop_factor: float | None = 1.5,
         kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
@@ -195,6 +199,7 @@ class ClipKLPPO(KLPPO):
             kl_reduction=kl_reduction,
             log_ratio_clip=log_ratio_clip,
             kl_stop_factor=kl_stop_factor,
+            kl_saturation_stop_factor=kl_saturation_stop_factor,
             kl_hinge_coef=kl_hinge_coef,
             kl_hinge_factor=kl_hinge_factor,
             min_std=min_std,

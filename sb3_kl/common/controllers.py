@@ -73,6 +73,14 @@ class KLController(ABC):
         """Whether beta is pinned at its upper bound."""
         return self.kl_coef >= self.kl_coef_bounds[1]
 
+    @property
+    def near_upper_bound(self) -> bool:
+        """
+        Whether beta is at its upper bound or one step of the controller below it (a single low-KL update after
+        reaching the bound does not count as having left it). Here: at the bound.
+        """
+        return self.at_upper_bound
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kl_coef={self.kl_coef:.6g}, n_updates={self.n_updates})"
 
@@ -132,6 +140,11 @@ class AdaptiveKLController(KLController):
         if driving_kl < band_lo * target_kl:
             return self._clip(self.kl_coef / self.kl_adapt_factor)
         return self.kl_coef
+
+    @property
+    def near_upper_bound(self) -> bool:
+        """Whether beta is at its upper bound or one ``kl_adapt_factor`` step below it."""
+        return self.kl_coef * self.kl_adapt_factor >= self.kl_coef_bounds[1] * (1.0 - 1e-9)
 
 
 class ProportionalKLController(KLController):

@@ -618,7 +618,12 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
 
     def _record_update_kl(
-        self, per_state: np.ndarray, new_params: np.ndarray, target_kl: float, update_controller: bool = True
+        self,
+        per_state: np.ndarray,
+        new_params: np.ndarray,
+        target_kl: float,
+        update_controller: bool = True,
+        hold_kl_coef: bool = False,
     ) -> dict[str, float]:
         """
         Log the KL of the update (``train/kl``, quantiles, max), adjust beta from its mean and log it.
@@ -628,6 +633,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         :param target_kl: Current target
         :param update_controller: Whether to adapt beta and log ``train/kl_coef`` (False for algorithms
             without a KL penalty, e.g. KLTRPO's hard constraint)
+        :param hold_kl_coef: Log beta but leave it as it is: the update was ended by the stop at beta's upper bound
+            (``kl_saturation_stop_factor``), so its KL is the stop's doing, not beta's, and lowering beta after a stop
+            that came early would only let the next update run away
         :return: the KL statistics
         """
         stats = kl_quantiles(per_state, self.kl_quantiles)
@@ -641,7 +649,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.logger.record("train/kl_convention", self.kl_settings.convention, exclude="tensorboard")
         self.logger.record("train/target_kl", target_kl)
         if update_controller:
-            self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
+            if not hold_kl_coef:
+                self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
             self.logger.record("train/kl_coef", self.kl_coef)
             band = getattr(self.kl_controller, "kl_band", None)
             if band is not None:  # read by ``sb3-kl plot/report``, which draw the band the run used

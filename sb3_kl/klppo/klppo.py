@@ -11,7 +11,7 @@ from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedul
 from stable_baselines3.common.utils import FloatSchedule, explained_variance
 from torch.nn import functional as F
 
-from sb3_kl.common.controllers import KLController
+from sb3_kl.common.controllers import FixedKLController, KLController
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
@@ -85,6 +85,16 @@ class KLPPO(KLOnPolicyAlgorithm):
         early stop. 1.5 holds the KL far better when the learning rate is too high (HalfCheetah at 10x the zoo rate)
         but was not made the default: at the zoo's rate it changed no return significantly and the drop-in (with
         PPO's clip) collapsed on 3 of 5 Hopper seeds (``benchmarks/results/learning.md``, early-stop section)
+    :param kl_saturation_stop_factor: Used only while the controller cannot raise beta any further (beta at the upper
+        end of ``kl_coef_bounds`` or one controller step below it, with an adapting controller, so that one low-KL
+        update at the bound does not release the next): the update then ends before the first optimizer step
+        whose minibatch KL (exact, mean over the minibatch's states, before the step) exceeds
+        ``kl_saturation_stop_factor * target_kl``, SB3's per-minibatch rule, and beta is held at its bound after
+        an update the stop ended (that KL is the stop's doing, not beta's). With Adam the penalty only turns the
+        step's direction, so a learning rate too high for the task (HalfCheetah at 10x the zoo rate) pins beta at its
+        bound while the KL stays above the band; there the stop holds the KL, and elsewhere beta stays inside its
+        bounds and the updates are as without it (judging every minibatch unconditionally stopped on the noise of
+        Pendulum's 64-state minibatches, ``benchmarks/results/learning.md``). Default 1.5; None: never
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
         within the update, when beta alone would react only at the next one; 0 disables it
@@ -172,6 +182,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
         kl_stop_factor: float | None = None,
+        kl_saturation_stop_factor: float | None = 1.5,
         kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
@@ -273,6 +284,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                     stacklevel=2,
                 )
         check_positive("kl_stop_factor", kl_stop_factor, allow_none=True, hint=" or None (no early stop)")
+        check_positive(
+            "kl_saturation_stop_factor", kl_saturation_stop_factor, allow_none=True, hint=" or None (no stop at the bound)"
+        )
         check_non_negative("kl_hinge_coef", kl_hinge_coef, hint=" (0 disables the hinge)")
         check_positive("kl_hinge_factor", kl_hinge_factor)
         self.batch_size = batch_size
@@ -281,6 +295,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         self.clip_range_vf = clip_range_vf
         self.normalize_advantage = normalize_advantage
         self.kl_stop_factor = kl_stop_factor
+        self.kl_saturation_stop_factor = kl_saturation_stop_factor
         self.kl_hinge_coef = float(kl_hinge_coef)
         self.kl_hinge_factor = float(kl_hinge_factor)
         # The early stop's measurement of the policy the last epoch left (per-state KL, parameters), reused by the logs
@@ -325,6 +340,9 @@ class KLPPO(KLOnPolicyAlgorithm):
         kl_grad_ratio = float("nan")
         early_stop_epoch = self.n_epochs
         loss = th.zeros(())
+        # Beta pinned at its upper bound: the per-minibatch stop takes over (kl_saturation_stop_factor)
+        saturation_stop_kl = self._saturation_stop_kl(target_kl)
+        stopped_at_bound = False
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
@@ -378,19 +396,21 @@ class KLPPO(KLOnPolicyAlgorithm):
                 if clip_fraction is not None:
                     clip_fractions.append(clip_fraction)
 
+                if saturation_stop_kl is not None and self._minibatch_kl_ran_away(kl, saturation_stop_kl, epoch):
+                    stopped_at_bound = True
+                    break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(kl_loss, policy_loss)
 
-                if self._optimizer_step(loss):
-                    applied_steps += 1
-                else:
-                    nonfinite_steps += 1
+                applied = self._optimizer_step(loss)  # False: a non-finite loss or gradient, the step is skipped
+                applied_steps += int(applied)
+                nonfinite_steps += int(not applied)
 
             self._n_updates += 1
-            # Early stop judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
-            if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+            # Or the early stop judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
+            if stopped_at_bound or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
-                if epoch < self.n_epochs - 1:
+                if stopped_at_bound or epoch < self.n_epochs - 1:
                     kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
                 break
 
@@ -423,11 +443,12 @@ class KLPPO(KLOnPolicyAlgorithm):
             self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
         self.logger.record("train/kl_grad_ratio", kl_grad_ratio)
         self.logger.record("train/early_stop_epoch", early_stop_epoch)
+        self.logger.record("train/early_stop_at_kl_coef_bound", float(stopped_at_bound))
         self.logger.record("train/nonfinite_steps", nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)
-        self._record_update_kl(per_state, new_params, target_kl)
+        self._record_update_kl(per_state, new_params, target_kl, hold_kl_coef=stopped_at_bound)
         self._record_reference_kl()
 
     def _kl_ran_away(self, epoch_kl_sum: th.Tensor, epoch_states: int, target_kl: float, epoch: int) -> bool:
@@ -458,6 +479,39 @@ class KLPPO(KLOnPolicyAlgorithm):
             return False
         if self.verbose >= 1:
             print(f"Early stopping at epoch {epoch + 1} due to reaching KL {epoch_kl:.4f}")
+        return True
+
+    def _saturation_stop_kl(self, target_kl: float) -> float | None:
+        """
+        The minibatch KL above which this update stops, or None while beta is not near its upper bound
+        (``KLController.near_upper_bound``), when beta is fixed or when ``kl_saturation_stop_factor`` is None: see
+        ``kl_saturation_stop_factor``. Judged once, at the start of the update, on the beta the update uses.
+
+        :param target_kl: The current target
+        """
+        if self.kl_saturation_stop_factor is None or isinstance(self.kl_controller, FixedKLController):
+            return None
+        if not self.kl_controller.near_upper_bound:
+            return None
+        return self.kl_saturation_stop_factor * target_kl
+
+    def _minibatch_kl_ran_away(self, kl: th.Tensor, stop_kl: float, epoch: int) -> bool:
+        """
+        Whether the update ends before this minibatch's optimizer step: its KL (mean over its states of the per-state
+        KL to the rollout policy, before the step) exceeds ``stop_kl``.
+
+        :param kl: The minibatch's mean per-state KL (the loss's)
+        :param stop_kl: The threshold from :meth:`_saturation_stop_kl`
+        :param epoch: Index of the epoch (for the verbose message)
+        """
+        minibatch_kl = kl.item()
+        if minibatch_kl <= stop_kl:
+            return False
+        if self.verbose >= 1:
+            print(
+                f"Early stopping in epoch {epoch + 1}: KL coefficient at its upper bound and minibatch KL "
+                f"{minibatch_kl:.4f} > {stop_kl:.4f}"
+            )
         return True
 
     @staticmethod

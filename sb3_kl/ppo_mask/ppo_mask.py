@@ -103,6 +103,9 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
     :param kl_stop_factor: Skip the remaining epochs once an epoch's KL exceeds ``kl_stop_factor * target_kl``
         (None, the default, as in KLPPO: no early stop)
+    :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds``, the update ends before
+        the first optimizer step whose minibatch KL exceeds ``kl_saturation_stop_factor * target_kl`` (default 1.5,
+        as in KLPPO; None: never)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor of Gaussian policies; masked policies are discrete, so it must stay None
@@ -171,6 +174,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
         kl_stop_factor: float | None = None,
+        kl_saturation_stop_factor: float | None = 1.5,
         kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
@@ -226,6 +230,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
             kl_reduction=kl_reduction,
             log_ratio_clip=log_ratio_clip,
             kl_stop_factor=kl_stop_factor,
+            kl_saturation_stop_factor=kl_saturation_stop_factor,
             kl_hinge_coef=kl_hinge_coef,
             kl_hinge_factor=kl_hinge_factor,
             min_std=min_std,

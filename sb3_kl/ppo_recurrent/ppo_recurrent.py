@@ -85,6 +85,9 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
     :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
         exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
+    :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds`` (an adapting controller
+        that cannot raise it further), the update ends before the first optimizer step whose minibatch KL exceeds
+        ``kl_saturation_stop_factor * target_kl`` and beta is held there, as in KLPPO. Default 1.5; None: never
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (1000 by default, as KLPPO: it holds the KL of a minibatch within the update); 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
@@ -127,6 +130,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     _optimizer_step = KLPPO._optimizer_step
     _gradient_ratio = KLPPO._gradient_ratio
     _kl_ran_away = KLPPO._kl_ran_away
+    _saturation_stop_kl = KLPPO._saturation_stop_kl
+    _minibatch_kl_ran_away = KLPPO._minibatch_kl_ran_away
     #: The early stop judges KLPPO's documented rule: the mean of the epoch's minibatch KLs (see ``KLPPO._kl_ran_away``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
 
@@ -161,6 +166,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         kl_reduction: str = "sum",
         log_ratio_clip: float = 20.0,
         kl_stop_factor: float | None = None,
+        kl_saturation_stop_factor: float | None = 1.5,
         kl_hinge_coef: float = 1000.0,
         kl_hinge_factor: float = 2.0,
         min_std: float | None = None,
@@ -240,9 +246,13 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             except ValueError as error:
                 raise ValueError(f"{error} Pass a positive clip_range, or None to disable ratio clipping.") from None
         check_positive("kl_stop_factor", kl_stop_factor, allow_none=True, hint=" or None (no early stop)")
+        check_positive(
+            "kl_saturation_stop_factor", kl_saturation_stop_factor, allow_none=True, hint=" or None (no stop at the bound)"
+        )
         check_non_negative("kl_hinge_coef", kl_hinge_coef, hint=" (0 disables the hinge)")
         check_positive("kl_hinge_factor", kl_hinge_factor)
         self.kl_stop_factor = kl_stop_factor
+        self.kl_saturation_stop_factor = kl_saturation_stop_factor
         self.kl_hinge_coef = float(kl_hinge_coef)
         self.kl_hinge_factor = float(kl_hinge_factor)
         # LSTM state of a recurrent reference at the end of the last rollout (carried like ``_last_lstm_states``)
@@ -419,6 +429,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         kl_grad_ratio = float("nan")
         early_stop_epoch = self.n_epochs
         loss = th.zeros(())
+        saturation_stop_kl = self._saturation_stop_kl(target_kl)
+        stopped_at_bound = False
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
@@ -439,6 +451,9 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                 kl_losses.append(out["kl_loss"].item())
                 if out["clip_fraction"] is not None:
                     clip_fractions.append(out["clip_fraction"])
+                if saturation_stop_kl is not None and self._minibatch_kl_ran_away(out["kl"], saturation_stop_kl, epoch):
+                    stopped_at_bound = True
+                    break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
                 if self._optimizer_step(loss):
@@ -447,9 +462,9 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                     nonfinite_steps += 1
 
             self._n_updates += 1
-            if self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+            if stopped_at_bound or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
-                if epoch < self.n_epochs - 1:
+                if stopped_at_bound or epoch < self.n_epochs - 1:
                     # the gradient ratio on the last minibatch seen, with the final parameters
                     out = self._minibatch_loss(rollout_data, *terms)  # type: ignore[arg-type]
                     kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
@@ -481,11 +496,12 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
         self.logger.record("train/kl_grad_ratio", kl_grad_ratio)
         self.logger.record("train/early_stop_epoch", early_stop_epoch)
+        self.logger.record("train/early_stop_at_kl_coef_bound", float(stopped_at_bound))
         self.logger.record("train/nonfinite_steps", nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)
-        self._record_update_kl(per_state, new_params, target_kl)
+        self._record_update_kl(per_state, new_params, target_kl, hold_kl_coef=stopped_at_bound)
         self._record_reference_kl()
         self._update_evaluation = None
 
