@@ -480,7 +480,8 @@ def report(tier: str) -> str:
         lines.append("")
     lines += baseline_comparison(groups, envs), ""
     lines += budget_use(groups, envs), ""
-    lines += kl_stop_comparison(groups), ""
+    lines += saturation_stop_comparison(groups), ""
+    lines += kl_stop_comparison(), ""
     lines += goals(groups), ""
     text = "\n".join(lines)
     (RESULTS / f"learning{suffix}.md").write_text(text)
@@ -606,40 +607,35 @@ def update_share(record: dict[str, Any], low: float, high: float) -> float:
     return float(np.mean([low * target <= u["mean"] < high * target for u in record["kl_updates"]]))
 
 
-def kl_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
-    """
-    KLPPO's per-epoch early stop at 1.5 x target, measured as a default and not adopted: cell by cell, the grid's
-    records (default, no early stop) beside the same runs with ``kl_stop_factor=1.5`` (``results/kl_stop_1.5_per_epoch/``),
-    on the same seeds; then SB3's per-minibatch rule (``results/kl_stop_minibatch_judge/``).
-    """
-    with_stop = load_folder("kl_stop_1.5_per_epoch")
-    versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in with_stop.values() for r in rs}))
-    lines = [
-        "## KLPPO's early stop at 1.5 x target: measured as a default, not adopted",
-        "",
-        "`kl_stop_factor=1.5` skips an update's remaining epochs once an epoch's KL (the mean over its minibatches of "
-        "the KL to the rollout policy, each taken before that minibatch's step) exceeds 1.5 x target, the multiple at "
-        "which SB3's PPO stops. Every KLPPO cell of the grid was re-run with it as the default (records in "
-        f"`benchmarks/results/kl_stop_1.5_per_epoch/`, code {versions}), same seeds; `without` is the grid above "
-        "(KLPPO's default, no early stop). `over 2x`: share of updates whose KL exceeds twice the target. Difference of "
-        f"the evaluation returns (with - without) with its Welch p-value: tie when p ≥ {SIGNIFICANCE}. It holds the KL "
-        "at 10x the learning rate where the penalty cannot (HalfCheetah without clip), but at the zoo's rate no return "
-        "changed significantly and the drop-in with PPO's clip collapsed on Hopper, so the default stays None.",
-        "",
-        "| env | lr | algo | n | eval without | eval with | difference | AUC without | AUC with | in band without "
-        "| in band with | over 2x without | over 2x with | collapses without / with |",
-        "|" + "---|" * 14,
-    ]
-    for env, algo, mult in sorted(with_stop, key=lambda k: (k[2], MAIN_ENVS.index(k[0]), k[1])):
-        new = with_stop[(env, algo, mult)]
-        seeds = {r["seed"] for r in new}
-        old = [r for r in groups.get((env, algo, mult), []) if r["seed"] in seeds]
+def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two records of one cell and seed trained identically (same evaluation returns and per-update KLs)."""
+    return a["eval_returns"] == b["eval_returns"] and a["kl_updates"] == b["kl_updates"]
 
-        a, b = [r["eval_mean"] for r in new], [r["eval_mean"] for r in old]
-        text, result = verdict(a, b) if b else ("n/a", "n/a")
-        cells = [
-            fmt(b),
-            fmt(a),
+
+def paired_rows(
+    without: dict[tuple[str, str, float], list[dict[str, Any]]],
+    with_: dict[tuple[str, str, float], list[dict[str, Any]]],
+    identical: bool = False,
+) -> list[str]:
+    """
+    Table rows comparing the cells of ``with_`` with the same cells and seeds of ``without``: evaluation return (Welch
+    p), AUC, share of updates in band and over 2x target, collapses; with ``identical``, also how many seeds trained
+    identically in both.
+    """
+    rows = []
+    for env, algo, mult in sorted(with_, key=lambda k: (k[2], MAIN_ENVS.index(k[0]), k[1])):
+        old_by_seed = {r["seed"]: r for r in without.get((env, algo, mult), [])}
+        new = [r for r in with_[(env, algo, mult)] if r["seed"] in old_by_seed]
+        if not new:
+            continue
+        old = [old_by_seed[r["seed"]] for r in new]
+        text, result = verdict([r["eval_mean"] for r in new], [r["eval_mean"] for r in old])
+        cells = [str(len(new))]
+        if identical:
+            cells.append(str(sum(same_run(a, b) for a, b in zip(new, old, strict=True))))
+        cells += [
+            fmt([r["eval_mean"] for r in old]),
+            fmt([r["eval_mean"] for r in new]),
             f"{text}: {result}",
             fmt([summarize(r)["auc"] for r in old]),
             fmt([summarize(r)["auc"] for r in new]),
@@ -649,7 +645,69 @@ def kl_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]
             fmt([update_share(r, BAND[1], np.inf) for r in new], digits=0, percent=True),
             f"{sum(count_collapses(r['curve']) for r in old)} / {sum(count_collapses(r['curve']) for r in new)}",
         ]
-        lines.append(f"| {env} | x{mult:g} | {algo} | {len(new)} | " + " | ".join(cells) + " |")
+        rows.append(f"| {env} | x{mult:g} | {algo} | " + " | ".join(cells) + " |")
+    return rows
+
+
+PAIRED_HEADER = (
+    "| eval {a} | eval {b} | difference | AUC {a} | AUC {b} | in band {a} | in band {b} | over 2x {a} | over 2x {b} "
+    "| collapses {a} / {b} |"
+)
+
+
+def saturation_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
+    """
+    KLPPO's stop at beta's upper bound (``kl_saturation_stop_factor``, default 1.5): every KLPPO cell of the grid
+    beside the same runs from before the stop existed (``results/before_saturation_stop/``).
+    """
+    before = load_folder("before_saturation_stop")
+    after = {key: runs for key, runs in groups.items() if key[1] in ("klppo", "klppo_noclip", "clip_klppo")}
+    if not before or not after:
+        return ""
+    versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in before.values() for r in rs}))
+    lines = [
+        "## KLPPO's stop at beta's upper bound (`kl_saturation_stop_factor=1.5`, the default)",
+        "",
+        "While beta sits at the top of `kl_coef_bounds` (or one adaptation step below it), the update ends before the "
+        "first optimizer step whose minibatch KL exceeds 1.5 x target, and beta is held after an update the stop ended; "
+        "below the bound the updates are as without it. `before`: the same cells and seeds before the stop existed "
+        f"(records in `benchmarks/results/before_saturation_stop/`, code {versions}); `after`: the grid above. "
+        "`identical`: seeds that trained identically (same evaluation returns and per-update KLs), i.e. where beta "
+        f"never came near its bound. Difference of the evaluation returns (after - before), tie when p ≥ {SIGNIFICANCE}.",
+        "",
+        "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="before", b="after")[2:],
+        "|" + "---|" * 15,
+        *paired_rows(before, after, identical=True),
+    ]
+    return "\n".join(lines)
+
+
+def kl_stop_comparison() -> str:
+    """
+    KLPPO's per-epoch early stop at 1.5 x target, measured as a default and not adopted: cell by cell, the grid's
+    records from before the stop at beta's bound (``results/before_saturation_stop/``, no early stop) beside the same
+    runs with ``kl_stop_factor=1.5`` (``results/kl_stop_1.5_per_epoch/``), on the same seeds; then SB3's per-minibatch
+    rule (``results/kl_stop_minibatch_judge/``).
+    """
+    with_stop = load_folder("kl_stop_1.5_per_epoch")
+    versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in with_stop.values() for r in rs}))
+    lines = [
+        "## KLPPO's early stop at 1.5 x target: measured as a default, not adopted",
+        "",
+        "`kl_stop_factor=1.5` skips an update's remaining epochs once an epoch's KL (the mean over its minibatches of "
+        "the KL to the rollout policy, each taken before that minibatch's step) exceeds 1.5 x target, the multiple at "
+        "which SB3's PPO stops. Every KLPPO cell of the grid was re-run with it as the default (records in "
+        f"`benchmarks/results/kl_stop_1.5_per_epoch/`, code {versions}), same seeds; `without` is the grid as it was "
+        "then (KLPPO's default, no early stop; `benchmarks/results/before_saturation_stop/`). `over 2x`: share of "
+        "updates whose KL exceeds twice the target. Difference of the evaluation returns (with - without) with its "
+        f"Welch p-value: tie when p ≥ {SIGNIFICANCE}. It holds the KL at 10x the learning rate where the penalty cannot "
+        "(HalfCheetah without clip), but at the zoo's rate no return changed significantly and the drop-in with PPO's "
+        "clip collapsed on Hopper, so the default stays None.",
+        "",
+        "| env | lr | algo | n | " + PAIRED_HEADER.format(a="without", b="with")[2:],
+        "|" + "---|" * 14,
+        *paired_rows(load_folder("before_saturation_stop"), with_stop),
+    ]
     lines += ["", *minibatch_stop_rule()]
     return "\n".join(lines)
 
