@@ -664,7 +664,7 @@ def saturation_stop_comparison(groups: dict[tuple[str, str, float], list[dict[st
     after = {key: runs for key, runs in groups.items() if key[1] in ("klppo", "klppo_noclip", "clip_klppo")}
     if not before or not after:
         return ""
-    versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in before.values() for r in rs}))
+    versions = ", ".join(sorted(code_versions([r for runs in before.values() for r in runs])))
     lines = [
         "## KLPPO's stop at beta's upper bound (`kl_saturation_stop_factor=1.5`, the default)",
         "",
@@ -690,7 +690,7 @@ def kl_stop_comparison() -> str:
     rule (``results/kl_stop_minibatch_judge/``).
     """
     with_stop = load_folder("kl_stop_1.5_per_epoch")
-    versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in with_stop.values() for r in rs}))
+    versions = ", ".join(sorted(code_versions([r for runs in with_stop.values() for r in runs])))
     lines = [
         "## KLPPO's early stop at 1.5 x target: measured as a default, not adopted",
         "",
@@ -717,7 +717,7 @@ def minibatch_stop_rule() -> list[str]:
     cells = load_folder("kl_stop_minibatch_judge")
     if not cells:
         return []
-    versions = ", ".join(sorted({r.get("code_version", "unrecorded") for rs in cells.values() for r in rs}))
+    versions = ", ".join(sorted(code_versions([r for runs in cells.values() for r in runs])))
     lines = [
         "SB3's own rule was measured too: the update ends before the first optimizer step whose minibatch's KL "
         "(before the step) exceeds 1.5 x target (KLPPO's default at the commit of these records, later removed; "

@@ -48,6 +48,7 @@ def test_near_upper_bound_is_one_step_below_it():
     proportional = ProportionalKLController(kl_coef=3.9, kl_coef_bounds=(0.25, 4.0))
     assert not proportional.near_upper_bound
     assert ProportionalKLController(kl_coef=4.0, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
+    assert not FixedKLController(kl_coef=4.0, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
 
 
 def test_ppo_paper_rule():

@@ -96,6 +96,11 @@ class FixedKLController(KLController):
     def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
         return self.kl_coef
 
+    @property
+    def near_upper_bound(self) -> bool:
+        """Never: a fixed beta is the user's choice, not a controller that ran out of room."""
+        return False
+
 
 class AdaptiveKLController(KLController):
     """

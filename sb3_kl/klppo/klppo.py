@@ -11,7 +11,7 @@ from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedul
 from stable_baselines3.common.utils import FloatSchedule, explained_variance
 from torch.nn import functional as F
 
-from sb3_kl.common.controllers import FixedKLController, KLController
+from sb3_kl.common.controllers import KLController
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
@@ -484,14 +484,12 @@ class KLPPO(KLOnPolicyAlgorithm):
     def _saturation_stop_kl(self, target_kl: float) -> float | None:
         """
         The minibatch KL above which this update stops, or None while beta is not near its upper bound
-        (``KLController.near_upper_bound``), when beta is fixed or when ``kl_saturation_stop_factor`` is None: see
+        (``KLController.near_upper_bound``, never for a fixed beta) or when ``kl_saturation_stop_factor`` is None: see
         ``kl_saturation_stop_factor``. Judged once, at the start of the update, on the beta the update uses.
 
         :param target_kl: The current target
         """
-        if self.kl_saturation_stop_factor is None or isinstance(self.kl_controller, FixedKLController):
-            return None
-        if not self.kl_controller.near_upper_bound:
+        if self.kl_saturation_stop_factor is None or not self.kl_controller.near_upper_bound:
             return None
         return self.kl_saturation_stop_factor * target_kl
 
