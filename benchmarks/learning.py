@@ -257,6 +257,7 @@ def train_and_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
         torch_threads=1,
         # the commit checked out when the batch started (the workers import the code then)
         code_version=spec.get("code_version") or code_version(),
+        run_environment=run_environment(),
     )
     return record
 
@@ -279,6 +280,32 @@ def code_version(*scripts: str) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (commit + ("+modified" if modified else "")) if commit else "unknown"
+
+
+def run_environment() -> dict[str, str]:
+    """
+    What besides the code decides a run's numbers: the CPU model and the versions of the numerical libraries and of
+    the simulators. Runs are bit-for-bit repeatable on one machine with one set of versions, not across them (floating
+    point rounding differs between CPUs and library builds), so every record names both.
+
+    :return: ``{"cpu": ..., "python": ..., "<package>": "<version>", ...}`` (packages that are not installed are left out)
+    """
+    import platform
+    from importlib import metadata
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    described = {"cpu": cpu, "python": platform.python_version()}
+    for package in ("torch", "numpy", "stable-baselines3", "sb3-contrib", "gymnasium", "mujoco", "box2d"):
+        try:
+            described[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return described
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -471,6 +498,11 @@ def report(tier: str) -> str:
         + "; stock PPO/TRPO (whose training runs no sb3-kl code; only the KL monitor watches it): "
         + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions([r for r in records if r["algo"] in STOCK]).items()))
         + ". *unrecorded*: runs from before records stored it, made with sb3-kl at commit d9fd1be or earlier.",
+        "",
+        "Machines and library versions of the records (run count): "
+        + "; ".join(f"{described}: {n}" for described, n in sorted(run_environments(records).items()))
+        + ". A run repeats bit for bit on one machine with one set of library versions, not across them, so records"
+        " from different machines differ like different seeds do, not like different code.",
         "",
     ]
     for lr_mult in sorted({k[2] for k in groups}):
@@ -747,6 +779,20 @@ def code_versions(records: list[dict[str, Any]]) -> dict[str, int]:
     for record in records:
         version = record.get("code_version", "unrecorded")
         counts[version] = counts.get(version, 0) + 1
+    return counts
+
+
+def run_environments(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many records each machine and set of library versions produced (see :func:`run_environment`)."""
+    counts: dict[str, int] = {}
+    for record in records:
+        described = record.get("run_environment")
+        key = (
+            ", ".join(f"{name} {version}" if name != "cpu" else version for name, version in described.items())
+            if described
+            else "*unrecorded* (made before records named their machine and library versions)"
+        )
+        counts[key] = counts.get(key, 0) + 1
     return counts
 
 

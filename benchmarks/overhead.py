@@ -17,7 +17,6 @@ time spent inside the monitor's own hooks (snapshot and measurement), whose comp
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -206,8 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         " `KLOnPolicyAlgorithm._use_fused_adam`); the rows against *PPO with fused Adam* give stock PPO that kernel too,"
         " so they show what the KL machinery itself costs.",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {th.__version__}, "
-        f"Python {platform.python_version()}.",
+        f"Machine: {os.cpu_count()} cores; "
+        + ", ".join(f"{name} {value}" if name != "cpu" else value for name, value in learning.run_environment().items())
+        + ".",
         "",
         f"Load average when the run ended: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (wall-clock ratios are only"
         " meaningful on an otherwise idle machine; the CPU-time ratio divides this process's CPU seconds instead).",

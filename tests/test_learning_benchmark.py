@@ -6,11 +6,14 @@ numbers are known.
 
 import json
 import math
+import platform
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import stable_baselines3
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -88,6 +91,10 @@ def test_ppo_target_kl_run_records_the_monitored_kl(tmp_path, monkeypatch):
     assert all(u["mean"] >= 0 and u["p99"] >= 0 for u in record["kl_updates"])
     written = learning.record_path("tiny", "ppo_target_kl", "CartPole-v1", 1.0, 0).read_text()
     assert json.loads(written) == json.loads(json.dumps(record))
+    # the machine and the library versions, which decide the numbers besides the code
+    described = record["run_environment"]
+    assert described["torch"] == torch.__version__ and described["stable-baselines3"] == stable_baselines3.__version__
+    assert described["cpu"] and described["python"] == platform.python_version()
 
 
 def _record(algo, env, seed, eval_mean, kls, target, lr_mult=1.0, curve=None):
@@ -111,6 +118,7 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
         records.append(_record("klppo", "Pendulum-v1", seed, -210.0, [0.03, 0.02], 0.03, lr_mult=10.0))
         records.append(_record("klppo_noclip", "Pendulum-v1", seed, -205.0, [0.03, 0.1], 0.03, lr_mult=10.0))
         records.append(_record("klppo_noclip", "Pendulum-v1", seed, -150.0, [0.03], 0.03))
+    records[0]["run_environment"] = {"cpu": "Test CPU", "torch": "9.9"}
     for record in records:
         path = folder / f"{record['algo']}__{record['env']}__lr{record['lr_mult']:g}__s{record['seed']}.json"
         path.write_text(json.dumps(record))
@@ -124,3 +132,4 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     assert "x10, Pendulum-v1, klppo_noclip (3 seeds pooled): updates in band 50% (**NOT met**" in text
     assert "return -205.0 vs x1 -150.0 (**NOT met**" in text
     assert "No collapse of any sb3-kl algorithm in the grid (12 runs): **met**" in text
+    assert "*unrecorded* (made before records named their machine and library versions): 14; Test CPU, torch 9.9: 1." in text
