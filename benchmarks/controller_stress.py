@@ -35,6 +35,7 @@ from learning import (  # noqa: E402
     code_version,
     count_collapses,
     default_target_kl,
+    run_environment,
     scale_learning_rate,
     verdict,
 )
@@ -139,6 +140,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         n_epochs=model.n_epochs,
         train_seconds=train_seconds,
         code_version=version,
+        run_environment=run_environment(),
     )
     path = record_path(variant, algo, env_id, lr_mult, seed, version, tier)
     path.parent.mkdir(parents=True, exist_ok=True)

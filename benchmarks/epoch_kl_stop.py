@@ -33,6 +33,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+import learning  # noqa: E402
+
 RESULTS = HERE / "results"
 RUNS = RESULTS / "epoch_kl_stop_runs"
 ENV_ID = "Pendulum-v1"
@@ -49,8 +52,6 @@ def code_version() -> str:
     The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
     process starts its first run (the package is imported then: later edits of the checkout do not change the run).
     """
-    import learning
-
     return learning.code_version("settings.py", "learning.py", "epoch_kl_stop.py")
 
 
@@ -159,6 +160,7 @@ def run_one(algo: str, rule: str, seed: int, budget: int = 100_000, runs: Path =
         wall_seconds=wall,
         torch_threads=1,
         code_version=code_version(),
+        run_environment=learning.run_environment(),
     )
     runs.mkdir(parents=True, exist_ok=True)
     (runs / f"{algo}__{rule}__s{seed}.json").write_text(json.dumps(record, indent=1))

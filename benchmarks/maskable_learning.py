@@ -30,7 +30,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from learning import BAND, code_version, count_collapses, fmt, summarize  # noqa: E402
+from learning import BAND, code_version, count_collapses, fmt, run_environment, summarize  # noqa: E402
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "maskable_runs"
@@ -123,6 +123,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         env_steps_per_second=budget / train_seconds,
         torch_threads=1,
         code_version=code_version(),
+        run_environment=run_environment(),
     )
     RUNS.mkdir(parents=True, exist_ok=True)
     (RUNS / f"{algo}__s{seed}.json").write_text(json.dumps(record, indent=1))

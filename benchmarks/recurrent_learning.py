@@ -174,6 +174,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         env_steps_per_second=budget / train_seconds,
         torch_threads=1,
         code_version=version,
+        run_environment=learning.run_environment(),
     )
     path = record_path(budget_tier, algo, env_id, lr_mult, seed)
     path.parent.mkdir(parents=True, exist_ok=True)

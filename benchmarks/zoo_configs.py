@@ -131,6 +131,7 @@ def run_entry(algo: str, env_id: str, config: dict[str, Any], seed: int, log_roo
         "wall_time_s": round(wall, 1),
         "returncode": status.returncode,
         "code_version": version,
+        "run_environment": learning.run_environment(),
     }
     if status.returncode == 0:
         run_dirs = sorted((log_folder / algo).glob(f"{env_id}_*"), key=lambda path: path.stat().st_mtime)
