@@ -515,6 +515,9 @@ def report(tier: str) -> str:
     lines += saturation_stop_comparison(groups), ""
     lines += kl_stop_comparison(), ""
     lines += goals(groups), ""
+    replicated = replication(tier)
+    if replicated:
+        lines += replicated, ""
     text = "\n".join(lines)
     (RESULTS / f"learning{suffix}.md").write_text(text)
     plot(groups, envs, algos, suffix)
@@ -742,6 +745,53 @@ def kl_stop_comparison() -> str:
     ]
     lines += ["", *minibatch_stop_rule()]
     return "\n".join(lines)
+
+
+def replication(tier: str) -> str:
+    """
+    The cells that were run again on another machine (``results/replication/runs/<tier>/``, written by the grid with
+    ``SB3_KL_BENCHMARK_RESULTS=benchmarks/results/replication``), beside the same cells and seeds of the records above,
+    and the goals those cells decide, judged on the replication's records alone.
+    """
+    replica = load_folder(f"replication/runs/{tier}")
+    if not replica:
+        return ""
+    records = [r for runs in replica.values() for r in runs]
+    primary = group_records(load_records(tier))
+    versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
+    machines = "; ".join(f"{described}: {n}" for described, n in sorted(run_environments(records).items()))
+    out = [
+        "## Replication on a second machine",
+        "",
+        f"The cells below were run again with the code of {versions}, the same seeds and settings, on another machine"
+        f" ({machines}); records in `benchmarks/results/replication/runs/{tier}/`. A run repeats bit for bit only on"
+        " one machine and one set of library versions, so this shows how far the figures above move when nothing but"
+        " floating-point rounding changes. `identical`: seeds that trained identically on both; difference:"
+        " replication - records above, with its Welch p-value. `kltrpo_matched`'s target comes from the TRPO records"
+        " of the same machine.",
+        "",
+        "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="above", b="replication")[2:],
+        "|---" * 15 + "|",
+        *paired_rows(primary, replica, identical=True),
+        "",
+        "The goals these cells decide, on the replication's records alone:",
+        "",
+    ]
+    out += [line for line in goal_stress(replica) if "not measured" not in line]
+    for env in MAIN_ENVS:
+        trpo = _evals(replica, env, "trpo")
+        for ours in ("kltrpo", "kltrpo_matched"):
+            evals = _evals(replica, env, ours)
+            if not trpo or not evals:
+                continue
+            text, result = verdict(evals, trpo)
+            met = bool(np.mean(evals) >= np.mean(trpo) - np.std(trpo))
+            out.append(
+                f"- {env}: {ours} {np.mean(evals):.1f} vs TRPO {np.mean(trpo):.1f} ± {np.std(trpo):.1f} "
+                f"(n={len(evals)}/{len(trpo)}), within one std of TRPO or better: {status(met)} (difference {text}: "
+                f"{result})"
+            )
+    return "\n".join(out)
 
 
 def minibatch_stop_rule() -> list[str]:

@@ -133,3 +133,35 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     assert "return -205.0 vs x1 -150.0 (**NOT met**" in text
     assert "No collapse of any sb3-kl algorithm in the grid (12 runs): **met**" in text
     assert "*unrecorded* (made before records named their machine and library versions): 14; Test CPU, torch 9.9: 1." in text
+
+
+def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    primary, replica = tmp_path / "runs" / "tiny", tmp_path / "replication" / "runs" / "tiny"
+    for folder in (primary, replica):
+        folder.mkdir(parents=True)
+    for seed in range(3):
+        # seed 0 trains identically on both machines; the others land elsewhere
+        shift = 0.0 if seed == 0 else 7.0
+        for folder, delta in ((primary, 0.0), (replica, shift)):
+            for record in (
+                _record("trpo", "CartPole-v1", seed, 490.0 + seed, [0.007], 0.01),
+                _record("kltrpo", "CartPole-v1", seed, 400.0 + 10 * seed + delta, [0.0097], 0.01),
+            ):
+                record["eval_returns"] = [record["eval_mean"]]
+                if folder is replica:
+                    record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
+                path = folder / f"{record['algo']}__{record['env']}__lr1__s{seed}.json"
+                path.write_text(json.dumps(record))
+    text = learning.report("tiny")
+    section = text[text.index("## Replication on a second machine") :]
+    assert "(Other CPU, torch 9.9: 6)" in section
+    row = next(line for line in section.splitlines() if line.startswith("| CartPole-v1 | x1 | kltrpo |"))
+    # 3 seeds, 1 identical; evaluation 410.0 above vs 414.7 in the replication
+    assert row.startswith("| CartPole-v1 | x1 | kltrpo | 3 | 1 | 410.0 ± 8.2 | 414.7 ± 11.1 | +4.7")
+    assert "- CartPole-v1: kltrpo 414.7 vs TRPO 491.0 ± 0.8 (n=3/3), within one std of TRPO or better: **NOT met**" in section
+    # no replication folder: no section
+    for path in replica.iterdir():
+        path.unlink()
+    assert "## Replication" not in learning.report("tiny")
