@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import torch as th
-from gymnasium import spaces
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.logger import TensorBoardOutputFormat
@@ -21,6 +20,7 @@ from sb3_kl.common.kl import (
     BernoulliParams,
     CategoricalParams,
     DistributionParams,
+    actions_for_log_prob,
     GaussianParams,
     KLSettings,
     MultiCategoricalParams,
@@ -332,9 +332,7 @@ class KLMonitorCallback(BaseCallback):
         return distribution
 
     def _actions_for_log_prob(self, actions: th.Tensor) -> th.Tensor:
-        if isinstance(self.model.action_space, spaces.Discrete):
-            return actions.long().flatten()
-        return actions
+        return actions_for_log_prob(actions, self.model.action_space)
 
     @th.no_grad()
     def _evaluate(self, snapshot: dict[str, Any]) -> tuple[th.Tensor, th.Tensor | None]:

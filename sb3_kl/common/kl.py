@@ -572,6 +572,22 @@ def per_state_kl_to(
     return _reduce(settings, dist_params, _sample_estimate(settings, log_ratio))
 
 
+def actions_for_log_prob(actions: th.Tensor, action_space: spaces.Space) -> th.Tensor:
+    """
+    Stored actions in the form SB3's distributions take in ``log_prob``: ``Discrete`` actions (stored with shape
+    ``(batch, 1)``) as a flat integer vector, all others as floats. SB3's buffers keep ``MultiBinary`` and
+    ``MultiDiscrete`` actions in the action space's integer dtype and cast them to float32 only when sampling
+    minibatches; ``Bernoulli.log_prob`` needs floats.
+
+    :param actions: Actions as stored in a rollout buffer
+    :param action_space: The action space
+    :return: The actions for ``distribution.log_prob``
+    """
+    if isinstance(action_space, spaces.Discrete):
+        return actions.long().flatten()
+    return actions if th.is_floating_point(actions) else actions.float()
+
+
 def kl_quantiles(per_state: np.ndarray, quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float]:
     """
     Summary statistics of a per-state KL array.

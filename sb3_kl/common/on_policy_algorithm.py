@@ -37,6 +37,7 @@ from sb3_kl.common.kl import (
     attach_sde_features,
     GaussianParams,
     KLSettings,
+    actions_for_log_prob,
     kl_quantiles,
     per_state_kl,
     per_state_kl_to,
@@ -571,10 +572,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         return advantages
 
     def _actions_for_log_prob(self, actions: th.Tensor) -> th.Tensor:
-        """Discrete actions come out of the buffer as floats of shape (batch, 1)."""
-        if isinstance(self.action_space, spaces.Discrete):
-            return actions.long().flatten()
-        return actions
+        """Stored actions as ``log_prob`` takes them (:func:`sb3_kl.common.kl.actions_for_log_prob`)."""
+        return actions_for_log_prob(actions, self.action_space)
 
     def _per_state_kl(self, old_params: th.Tensor, distribution: Distribution, log_ratio: th.Tensor | None) -> th.Tensor:
         """

@@ -23,7 +23,7 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 
-from sb3_kl.common.kl import DistributionParams
+from sb3_kl.common.kl import DistributionParams, actions_for_log_prob
 
 #: Constructor arguments of sb3-contrib's ``RecurrentActorCriticPolicy`` that its ``_get_constructor_parameters``
 #: leaves out although they shape the network
@@ -174,10 +174,10 @@ class SequenceEvaluation(NamedTuple):
 
 
 def _actions_for_log_prob(actions: th.Tensor, action_space: spaces.Space) -> th.Tensor:
-    """Discrete actions are stored as floats of shape (..., 1)."""
-    if isinstance(action_space, spaces.Discrete):
-        return actions.long().flatten()
-    return actions.reshape(-1, *actions.shape[2:])
+    """Sequence-major stored actions ``(n_seq, seq_len, ...)`` as ``log_prob`` takes them, flattened over states."""
+    if not isinstance(action_space, spaces.Discrete):
+        actions = actions.reshape(-1, *actions.shape[2:])
+    return actions_for_log_prob(actions, action_space)
 
 
 @th.no_grad()
