@@ -1,4 +1,6 @@
 import copy
+import inspect
+import re
 
 import gymnasium as gym
 import numpy as np
@@ -511,6 +513,61 @@ def test_kl_coef_keeps_its_bounds_after_construction(algo_name, tmp_path):
     assert algo.load(tmp_path / "model.zip", kl_controller=wide, kl_coef=100.0).kl_coef == 100.0
 
 
+@pytest.mark.parametrize("algo_name", ["KLPPO", "KLTRPO"])
+def test_load_refuses_kl_options_it_cannot_apply(algo_name, tmp_path):
+    """
+    The KL convention and the controllers' options are folded into objects when the model is built: given to
+    ``load()`` (keyword or ``custom_objects``) with a value other than the saved one they would be stored where nothing
+    reads them, and the saved convention would go on being measured under a name the user thinks changed. They raise,
+    naming the option. The saved value (an rl-zoo config given again with ``--trained-agent``) is accepted, and a
+    controller object replaces the saved one.
+    """
+    import sb3_kl
+    from sb3_kl.common.controllers import FixedKLController
+    from sb3_kl.common.on_policy_algorithm import FIXED_AT_CONSTRUCTION
+
+    algo = getattr(sb3_kl, algo_name)
+    saved = dict(
+        kl_direction="reverse", kl_estimator="analytic", kl_reduction="sum", log_ratio_clip=20.0, kl_controller="adaptive",
+        kl_adapt_factor=1.5, kl_band=(0.8, 1.25), kl_coef_bounds=(1e-4, 10.0), kl_window=1, kl_horizon=10_000,
+        ref_kl_direction="reverse", ref_kl_estimator="analytic", ref_kl_controller="adaptive", ref_kl_coef_bounds=(1e-4, 10.0),
+    )  # fmt: skip
+    # KLTRPO has no penalty coefficient, hence no controller options, and no log-ratio clamp
+    parameters = inspect.signature(algo.__init__).parameters
+    saved = {name: value for name, value in saved.items() if name in parameters}
+    model = algo("MlpPolicy", "Pendulum-v1", n_steps=64, policy_kwargs=dict(net_arch=[16]), **saved)
+    model.save(tmp_path / "model.zip")
+    other = dict(
+        kl_direction="forward", kl_estimator="k3", kl_reduction="mean", log_ratio_clip=5.0, kl_controller="fixed",
+        kl_adapt_factor=2.0, kl_band=(0.5, 2.0), kl_coef_bounds=(1e-3, 1.0), kl_window=3, kl_horizon=500,
+        ref_kl_direction="forward", ref_kl_estimator="k1", ref_kl_controller="fixed", ref_kl_coef_bounds=(1e-3, 1.0),
+    )  # fmt: skip
+    assert set(other) == set(FIXED_AT_CONSTRUCTION)
+    # options the saved controllers do not use, as the constructor ignores them: without ref_target_kl the reference
+    # coefficient is fixed whatever ref_kl_controller names, and the adaptive controller has no horizon
+    unused = {"ref_kl_controller": "fixed", "kl_horizon": 500} if "kl_horizon" in saved else {"ref_kl_controller": "fixed"}
+    algo.load(tmp_path / "model.zip", **unused)
+    for name in set(saved) - set(unused):
+        with pytest.raises(ValueError, match=re.escape(f"`{name}`={other[name]!r} cannot be applied by load")):
+            algo.load(tmp_path / "model.zip", **{name: other[name]})
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            algo.load(tmp_path / "model.zip", custom_objects={name: other[name]})
+    # the saved values, as a zoo config would give them again: accepted, nothing changes
+    loaded = algo.load(tmp_path / "model.zip", **saved)
+    assert loaded.kl_settings == model.kl_settings and type(loaded.kl_controller) is type(model.kl_controller)
+    assert not (set(saved) - {"kl_controller", "ref_kl_controller"}) & set(vars(loaded)), "no stray attributes"
+    assert type(loaded.ref_kl_controller) is type(model.ref_kl_controller)
+    loaded = algo.load(tmp_path / "model.zip", kl_controller=FixedKLController(kl_coef=0.5))
+    assert isinstance(loaded.kl_controller, FixedKLController) and loaded.kl_coef == 0.5
+    if algo_name == "KLTRPO":
+        # kl_reduction="sb3_contrib" is resolved for the action space when the model is built
+        model = algo("MlpPolicy", "Pendulum-v1", n_steps=64, policy_kwargs=dict(net_arch=[16]), kl_reduction="sb3_contrib")
+        model.save(tmp_path / "sb3_contrib.zip")
+        assert algo.load(tmp_path / "sb3_contrib.zip", kl_reduction="sb3_contrib").kl_settings == model.kl_settings
+        with pytest.raises(ValueError, match="`kl_reduction`='sum'"):
+            algo.load(tmp_path / "sb3_contrib.zip", kl_reduction="sum")
+
+
 def _recording_klppo(judge: str, judged: list, snapshots: list) -> type:
     """KLPPO judging with ``judge``, recording the judged KL and a snapshot of the policy after every epoch."""
 
@@ -561,7 +618,8 @@ def test_early_stop_judges_the_documented_lagging_kl():
     actual = _torch_kl_after_each_epoch(model, snapshots)
     assert len(judged) == EARLY_STOP_KWARGS["n_epochs"] and actual[0] > 0
     assert abs(judged[0]) < 1e-6
-    np.testing.assert_allclose(judged[1:], actual[:-1], rtol=1e-4)
+    # KLs of ~1e-5 from float32 log-probabilities: rounding leaves ~1e-9 whose share depends on the CPU's kernels
+    np.testing.assert_allclose(judged[1:], actual[:-1], rtol=1e-4, atol=1e-8)
 
 
 def test_epoch_end_judge_measures_the_policy_the_epoch_leaves():

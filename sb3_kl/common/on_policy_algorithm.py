@@ -26,7 +26,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
-from sb3_kl.common.controllers import KLController, make_kl_controller
+from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
 from sb3_kl.common.threads import warn_if_many_threads
@@ -43,6 +43,50 @@ from sb3_kl.common.kl import (
     per_state_kl_to,
 )
 
+#: Constructor options folded into the KL convention (``kl_settings``, ``ref_kl_settings``) or into the KL controllers
+#: when the model is built, by the object and attribute that hold them: ``load()`` would store them where nothing reads
+#: them, so it compares them with the saved model and refuses a different value
+FIXED_AT_CONSTRUCTION = {
+    "kl_estimator": ("kl_settings", "estimator"),
+    "kl_direction": ("kl_settings", "direction"),
+    "kl_reduction": ("kl_settings", "reduction"),
+    "log_ratio_clip": ("kl_settings", "log_ratio_clip"),
+    "kl_controller": ("kl_controller", None),
+    "kl_adapt_factor": ("kl_controller", "kl_adapt_factor"),
+    "kl_band": ("kl_controller", "kl_band"),
+    "kl_coef_bounds": ("kl_controller", "kl_coef_bounds"),
+    "kl_window": ("kl_controller", "kl_window"),
+    "kl_horizon": ("kl_controller", "kl_horizon"),
+    "ref_kl_direction": ("ref_kl_settings", "direction"),
+    "ref_kl_estimator": ("ref_kl_settings", "estimator"),
+    "ref_kl_controller": ("ref_kl_controller", None),
+    "ref_kl_coef_bounds": ("ref_kl_controller", "kl_coef_bounds"),
+}
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_comparable(v) for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def take_fixed_kl_options(kwargs: dict[str, Any], custom_objects: dict[str, Any]) -> dict[str, Any]:
+    """
+    Take out of ``load()``'s keyword arguments and ``custom_objects`` the options in :data:`FIXED_AT_CONSTRUCTION`
+    (a controller given as an object stays: it replaces the saved one, as SB3's ``load`` does with attributes).
+
+    :return: the options taken, to be checked by :meth:`KLOnPolicyAlgorithm._check_fixed_kl_options` once loaded
+    """
+    taken = {}
+    for source in (custom_objects, kwargs):
+        for name in FIXED_AT_CONSTRUCTION:
+            if name in source and not isinstance(source[name], KLController):
+                taken[name] = source.pop(name)
+    return taken
+
+
 SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
@@ -50,8 +94,6 @@ DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
 #: A ``target_kl`` schedule may decay to 0 at the very end of training (rl-zoo's ``lin_0.02``): the last update then
 #: uses this floor, i.e. it is held (almost) still, as a learning rate decayed to 0 would hold it
 MIN_TARGET_KL = 1e-8
-
-SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
 
 
 def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
@@ -413,10 +455,16 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         ``kl_coef`` and ``ref_kl_coef`` live in their controllers, not in the saved data, where SB3's
         ``custom_objects`` (which only replaces saved entries) would ignore them silently: given there, they are
         applied like keyword overrides (``load(path, kl_coef=x)``), with the constructor's checks (bounds included).
+        The options folded into the saved KL convention and controllers at construction (``kl_direction``,
+        ``kl_band``, ... see :data:`FIXED_AT_CONSTRUCTION`) would be ignored the same way: the saved value is accepted,
+        a different one raises a ``ValueError`` naming the option (a ready controller object,
+        ``kl_controller=AdaptiveKLController(...)``, replaces the saved one).
         """
         data = read_saved_data(path)
         stock = saved_without_kl_state(data)
         custom_objects = dict(custom_objects or {})
+        kwargs = dict(kwargs)
+        fixed_options = take_fixed_kl_options(kwargs, custom_objects)
         for name in ("kl_coef", "ref_kl_coef"):
             if name in custom_objects:
                 kwargs.setdefault(name, custom_objects.pop(name))
@@ -431,9 +479,49 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             force_reset=force_reset,
             **kwargs,
         )
+        model._check_fixed_kl_options(fixed_options)
         if stock:
             model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
         return model
+
+    def _check_fixed_kl_options(self, options: dict[str, Any]) -> None:
+        """
+        Compare options given to ``load()`` that the model folded into its KL convention or controllers when it was
+        built (:data:`FIXED_AT_CONSTRUCTION`) with the loaded model: the same value (an rl-zoo config passed again with
+        ``--trained-agent``) is accepted, a different one raises a ``ValueError`` naming the option, as load() cannot
+        apply it.
+
+        :param options: The options taken from ``load()``'s arguments by :func:`take_fixed_kl_options`
+        """
+        for name, value in options.items():
+            holder_name, attribute = FIXED_AT_CONSTRUCTION[name]
+            holder = getattr(self, holder_name, None)
+            if attribute is not None and not hasattr(holder, attribute):
+                continue  # an option the saved controller's kind does not use (the constructor ignores it too)
+            if attribute is None:  # a controller by name
+                saved = next((key for key, kind in KL_CONTROLLERS.items() if type(holder) is kind), None)
+            else:
+                saved = getattr(holder, attribute, None)
+            if _comparable(value) == _comparable(saved) or self._same_kl_option(name, value):
+                continue
+            if holder_name.endswith("controller"):
+                fix = (
+                    f"pass a controller object built with it instead ({holder_name}=...Controller(...) from "
+                    "sb3_kl.common.controllers), which replaces the saved one"
+                )
+            else:
+                fix = "build a new model with it (the saved run's KL figures were measured in the saved convention)"
+            raise ValueError(
+                f"`{name}`={value!r} cannot be applied by load(): the model was built with {name}={saved!r}, which is "
+                f"part of its `{holder_name}`, restored as saved; {fix}."
+            )
+
+    def _same_kl_option(self, name: str, value: Any) -> bool:
+        """
+        Whether a ``load()`` option that does not equal the loaded model's setting still describes the same model: a
+        reference controller's kind is not used with a fixed reference coefficient (``ref_target_kl=None``).
+        """
+        return name == "ref_kl_controller" and getattr(self, "ref_target_kl", None) is None
 
     def _warn_loaded_without_kl_state(self, path: Any, saved_by: str, given: set[str]) -> None:
         """

@@ -624,6 +624,14 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self._record_update_kl(update_kl, new_params, target_kl, update_controller=False)
         self._record_reference_kl()
 
+    def _same_kl_option(self, name: str, value: Any) -> bool:
+        # ``kl_reduction="sb3_contrib"`` was resolved for the action space (with KL(new||old)); ``kl_direction=None``
+        # is the constructor's default, resolved with the reduction
+        if name == "kl_reduction" and value == SB3_CONTRIB_KL:
+            settings = self.kl_settings
+            return settings.direction == "reverse" and settings.reduction == sb3_contrib_kl_reduction(self.action_space)
+        return (name == "kl_direction" and value is None) or super()._same_kl_option(name, value)
+
     def learn(
         self: SelfKLTRPO,
         total_timesteps: int,
