@@ -107,7 +107,8 @@ class KLMonitorCallback(BaseCallback):
 
     - ``kl/mean``, ``kl/p50``, ``kl/p90``, ``kl/p99`` (configurable ``quantiles``), ``kl/max``;
     - ``kl/tail_ratio``: p99 / mean (how much of the KL sits in a few states; the last quantile is used
-      when 0.99 is not among ``quantiles``);
+      when 0.99 is not among ``quantiles``); NaN when the mean is not positive, which only the ``k1`` estimator,
+      whose per-state values can be negative, produces;
     - ``kl/env_<i>``: mean KL over the states of environment ``i`` of the VecEnv (``per_env=True``);
     - ``kl/entropy``: mean entropy of the updated policy on those states;
     - ``kl/to_uniform``: discrete actions only, the mean KL(pi_updated || uniform) = log(#actions) - entropy
