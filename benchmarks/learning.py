@@ -758,6 +758,12 @@ def replication(tier: str) -> str:
         return ""
     records = [r for runs in replica.values() for r in runs]
     primary = group_records(load_records(tier))
+    rows = paired_rows(primary, replica, identical=True)
+    moved = [
+        " ".join(cell.strip() for cell in row.split("|")[1:4])
+        for row in rows
+        if row.split("|")[8].strip().endswith(("better", "worse"))
+    ]
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
     machines = "; ".join(f"{described}: {n}" for described, n in sorted(run_environments(records).items()))
     out = [
@@ -772,7 +778,10 @@ def replication(tier: str) -> str:
         "",
         "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="above", b="replication")[2:],
         "|---" * 15 + "|",
-        *paired_rows(primary, replica, identical=True),
+        *rows,
+        "",
+        f"Evaluation returns that differ significantly between the machines (p < {SIGNIFICANCE}): {len(moved)} of"
+        f" {len(rows)} cells{': ' + ', '.join(moved) if moved else ''}.",
         "",
         "The goals these cells decide, on the replication's records alone:",
         "",

@@ -146,7 +146,8 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
         shift = 0.0 if seed == 0 else 7.0
         for folder, delta in ((primary, 0.0), (replica, shift)):
             for record in (
-                _record("trpo", "CartPole-v1", seed, 490.0 + seed, [0.007], 0.01),
+                # TRPO moved by +50 on every seed of the other machine: a significant difference
+                _record("trpo", "CartPole-v1", seed, 490.0 + seed + 50.0 * (folder is replica), [0.007], 0.01),
                 _record("kltrpo", "CartPole-v1", seed, 400.0 + 10 * seed + delta, [0.0097], 0.01),
             ):
                 record["eval_returns"] = [record["eval_mean"]]
@@ -160,7 +161,8 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
     row = next(line for line in section.splitlines() if line.startswith("| CartPole-v1 | x1 | kltrpo |"))
     # 3 seeds, 1 identical; evaluation 410.0 above vs 414.7 in the replication
     assert row.startswith("| CartPole-v1 | x1 | kltrpo | 3 | 1 | 410.0 ± 8.2 | 414.7 ± 11.1 | +4.7")
-    assert "- CartPole-v1: kltrpo 414.7 vs TRPO 491.0 ± 0.8 (n=3/3), within one std of TRPO or better: **NOT met**" in section
+    assert "- CartPole-v1: kltrpo 414.7 vs TRPO 541.0 ± 0.8 (n=3/3), within one std of TRPO or better: **NOT met**" in section
+    assert "differ significantly between the machines (p < 0.05): 1 of 2 cells: CartPole-v1 x1 trpo." in section
     # no replication folder: no section
     for path in replica.iterdir():
         path.unlink()
