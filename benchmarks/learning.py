@@ -794,7 +794,8 @@ def replication(tier: str) -> str:
             if not trpo or not evals:
                 continue
             text, result = verdict(evals, trpo)
-            met = bool(np.mean(evals) >= np.mean(trpo) - np.std(trpo))
+            # judged with 5 seeds or more, as in the goals above
+            met = bool(np.mean(evals) >= np.mean(trpo) - np.std(trpo)) if min(len(evals), len(trpo)) >= 5 else None
             out.append(
                 f"- {env}: {ours} {np.mean(evals):.1f} vs TRPO {np.mean(trpo):.1f} ± {np.std(trpo):.1f} "
                 f"(n={len(evals)}/{len(trpo)}), within one std of TRPO or better: {status(met)} (difference {text}: "
