@@ -514,8 +514,15 @@ def report(tier: str) -> str:
     lines += budget_use(groups, envs), ""
     lines += saturation_stop_comparison(groups), ""
     lines += kl_stop_comparison(), ""
-    lines += goals(groups), ""
     replicated = replication(tier)
+    goals_text = goals(groups)
+    if replicated:
+        pointer = (
+            "The cells replicated on a second machine are judged again on that machine's records alone under"
+            " *Replication on a second machine* below."
+        )
+        goals_text = goals_text.replace("## Goals\n\n", f"## Goals\n\n{pointer}\n\n", 1)
+    lines += goals_text, ""
     if replicated:
         lines += replicated, ""
     text = "\n".join(lines)

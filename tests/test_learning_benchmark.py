@@ -157,6 +157,7 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
                 path.write_text(json.dumps(record))
     text = learning.report("tiny")
     section = text[text.index("## Replication on a second machine") :]
+    assert "## Goals\n\nThe cells replicated on a second machine are judged again" in text
     assert "(Other CPU, torch 9.9: 6)" in section
     row = next(line for line in section.splitlines() if line.startswith("| CartPole-v1 | x1 | kltrpo |"))
     # 3 seeds, 1 identical; evaluation 410.0 above vs 414.7 in the replication
