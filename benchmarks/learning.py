@@ -515,14 +515,11 @@ def report(tier: str) -> str:
     lines += saturation_stop_comparison(groups), ""
     lines += kl_stop_comparison(), ""
     replicated = replication(tier)
-    goals_text = goals(groups)
-    if replicated:
-        pointer = (
-            "The cells replicated on a second machine are judged again on that machine's records alone under"
-            " *Replication on a second machine* below."
-        )
-        goals_text = goals_text.replace("## Goals\n\n", f"## Goals\n\n{pointer}\n\n", 1)
-    lines += goals_text, ""
+    note = (
+        "The cells replicated on a second machine are judged again on that machine's records alone under"
+        " *Replication on a second machine* below."
+    )
+    lines += goals(groups, note if replicated else None), ""
     if replicated:
         lines += replicated, ""
     text = "\n".join(lines)
@@ -654,6 +651,23 @@ def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["eval_returns"] == b["eval_returns"] and a["kl_updates"] == b["kl_updates"]
 
 
+def paired_runs(
+    without: dict[tuple[str, str, float], list[dict[str, Any]]],
+    with_: dict[tuple[str, str, float], list[dict[str, Any]]],
+) -> list[tuple[tuple[str, str, float], list[dict[str, Any]], list[dict[str, Any]]]]:
+    """
+    The cells of ``with_`` that ``without`` also has, in report order, each with the records of the seeds both have:
+    ``(cell, records in without, records in with_)``, paired seed by seed.
+    """
+    pairs = []
+    for cell in sorted(with_, key=lambda k: (k[2], MAIN_ENVS.index(k[0]), k[1])):
+        old_by_seed = {r["seed"]: r for r in without.get(cell, [])}
+        new = [r for r in with_[cell] if r["seed"] in old_by_seed]
+        if new:
+            pairs.append((cell, [old_by_seed[r["seed"]] for r in new], new))
+    return pairs
+
+
 def paired_rows(
     without: dict[tuple[str, str, float], list[dict[str, Any]]],
     with_: dict[tuple[str, str, float], list[dict[str, Any]]],
@@ -665,12 +679,7 @@ def paired_rows(
     identically in both.
     """
     rows = []
-    for env, algo, mult in sorted(with_, key=lambda k: (k[2], MAIN_ENVS.index(k[0]), k[1])):
-        old_by_seed = {r["seed"]: r for r in without.get((env, algo, mult), [])}
-        new = [r for r in with_[(env, algo, mult)] if r["seed"] in old_by_seed]
-        if not new:
-            continue
-        old = [old_by_seed[r["seed"]] for r in new]
+    for (env, algo, mult), old, new in paired_runs(without, with_):
         text, result = verdict([r["eval_mean"] for r in new], [r["eval_mean"] for r in old])
         cells = [str(len(new))]
         if identical:
@@ -767,9 +776,9 @@ def replication(tier: str) -> str:
     primary = group_records(load_records(tier))
     rows = paired_rows(primary, replica, identical=True)
     moved = [
-        " ".join(cell.strip() for cell in row.split("|")[1:4])
-        for row in rows
-        if row.split("|")[8].strip().endswith(("better", "worse"))
+        f"{env} x{mult:g} {algo}"
+        for (env, algo, mult), old, new in paired_runs(primary, replica)
+        if verdict([r["eval_mean"] for r in new], [r["eval_mean"] for r in old])[1] != "tie"
     ]
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
     machines = "; ".join(f"{described}: {n}" for described, n in sorted(run_environments(records).items()))
@@ -802,7 +811,7 @@ def replication(tier: str) -> str:
                 continue
             text, result = verdict(evals, trpo)
             # judged with 5 seeds or more, as in the goals above
-            met = bool(np.mean(evals) >= np.mean(trpo) - np.std(trpo)) if min(len(evals), len(trpo)) >= 5 else None
+            met = within_one_std(evals, trpo) if min(len(evals), len(trpo)) >= 5 else None
             out.append(
                 f"- {env}: {ours} {np.mean(evals):.1f} vs TRPO {np.mean(trpo):.1f} ± {np.std(trpo):.1f} "
                 f"(n={len(evals)}/{len(trpo)}), within one std of TRPO or better: {status(met)} (difference {text}: "
@@ -849,13 +858,18 @@ def code_versions(records: list[dict[str, Any]]) -> dict[str, int]:
     return counts
 
 
+def describe_run_environment(described: dict[str, str]) -> str:
+    """One line for a :func:`run_environment`: the CPU model, then ``<package> <version>``, comma-separated."""
+    return ", ".join(version if name == "cpu" else f"{name} {version}" for name, version in described.items())
+
+
 def run_environments(records: list[dict[str, Any]]) -> dict[str, int]:
     """How many records each machine and set of library versions produced (see :func:`run_environment`)."""
     counts: dict[str, int] = {}
     for record in records:
         described = record.get("run_environment")
         key = (
-            ", ".join(f"{name} {version}" if name != "cpu" else version for name, version in described.items())
+            describe_run_environment(described)
             if described
             else "*unrecorded* (made before records named their machine and library versions)"
         )
@@ -879,12 +893,17 @@ def status(met: bool | None) -> str:
     return "not measured" if met is None else ("**met**" if met else "**NOT met**")
 
 
-def goals(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
-    """The goals, each stated as met / NOT met / not measured from the records."""
-    out = ["## Goals", ""]
+def goals(groups: dict[tuple[str, str, float], list[dict[str, Any]]], note: str | None = None) -> str:
+    """The goals, each stated as met / NOT met / not measured from the records (``note``: a paragraph above them)."""
+    out = ["## Goals", ""] + ([note, ""] if note else [])
     out += goal_trust_region(groups) + goal_fair_trpo(groups) + goal_stress(groups) + goal_collapses(groups)
     out += goal_baseline(groups) + goal_seeds(groups) + standing_checks(groups)
     return "\n".join(out)
+
+
+def within_one_std(ours: list[float], theirs: list[float]) -> bool:
+    """Whether the mean of ``ours`` is at least the mean of ``theirs`` minus one (population) std of ``theirs``."""
+    return bool(np.mean(ours) >= np.mean(theirs) - np.std(theirs))
 
 
 def _evals(groups: dict[tuple[str, str, float], list[dict[str, Any]]], env: str, algo: str, mult: float = 1.0) -> list[float]:
@@ -927,7 +946,7 @@ def goal_fair_trpo(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
             if not a or not b:
                 met = None if met is not False else False
                 continue
-            ok = np.mean(a) >= np.mean(b) - np.std(b) and min(len(a), len(b)) >= 5
+            ok = within_one_std(a, b) and min(len(a), len(b)) >= 5
             met = met and ok if met is not None else met
             label = f"{env} ({ours}) " if algo == "shipped" else f"{env} "
             cells.append(f"{label}{np.mean(a):.1f} vs {np.mean(b):.1f} ± {np.std(b):.1f} (n={len(a)}/{len(b)})")
@@ -1015,10 +1034,10 @@ def standing_checks(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) 
             a, b = _evals(groups, env, ours), _evals(groups, env, stock)
             if a and b:
                 text, result = verdict(a, b)
-                met = np.mean(a) >= np.mean(b) - np.std(b)
+                met = within_one_std(a, b)
                 out.append(
                     f"- x1, {env}: {ours} {np.mean(a):.1f} vs {stock} {np.mean(b):.1f} ± {np.std(b):.1f}: within one std "
-                    f"of {stock} or better: {status(bool(met))} (difference {text}: {result})"
+                    f"of {stock} or better: {status(met)} (difference {text}: {result})"
                 )
     return out
 

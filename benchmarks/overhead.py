@@ -205,9 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         " `KLOnPolicyAlgorithm._use_fused_adam`); the rows against *PPO with fused Adam* give stock PPO that kernel too,"
         " so they show what the KL machinery itself costs.",
         "",
-        f"Machine: {os.cpu_count()} cores; "
-        + ", ".join(f"{name} {value}" if name != "cpu" else value for name, value in learning.run_environment().items())
-        + ".",
+        f"Machine: {os.cpu_count()} cores; " + learning.describe_run_environment(learning.run_environment()) + ".",
         "",
         f"Load average when the run ended: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (wall-clock ratios are only"
         " meaningful on an otherwise idle machine; the CPU-time ratio divides this process's CPU seconds instead).",

@@ -463,7 +463,6 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         data = read_saved_data(path)
         stock = saved_without_kl_state(data)
         custom_objects = dict(custom_objects or {})
-        kwargs = dict(kwargs)
         fixed_options = take_fixed_kl_options(kwargs, custom_objects)
         for name in ("kl_coef", "ref_kl_coef"):
             if name in custom_objects:
@@ -501,7 +500,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             if attribute is None:  # a controller by name
                 saved = next((key for key, kind in KL_CONTROLLERS.items() if type(holder) is kind), None)
             else:
-                saved = getattr(holder, attribute, None)
+                saved = getattr(holder, attribute)
             if _comparable(value) == _comparable(saved) or self._same_kl_option(name, value):
                 continue
             if holder_name.endswith("controller"):
