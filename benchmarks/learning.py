@@ -190,6 +190,8 @@ def train_and_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
         scale_learning_rate(kwargs, lr_mult)
     if algo == "kltrpo_matched":
         kwargs["target_kl"] = matched_target_kl(tier, env_id, lr_mult)
+    overrides = spec.get("overrides") or {}
+    kwargs.update(overrides)
     budget = BUDGETS[tier][env_id]
     env = make_vec_env(env_id, n_envs=setting["n_envs"], seed=seed)
     if setting["normalize"]:
@@ -251,6 +253,7 @@ def train_and_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
         eval_mean=float(np.mean(returns)),
         curve=curve,
         kl_updates=kl_updates,
+        overrides=overrides,
         kl_source="sb3_kl.callbacks.KLMonitorCallback (exact, forward, summed)" if monitor is not None else None,
         train_seconds=train_seconds,
         env_steps_per_second=budget / train_seconds,
@@ -1104,6 +1107,17 @@ def seed_list(tokens: list[str]) -> list[int]:
     return sorted(set(seeds))
 
 
+def parse_override(token: str) -> tuple[str, Any]:
+    """:return: ``(name, value)`` of a ``--override NAME=VALUE`` (VALUE read as JSON, else kept as a string)"""
+    name, sep, text = token.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--override takes NAME=VALUE such as kl_coef=0.2, got {token!r}")
+    try:
+        return name, json.loads(text)
+    except json.JSONDecodeError:
+        return name, text
+
+
 def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     from settings import clips
 
@@ -1115,7 +1129,7 @@ def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     mults = args.lr_mults or mults
     version = code_version()
     specs = [
-        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier, code_version=version)
+        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier, code_version=version, overrides=args.override)
         for e in envs
         for a in algos
         for m in mults
@@ -1162,6 +1176,15 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="re-run the runs whose record another commit made (resumable, unlike --force)",
     )
+    parser.add_argument(
+        "--override",
+        nargs="+",
+        type=parse_override,
+        default=[],
+        metavar="NAME=VALUE",
+        help="constructor keyword arguments set on top of the settings (VALUE is JSON, e.g. kl_coef=0.2), for measuring a "
+        "candidate default: write such runs to their own results folder (SB3_KL_BENCHMARK_RESULTS)",
+    )
     parser.add_argument("--report", action="store_true", help="only regenerate tables and figures from the records")
     parser.add_argument(
         "--storage", help="database URL: queue the cells in an Optuna study there and work on them (distributed_grid.py)"
@@ -1170,6 +1193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat-interval", type=int, default=60, help="seconds; a cell silent 2x this long is re-run")
     args = parser.parse_args(argv)
     args.tier = args.tier or "quick"
+    args.override = dict(args.override)
     if args.storage and not args.report:
         import distributed_grid
 
