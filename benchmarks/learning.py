@@ -1129,7 +1129,7 @@ def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     mults = args.lr_mults or mults
     version = code_version()
     specs = [
-        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier, code_version=version, overrides=args.override)
+        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier, code_version=version, overrides=getattr(args, "override", {}))
         for e in envs
         for a in algos
         for m in mults

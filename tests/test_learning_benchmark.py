@@ -97,6 +97,26 @@ def test_ppo_target_kl_run_records_the_monitored_kl(tmp_path, monkeypatch):
     assert described["cpu"] and described["python"] == platform.python_version()
 
 
+def test_override_sets_a_candidate_default_and_is_recorded(tmp_path, monkeypatch):
+    assert learning.parse_override("kl_coef=0.2") == ("kl_coef", 0.2)
+    assert learning.parse_override("kl_band=[0.5, 2.0]") == ("kl_band", [0.5, 2.0])
+    assert learning.parse_override("kl_controller=fixed") == ("kl_controller", "fixed")
+    with pytest.raises(Exception, match="NAME=VALUE"):
+        learning.parse_override("0.2")
+    args = learning.argparse.Namespace(
+        grid="main", algos=["klppo"], envs=["CartPole-v1"], lr_mults=None, seeds=["0"], tier="tiny", force=True,
+        override={"kl_coef": 0.2},
+    )  # fmt: skip
+    (spec,) = learning.grid_specs(args)
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    record = learning.run_one(spec)
+    assert record["overrides"] == {"kl_coef": 0.2} and record["hyperparameters"]["kl_coef"] == 0.2
+    # the same run without the override starts beta at the default and trains differently
+    default = learning.train_and_evaluate({**spec, "overrides": {}})
+    assert default["overrides"] == {} and "kl_coef" not in default["hyperparameters"]
+    assert [u["mean"] for u in default["kl_updates"]] != [u["mean"] for u in record["kl_updates"]]
+
+
 def _record(algo, env, seed, eval_mean, kls, target, lr_mult=1.0, curve=None):
     return dict(
         algo=algo, env=env, seed=seed, lr_mult=lr_mult, tier="tiny", budget=1000, target_kl=target, eval_mean=eval_mean,
