@@ -188,3 +188,34 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
     for path in replica.iterdir():
         path.unlink()
     assert "## Replication" not in learning.report("tiny")
+
+
+def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    primary, default, lowered = (tmp_path / name / "runs" / "tiny" for name in (".", "replication", "kl_coef_0.2"))
+    for seed in range(3):
+        # the default's first two updates undershoot (0.1 and 0.3 x target); the lower start's first only
+        for folder, kls, eval_mean in (
+            (primary, [0.003, 0.009, 0.03, 0.03], -150.0),
+            (default, [0.003, 0.009, 0.03, 0.03], -150.0 - seed),
+            (lowered, [0.009, 0.03, 0.03, 0.07], -148.0 - seed),
+        ):
+            folder.mkdir(parents=True, exist_ok=True)
+            record = _record("klppo", "Pendulum-v1", seed, eval_mean, kls, 0.03)
+            record["eval_returns"] = [eval_mean]
+            (folder / f"klppo__Pendulum-v1__lr1__s{seed}.json").write_text(json.dumps(record))
+    assert learning.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.009, 0.03], 0.03)) == 2
+    assert learning.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.1], 0.03)) == 2
+    text = learning.report("tiny")
+    section = text[text.index("## KLPPO's initial beta") : text.index("## Goals")]
+    row = next(line for line in section.splitlines() if line.startswith("| Pendulum-v1 | x1 | klppo |"))
+    # 3 seeds: -151.0 at 1.0, -149.0 at 0.2, a difference of +2.0 that the seeds' spread calls a tie
+    assert row.startswith("| Pendulum-v1 | x1 | klppo | 3 | -151.0 ± 0.8 | -149.0 ± 0.8 | +2.0 (p=0.07): tie")
+    # in band: 2 of 4 updates at 1.0, 2 of 4 at 0.2 (one undershoots, one overshoots); over 2x: 0 vs 1 of 4
+    assert "| 50 ± 0% | 50 ± 0% | 0 ± 0% | 25 ± 0% |" in row
+    assert "Pendulum-v1 x1 klppo 2.0 -> 1.0" in section
+    # without the candidate's records: no section
+    for path in lowered.iterdir():
+        path.unlink()
+    assert "## KLPPO's initial beta" not in learning.report("tiny")
