@@ -218,6 +218,43 @@ def test_sb3_contrib_convention_reproduces_sb3_contrib_trpo(make_env, kwargs, n_
         assert _max_difference(_final_parameters(wrong, n_updates, kwargs["n_steps"]), trpo) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "make_env,n_steps,reduction,n_dims",
+    [
+        (lambda: TargetReachEnv(dim=4), 256, "sum", 4),  # TRPO averages over the 4 dimensions; summed here
+        (lambda: IdentityEnvMultiBinary(3), 128, "sum", 3),
+        (lambda: IdentityEnvMultiDiscrete(3), 128, "mean", 2),  # two sub-actions: TRPO sums them, averaged here
+    ],
+)
+def test_kl_reduction_rescales_the_bound_not_the_search_direction(make_env, n_steps, reduction, n_dims):
+    """
+    With the other reduction than sb3-contrib's TRPO, KLTRPO's KL and its Hessian are ``n_dims`` times TRPO's (or
+    ``1 / n_dims``), and ``cg_damping`` is scaled with them: at the correspondingly scaled ``target_kl`` (and TRPO's
+    backtracking) it takes TRPO's very updates, with a damping large enough to bend the direction if it were not
+    scaled. Unscaled, the same damping gives other parameters.
+    """
+    delta, damping = 0.01, 0.5
+    common = dict(seed=3, n_critic_updates=3, batch_size=64, n_steps=n_steps, cg_damping=damping)
+    trpo = _final_parameters(TRPO("MlpPolicy", make_env(), target_kl=delta, **common), 2, n_steps)
+    factor = n_dims if reduction == "sum" else 1.0 / n_dims
+    model = KLTRPO(
+        "MlpPolicy", make_env(), kl_direction="reverse", kl_reduction=reduction, target_kl=delta * factor,
+        line_search_grow_iter=0, policy_kwargs=TRPO_ADAM, **common,
+    )  # fmt: skip
+    assert model.cg_damping_scale() == pytest.approx(factor)
+    params = _final_parameters(model, 2, n_steps)
+    for key, value in trpo.items():
+        assert th.allclose(value, params[key], rtol=0, atol=2e-5), key
+    unscaled = KLTRPO(
+        "MlpPolicy", make_env(), kl_direction="reverse", kl_reduction=reduction, target_kl=delta * factor,
+        line_search_grow_iter=0, policy_kwargs=TRPO_ADAM, **common,
+    )  # fmt: skip
+    unscaled.cg_damping_scale = lambda: 1.0  # type: ignore[method-assign]
+    assert _max_difference(_final_parameters(unscaled, 2, n_steps), trpo) > 1e-3
+    # the sb3-contrib convention itself is never rescaled
+    assert KLTRPO("MlpPolicy", make_env(), kl_reduction="sb3_contrib", n_steps=n_steps).cg_damping_scale() == 1.0
+
+
 def test_sb3_contrib_convention_survives_save_load(tmp_path):
     model = KLTRPO("MlpPolicy", IdentityEnvMultiBinary(3), kl_reduction="sb3_contrib", n_steps=64, **TINY)
     assert model.kl_settings.convention == "reverse/analytic/mean"

@@ -76,7 +76,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
     implies ``kl_direction="reverse"``); with ``line_search_grow_iter=0`` KLTRPO then takes TRPO's updates.
 
     1. Conjugate gradient on Fisher-vector products (Hessian-vector products of the mean analytic KL, plus
-       ``cg_damping``) gives the natural-gradient direction ``d``.
+       ``cg_damping`` scaled to that KL's reduction) gives the natural-gradient direction ``d``.
     2. The quadratic model of the KL gives the step ``beta d``, ``beta = sqrt(2 target_kl / d^T (F + damping) d)``.
     3. Line search along ``d`` for the largest step whose *measured* KL meets the constraints (mean KL
        ``<= target_kl`` and, when ``tail_kl`` is set, ``tail_quantile`` of the per-state KL ``<= tail_kl``, both
@@ -101,7 +101,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
     :param gamma: Discount factor
     :param cg_max_steps: maximum number of steps in the Conjugate Gradient algorithm
         for computing the Hessian vector product
-    :param cg_damping: damping in the Hessian vector product computation
+    :param cg_damping: damping in the Hessian vector product computation, in the scale of sb3-contrib TRPO's KL (see
+        :meth:`cg_damping_scale`): TRPO's and rl-zoo's values carry over, and ``kl_reduction`` changes the units of
+        ``target_kl``, not the search direction
     :param line_search_shrinking_factor: step-size reduction factor for the line-search
         (i.e., ``theta_new = theta + alpha^i * step``), in (0, 1)
     :param line_search_max_iter: maximum number of iterations for the backtracking line-search
@@ -342,6 +344,27 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self._resolve_kl_convention()
         super()._setup_model()
 
+    def cg_damping_scale(self) -> float:
+        """
+        The factor applied to ``cg_damping`` before it is added to the Fisher-vector products.
+
+        sb3-contrib's TRPO adds ``cg_damping`` to the Hessian of its own KL, which it averages over the dimensions of
+        ``Box`` and ``MultiBinary`` actions and sums over the sub-actions of ``MultiDiscrete`` ones (see
+        :func:`sb3_contrib_kl_reduction`). Where KLTRPO reduces the other way its KL's Hessian is ``n_dims`` times
+        larger (summing what TRPO averages) or smaller (averaging what TRPO sums), and so is the damping here. The damped
+        system then has the same solution direction in every convention: ``kl_reduction`` only rescales the bound
+        (``target_kl`` summed over ``n`` dimensions is ``n`` times the per-dimension one), and a ``cg_damping`` tuned
+        for TRPO, such as rl-zoo's, means what it meant there.
+
+        :return: ``n_dims``, ``1 / n_dims`` or 1 (the direction of the KL does not matter: at the rollout policy both
+            directions have the Fisher information matrix as their Hessian)
+        """
+        reduction = self.kl_settings.reduction
+        if self.action_space is None or reduction == sb3_contrib_kl_reduction(self.action_space):
+            return 1.0
+        n_dims = self.dist_params.n_dims
+        return float(n_dims) if reduction == "sum" else 1.0 / n_dims
+
     def _actor_parameters(self) -> list[nn.Parameter]:
         """
         The parameters the KL constraint applies to: every trainable parameter of the policy except the critic's
@@ -542,10 +565,12 @@ class KLTRPO(KLOnPolicyAlgorithm):
             ]
         )
 
+        damping = self.cg_damping * self.cg_damping_scale()
+
         def fisher_vector_product(vector: th.Tensor, retain_graph: bool = True) -> th.Tensor:
             # Hessian of the mean KL at the rollout policy (= Fisher information matrix) times ``vector``, damped
             grads = th.autograd.grad((grad_kl * vector.detach()).sum(), actor_params, retain_graph=retain_graph)
-            return th.cat([g.reshape(-1) for g in grads]) + self.cg_damping * vector
+            return th.cat([g.reshape(-1) for g in grads]) + damping * vector
 
         # Natural-gradient direction: solve (F + damping) d = g
         search_direction = conjugate_gradient_solver(
