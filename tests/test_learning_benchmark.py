@@ -219,3 +219,27 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     for path in lowered.iterdir():
         path.unlink()
     assert "## KLPPO's initial beta" not in learning.report("tiny")
+
+
+def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    (tmp_path / "runs" / "tiny" / "trpo__CartPole-v1__lr1__s0.json").write_text(
+        json.dumps(_record("trpo", "CartPole-v1", 0, 500.0, [0.01], 0.01))
+    )
+    assert "## KLTRPO against TRPO" not in learning.report("tiny")
+    for (_, folder, algo), returns in zip(learning.KLTRPO_DIRECTION_RUNS[::4], ([100.0, 110.0], [50.0, 60.0]), strict=True):
+        runs = tmp_path / folder / "runs" / "tiny"
+        runs.mkdir(parents=True)
+        for seed, eval_mean in enumerate(returns):
+            record = _record(algo, "HalfCheetah-v5", seed, eval_mean, [0.1, 0.12], 0.1)
+            record["overrides"] = {"cg_damping": 0.6} if algo == "kltrpo" else {}
+            (runs / f"{algo}__HalfCheetah-v5__lr1__s{seed}.json").write_text(json.dumps(record))
+    text = learning.report("tiny")
+    section = text[text.index("## KLTRPO against TRPO on HalfCheetah-v5") : text.index("## Goals")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row.split(" | ")[0] for row in rows] == ["| sb3-contrib TRPO", "| the same with 6 x `cg_damping`"]
+    # the synthetic curve rises linearly to the eval return: AUC 0.55 x 55.0 = 30.2, against TRPO's 0.55 x 105.0
+    assert "| `cg_damping=0.6` | 2 | 55.0 ± 5.0 | 30.2 ± 2.8 | -27.5 (p=" in rows[1]
+    assert rows[0].split(" | ")[1] == "the grid's"
