@@ -880,21 +880,38 @@ def kltrpo_direction_comparison(tier: str) -> str:
     return "\n".join(lines)
 
 
+def machine(record: dict[str, Any]) -> str | None:
+    """:return: the description of the machine and library versions that made a record (None: unrecorded)"""
+    described = record.get("run_environment")
+    return describe_run_environment(described) if described else None
+
+
 def replication(tier: str) -> str:
     """
     The cells that were run again on another machine (``results/replication/runs/<tier>/``, written by the grid with
-    ``SB3_KL_BENCHMARK_RESULTS=benchmarks/results/replication``), beside the same cells and seeds of the records above,
-    and the goals those cells decide, judged on the replication's records alone.
+    ``SB3_KL_BENCHMARK_RESULTS=benchmarks/results/replication``), beside the same cells and seeds of the records above
+    where those came from another machine, and the goals those cells decide, judged on that machine's records alone
+    (the replication's and those of the records above the same machine made).
     """
     replica = load_folder(f"replication/runs/{tier}")
     if not replica:
         return ""
     records = [r for runs in replica.values() for r in runs]
-    primary = group_records(load_records(tier))
-    rows = paired_rows(primary, replica, identical=True)
+    primary_records = load_records(tier)
+    primary = group_records(primary_records)
+    by_seed = {(r["env"], r["algo"], r["lr_mult"], r["seed"]): r for r in primary_records}
+    # a pair only where the records above come from another machine (re-made cells may come from this one)
+    elsewhere = group_records(
+        [
+            r
+            for r in records
+            if (other := by_seed.get((r["env"], r["algo"], r["lr_mult"], r["seed"]))) is None or machine(other) != machine(r)
+        ]
+    )
+    rows = paired_rows(primary, elsewhere, identical=True)
     moved = [
         f"{env} x{mult:g} {algo}"
-        for (env, algo, mult), old, new in paired_runs(primary, replica)
+        for (env, algo, mult), old, new in paired_runs(primary, elsewhere)
         if verdict([r["eval_mean"] for r in new], [r["eval_mean"] for r in old])[1] != "tie"
     ]
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
@@ -907,7 +924,7 @@ def replication(tier: str) -> str:
         " one machine and one set of library versions, so this shows how far the figures above move when nothing but"
         " floating-point rounding changes. `identical`: seeds that trained identically on both; difference:"
         " replication - records above, with its Welch p-value. `kltrpo_matched`'s target comes from the TRPO records"
-        " of the same machine.",
+        " of the same machine. Cells the records above re-made on the replication's machine are not repeated here.",
         "",
         "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="above", b="replication")[2:],
         "|---" * 15 + "|",
@@ -915,25 +932,33 @@ def replication(tier: str) -> str:
         "",
         f"Evaluation returns that differ significantly between the machines (p < {SIGNIFICANCE}): {len(moved)} of"
         f" {len(rows)} cells{': ' + ', '.join(moved) if moved else ''}.",
-        "",
-        "The goals these cells decide, on the replication's records alone:",
-        "",
     ]
-    out += [line for line in goal_stress(replica) if "not measured" not in line]
-    for env in MAIN_ENVS:
-        trpo = _evals(replica, env, "trpo")
-        for ours in ("kltrpo", "kltrpo_matched"):
-            evals = _evals(replica, env, ours)
-            if not trpo or not evals:
-                continue
-            text, result = verdict(evals, trpo)
-            # judged with 5 seeds or more, as in the goals above
-            met = within_one_std(evals, trpo) if min(len(evals), len(trpo)) >= 5 else None
-            out.append(
-                f"- {env}: {ours} {np.mean(evals):.1f} vs TRPO {np.mean(trpo):.1f} ± {np.std(trpo):.1f} "
-                f"(n={len(evals)}/{len(trpo)}), within one std of TRPO or better: {status(met)} (difference {text}: "
-                f"{result})"
-            )
+    for described in sorted({machine(r) for r in records} - {None}):
+        # that machine's records: the replication's, and those of the records above it made (which win a tie)
+        own = {(r["env"], r["algo"], r["lr_mult"], r["seed"]): r for r in records if machine(r) == described}
+        own.update({key: r for key, r in by_seed.items() if machine(r) == described})
+        groups = group_records(list(own.values()))
+        out += [
+            "",
+            f"The goals these cells decide, on the records of that machine alone ({described}; the replication's and "
+            f"{sum(machine(r) == described for r in primary_records)} of the records above):",
+            "",
+        ]
+        out += [line for line in goal_stress(groups) if "not measured" not in line]
+        for env in MAIN_ENVS:
+            trpo = _evals(groups, env, "trpo")
+            for ours in ("kltrpo", "kltrpo_matched"):
+                evals = _evals(groups, env, ours)
+                if not trpo or not evals:
+                    continue
+                text, result = verdict(evals, trpo)
+                # judged with 5 seeds or more, as in the goals above
+                met = within_one_std(evals, trpo) if min(len(evals), len(trpo)) >= 5 else None
+                out.append(
+                    f"- {env}: {ours} {np.mean(evals):.1f} vs TRPO {np.mean(trpo):.1f} ± {np.std(trpo):.1f} "
+                    f"(n={len(evals)}/{len(trpo)}), within one std of TRPO or better: {status(met)} (difference "
+                    f"{text}: {result})"
+                )
     return "\n".join(out)
 
 

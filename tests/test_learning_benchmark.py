@@ -175,10 +175,17 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
                     record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
                 path = folder / f"{record['algo']}__{record['env']}__lr1__s{seed}.json"
                 path.write_text(json.dumps(record))
+        # kltrpo_matched re-made above on the replication's machine: judged with that machine's TRPO, not paired
+        record = _record("kltrpo_matched", "CartPole-v1", seed, 530.0 + seed, [0.007], 0.007)
+        record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
+        (primary / f"kltrpo_matched__CartPole-v1__lr1__s{seed}.json").write_text(json.dumps(record))
     text = learning.report("tiny")
     section = text[text.index("## Replication on a second machine") :]
     assert "## Goals\n\nThe cells replicated on a second machine are judged again" in text
     assert "(Other CPU, torch 9.9: 6)" in section
+    assert "| CartPole-v1 | x1 | kltrpo_matched |" not in section
+    assert "on the records of that machine alone (Other CPU, torch 9.9; the replication's and 3 of the records" in section
+    assert "- CartPole-v1: kltrpo_matched 531.0 vs TRPO 541.0 ± 0.8 (n=3/3)" in section
     row = next(line for line in section.splitlines() if line.startswith("| CartPole-v1 | x1 | kltrpo |"))
     # 3 seeds, 1 identical; evaluation 410.0 above vs 414.7 in the replication
     assert row.startswith("| CartPole-v1 | x1 | kltrpo | 3 | 1 | 410.0 ± 8.2 | 414.7 ± 11.1 | +4.7")
