@@ -660,6 +660,11 @@ def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["eval_returns"] == b["eval_returns"] and a["kl_updates"] == b["kl_updates"]
 
 
+def seed_key(record: dict[str, Any]) -> tuple[str, str, float, int]:
+    """:return: a record's cell and seed, ``(env, algo, lr_mult, seed)``"""
+    return record["env"], record["algo"], record["lr_mult"], record["seed"]
+
+
 def paired_runs(
     without: dict[tuple[str, str, float], list[dict[str, Any]]],
     with_: dict[tuple[str, str, float], list[dict[str, Any]]],
@@ -849,12 +854,13 @@ def kltrpo_direction_comparison(tier: str) -> str:
     for label, folder, records in runs:
         overrides = records[0].get("overrides") or {}
         settings = ", ".join(f"`{k}={v}`" for k, v in overrides.items()) or "the grid's"
-        auc = [summarize(r)["auc"] for r in records]
+        summaries = [summarize(r) for r in records]
+        auc = [m["auc"] for m in summaries]
         text, result = verdict(auc, trpo_auc)
         rows.append(
             f"| {label} | {settings} | {len(records)} | {fmt([r['eval_mean'] for r in records])} | {fmt(auc)} | "
-            f"{text}: {result} | {fmt([summarize(r)['kl_mean'] for r in records], digits=4)} | "
-            f"{fmt([summarize(r)['kl_p99'] for r in records], digits=3)} | `{folder}` |"
+            f"{text}: {result} | {fmt([m['kl_mean'] for m in summaries], digits=4)} | "
+            f"{fmt([m['kl_p99'] for m in summaries], digits=3)} | `{folder}` |"
         )
     records = [r for _, _, group in runs for r in group]
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
@@ -880,12 +886,6 @@ def kltrpo_direction_comparison(tier: str) -> str:
     return "\n".join(lines)
 
 
-def machine(record: dict[str, Any]) -> str | None:
-    """:return: the description of the machine and library versions that made a record (None: unrecorded)"""
-    described = record.get("run_environment")
-    return describe_run_environment(described) if described else None
-
-
 def replication(tier: str) -> str:
     """
     The cells that were run again on another machine (``results/replication/runs/<tier>/``, written by the grid with
@@ -899,14 +899,10 @@ def replication(tier: str) -> str:
     records = [r for runs in replica.values() for r in runs]
     primary_records = load_records(tier)
     primary = group_records(primary_records)
-    by_seed = {(r["env"], r["algo"], r["lr_mult"], r["seed"]): r for r in primary_records}
+    by_seed = {seed_key(r): r for r in primary_records}
     # a pair only where the records above come from another machine (re-made cells may come from this one)
     elsewhere = group_records(
-        [
-            r
-            for r in records
-            if (other := by_seed.get((r["env"], r["algo"], r["lr_mult"], r["seed"]))) is None or machine(other) != machine(r)
-        ]
+        [r for r in records if (other := by_seed.get(seed_key(r))) is None or machine(other) != machine(r)]
     )
     rows = paired_rows(primary, elsewhere, identical=True)
     moved = [
@@ -935,7 +931,7 @@ def replication(tier: str) -> str:
     ]
     for described in sorted({machine(r) for r in records} - {None}):
         # that machine's records: the replication's, and those of the records above it made (which win a tie)
-        own = {(r["env"], r["algo"], r["lr_mult"], r["seed"]): r for r in records if machine(r) == described}
+        own = {seed_key(r): r for r in records if machine(r) == described}
         own.update({key: r for key, r in by_seed.items() if machine(r) == described})
         groups = group_records(list(own.values()))
         out += [
@@ -1005,16 +1001,17 @@ def describe_run_environment(described: dict[str, str]) -> str:
     return ", ".join(version if name == "cpu" else f"{name} {version}" for name, version in described.items())
 
 
+def machine(record: dict[str, Any]) -> str | None:
+    """:return: the description of the machine and library versions that made a record (None: unrecorded)"""
+    described = record.get("run_environment")
+    return describe_run_environment(described) if described else None
+
+
 def run_environments(records: list[dict[str, Any]]) -> dict[str, int]:
     """How many records each machine and set of library versions produced (see :func:`run_environment`)."""
     counts: dict[str, int] = {}
     for record in records:
-        described = record.get("run_environment")
-        key = (
-            describe_run_environment(described)
-            if described
-            else "*unrecorded* (made before records named their machine and library versions)"
-        )
+        key = machine(record) or "*unrecorded* (made before records named their machine and library versions)"
         counts[key] = counts.get(key, 0) + 1
     return counts
 

@@ -125,11 +125,17 @@ def _record(algo, env, seed, eval_mean, kls, target, lr_mult=1.0, curve=None):
     )  # fmt: skip
 
 
+def _write(folder: Path, record: dict) -> None:
+    """Store a record in a results folder under the grid's file name for it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    name = learning.record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"]).name
+    (folder / name).write_text(json.dumps(record))
+
+
 def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     monkeypatch.setattr(learning, "plot", lambda *args: None)
     folder = tmp_path / "runs" / "tiny"
-    folder.mkdir(parents=True)
     records = []
     for seed in range(3):
         # KLPPO: same return as the baseline up to noise, far smaller KL tail; in band on every update at x10
@@ -140,8 +146,7 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
         records.append(_record("klppo_noclip", "Pendulum-v1", seed, -150.0, [0.03], 0.03))
     records[0]["run_environment"] = {"cpu": "Test CPU", "torch": "9.9"}
     for record in records:
-        path = folder / f"{record['algo']}__{record['env']}__lr{record['lr_mult']:g}__s{record['seed']}.json"
-        path.write_text(json.dumps(record))
+        _write(folder, record)
     text = learning.report("tiny")
     assert (tmp_path / "learning_tiny.md").read_text() == text
     row = next(line for line in text.splitlines() if line.startswith("| x1 | Pendulum-v1 | klppo |"))
@@ -159,8 +164,6 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     monkeypatch.setattr(learning, "plot", lambda *args: None)
     primary, replica = tmp_path / "runs" / "tiny", tmp_path / "replication" / "runs" / "tiny"
-    for folder in (primary, replica):
-        folder.mkdir(parents=True)
     for seed in range(3):
         # seed 0 trains identically on both machines; the others land elsewhere
         shift = 0.0 if seed == 0 else 7.0
@@ -173,12 +176,11 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
                 record["eval_returns"] = [record["eval_mean"]]
                 if folder is replica:
                     record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
-                path = folder / f"{record['algo']}__{record['env']}__lr1__s{seed}.json"
-                path.write_text(json.dumps(record))
+                _write(folder, record)
         # kltrpo_matched re-made above on the replication's machine: judged with that machine's TRPO, not paired
         record = _record("kltrpo_matched", "CartPole-v1", seed, 530.0 + seed, [0.007], 0.007)
         record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
-        (primary / f"kltrpo_matched__CartPole-v1__lr1__s{seed}.json").write_text(json.dumps(record))
+        _write(primary, record)
     text = learning.report("tiny")
     section = text[text.index("## Replication on a second machine") :]
     assert "## Goals\n\nThe cells replicated on a second machine are judged again" in text
@@ -208,10 +210,9 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
             (default, [0.003, 0.009, 0.03, 0.03], -150.0 - seed),
             (lowered, [0.009, 0.03, 0.03, 0.07], -148.0 - seed),
         ):
-            folder.mkdir(parents=True, exist_ok=True)
             record = _record("klppo", "Pendulum-v1", seed, eval_mean, kls, 0.03)
             record["eval_returns"] = [eval_mean]
-            (folder / f"klppo__Pendulum-v1__lr1__s{seed}.json").write_text(json.dumps(record))
+            _write(folder, record)
     assert learning.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.009, 0.03], 0.03)) == 2
     assert learning.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.1], 0.03)) == 2
     text = learning.report("tiny")
@@ -231,18 +232,13 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
 def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     monkeypatch.setattr(learning, "plot", lambda *args: None)
-    (tmp_path / "runs" / "tiny").mkdir(parents=True)
-    (tmp_path / "runs" / "tiny" / "trpo__CartPole-v1__lr1__s0.json").write_text(
-        json.dumps(_record("trpo", "CartPole-v1", 0, 500.0, [0.01], 0.01))
-    )
+    _write(tmp_path / "runs" / "tiny", _record("trpo", "CartPole-v1", 0, 500.0, [0.01], 0.01))
     assert "## KLTRPO against TRPO" not in learning.report("tiny")
     for (_, folder, algo), returns in zip(learning.KLTRPO_DIRECTION_RUNS[::4], ([100.0, 110.0], [50.0, 60.0]), strict=True):
-        runs = tmp_path / folder / "runs" / "tiny"
-        runs.mkdir(parents=True)
         for seed, eval_mean in enumerate(returns):
             record = _record(algo, "HalfCheetah-v5", seed, eval_mean, [0.1, 0.12], 0.1)
             record["overrides"] = {"cg_damping": 0.6} if algo == "kltrpo" else {}
-            (runs / f"{algo}__HalfCheetah-v5__lr1__s{seed}.json").write_text(json.dumps(record))
+            _write(tmp_path / folder / "runs" / "tiny", record)
     text = learning.report("tiny")
     section = text[text.index("## KLTRPO against TRPO on HalfCheetah-v5") : text.index("## Goals")]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
