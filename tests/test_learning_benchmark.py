@@ -160,6 +160,23 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     assert "*unrecorded* (made before records named their machine and library versions): 14; Test CPU, torch 9.9: 1." in text
 
 
+def test_seeds_goal_asks_five_seeds_of_close_cells_in_the_stress_grid_too():
+    def cell(algo, means, lr_mult):
+        return [_record(algo, "HalfCheetah-v5", s, m, [0.03], 0.03, lr_mult=lr_mult) for s, m in enumerate(means)]
+
+    groups = learning.group_records(
+        # x10: klppo and ppo overlap within two standard deviations on 3 seeds; trpo is far from both
+        cell("klppo", [3000.0, 2500.0, 3500.0], 10.0) + cell("ppo", [2800.0, 1800.0, 3600.0], 10.0)
+        + cell("trpo", [9000.0, 9001.0, 9002.0, 9003.0, 9004.0], 10.0)
+    )  # fmt: skip
+    (line,) = learning.goal_seeds(groups)
+    assert "**NOT met** (2 cells; fewer than 5 seeds: klppo on HalfCheetah-v5 x10 (n=3), ppo on" in line
+    more = learning.group_records(
+        cell("klppo", [3000.0, 2500.0, 3500.0, 3100.0, 2900.0], 10.0) + cell("ppo", [2800.0, 1800.0, 3600.0, 3000, 2000], 10.0)
+    )
+    assert "**met** (2 cells; fewer than 5 seeds: none)" in learning.goal_seeds(more)[0]
+
+
 def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     monkeypatch.setattr(learning, "plot", lambda *args: None)
