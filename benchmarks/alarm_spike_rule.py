@@ -14,6 +14,11 @@ The chosen factor is the smallest one of the grid that alarms on at most ``--max
 runs and on every stock stress run. The sustained rule (``spike_factor=5`` for ``patience=3`` updates) is shown
 beside it. Writes ``benchmarks/results/alarm_spike_rule.md`` and ``.json`` (naming the commit).
 
+The records hold the joint KL(old||new) only, so a TRPO run's ratio here is that KL over TRPO's target, which bounds
+KL(new||old) averaged over ``Box`` dimensions: about ``n_dims`` times the ratio the callback now uses for TRPO (it
+compares the KL in the target's convention, ``kl/mean_in_target_convention``), about the same on discrete actions.
+No TRPO run alarms even at these larger ratios in the committed result.
+
     python benchmarks/alarm_spike_rule.py
 """
 

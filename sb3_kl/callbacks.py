@@ -21,7 +21,13 @@ last one, are kept in ``KLMonitorCallback.history``.
 
 from sb3_kl.common.callbacks_alarm import KLAlarm, KLAlarmCallback
 from sb3_kl.common.callbacks_control import AdaptiveLRSchedule, KLAdaptiveLRCallback, VarianceFloorCallback
-from sb3_kl.common.callbacks_monitor import HISTORY_KEYS, KLMonitorCallback, distribution_params_for_policy, model_target_kl
+from sb3_kl.common.callbacks_monitor import (
+    HISTORY_KEYS,
+    KLMonitorCallback,
+    distribution_params_for_policy,
+    model_target_kl,
+    target_kl_settings,
+)
 
 __all__ = [
     "HISTORY_KEYS",
@@ -33,4 +39,5 @@ __all__ = [
     "VarianceFloorCallback",
     "distribution_params_for_policy",
     "model_target_kl",
+    "target_kl_settings",
 ]

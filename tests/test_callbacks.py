@@ -332,6 +332,7 @@ def test_alarm_kinds_and_warn_once():
     alarm.alarms.clear()
     alarm._warned.clear()
     record = dict(update=7, num_timesteps=1000, mean=0.01, min=-0.5, tail_ratio=60.0)
+    record.update(mean_in_target_convention=0.01, target_convention="forward/analytic/sum")
     with pytest.warns(UserWarning) as caught:
         alarm._on_kl_measured(record, np.array([-0.5, 0.02]))
         alarm._on_kl_measured(dict(record, update=8), np.array([-0.5, 0.02]))
@@ -339,7 +340,8 @@ def test_alarm_kinds_and_warn_once():
     assert kinds == ["negative_kl", "heavy_tail", "negative_kl", "heavy_tail"]
     assert len(caught) == 2  # warned once per kind
     assert "implementation bug" in str(caught[0].message)
-    alarm._on_kl_measured(dict(record, min=0.0, mean=float("nan")), np.array([np.nan, 0.0]))
+    nan = float("nan")
+    alarm._on_kl_measured(dict(record, min=0.0, mean=nan, mean_in_target_convention=nan), np.array([np.nan, 0.0]))
     assert alarm.alarms[-1].kind == "nonfinite_kl"
     # gradient ratio: too high always alarms; too low only while the KL is above target (no target here)
     n = len(alarm.alarms)

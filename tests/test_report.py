@@ -127,7 +127,7 @@ def test_states_from_real_monitor(tmp_path, capsys):
         model.learn(512, callback=KLMonitorCallback(top_k=4, top_k_path=path))
     assert main(["states", path]) == 0
     out = capsys.readouterr().out
-    assert "random background states" in out
+    assert "random background states" in out and "forward/analytic/sum," in out.splitlines()[0]
     assert sum(line.startswith("obs[") for line in out.splitlines()) == 4  # CartPole has 4 observation dimensions
 
 

@@ -24,6 +24,9 @@ from sb3_kl.common.validation import check_bool, check_int, check_pair, check_po
 MAX_KL_FACTOR = 75.0
 #: Target of the trust-region family (sb3-contrib ``TRPO``'s default ``target_kl``) when a model has none
 TRUST_REGION_DEFAULT_TARGET_KL = 0.01
+#: With the ``k1`` estimator, ``negative_kl`` needs the update's mean KL this many standard errors below 0: the mean
+#: of k1 samples is unbiased but noisy, and below about 2 / (number of states) nats it is often negative by chance
+NEGATIVE_K1_STANDARD_ERRORS = 4.0
 
 
 def family_default_target_kl(model: Any) -> tuple[float, str]:
@@ -101,19 +104,24 @@ class KLAlarmCallback(MonitorUser):
     """
     Turn the known signs of a failing KL control into alarms. After each measured update it checks:
 
-    - ``negative_kl``: a per-state KL below ``-negative_tol`` (the mean, for the ``k1`` estimator, whose single
-      samples may be negative): an exact KL is never negative, so the KL implementation or the inputs are wrong;
+    - ``negative_kl``: a per-state KL below ``-negative_tol`` (for the ``k1`` estimator, whose single samples may be
+      negative, the update's mean more than ``negative_tol`` plus :data:`NEGATIVE_K1_STANDARD_ERRORS` standard errors
+      below 0): a KL is never negative, so the KL implementation or the inputs are wrong;
     - ``nonfinite_kl``: the KL is NaN or infinite (the policy's outputs overflowed);
     - ``kl_spike``: the mean KL of a single update > ``max_kl_factor`` x target (at once), or > ``spike_factor`` x
-      target for ``patience`` consecutive updates. Target: ``target_kl``, else the algorithm's own target when it has
-      one, else the family default (:func:`family_default_target_kl`: 0.02 discrete / 0.03 ``Box`` for PPO, A2C and
-      the like, 0.01 for TRPO), which is announced once with a warning;
+      target for ``patience`` consecutive updates. Target: ``target_kl``, compared with the monitor's KL (its own
+      convention); else the algorithm's own target when it has one, else the family default
+      (:func:`family_default_target_kl`: 0.02 discrete / 0.03 ``Box`` for PPO, A2C and the like, 0.01 for TRPO),
+      announced once with a warning; these two are stated in the algorithm's convention, so they are compared with
+      the update's exact KL in that convention (the monitor's ``mean_in_target_convention``, e.g. KL(new||old)
+      averaged over action dimensions for sb3-contrib's TRPO on ``Box`` actions, whatever the monitor measures);
     - ``beta_at_upper_bound``: the sb3_kl algorithm's KL coefficient sits at its upper bound for ``patience``
       consecutive updates (the penalty cannot hold the KL any more);
     - ``beta_at_lower_bound``: it sits at its lower bound for ``patience`` consecutive updates (the KL stayed below
       the band long enough to drive beta down to it: the penalty does nothing, a clip or a small step does the work);
     - ``heavy_tail``: p99 / mean of the per-state KL > ``tail_ratio`` (a few states carry the update's KL);
-      only checked when the mean KL exceeds ``min_kl`` (tiny updates have meaningless ratios);
+      only checked when the mean KL exceeds ``min_kl`` (tiny updates have meaningless ratios), and never with a ``k1``
+      monitor (the tail ratio of signed samples is not defined, ``kl/tail_ratio`` is NaN);
     - ``grad_ratio``: the sb3_kl algorithm's ``train/kl_grad_ratio`` (|grad of the KL term| / |grad of the
       surrogate|) outside ``grad_ratio_band`` for ``patience`` consecutive updates: above the band the penalty
       drowns the surrogate (the policy stops learning); below it while the KL is above target, the penalty has no
@@ -124,8 +132,9 @@ class KLAlarmCallback(MonitorUser):
     ``verbose >= 1``. With ``stop_training=True`` the next ``_on_step`` returns False, which ends ``learn()`` before the
     next update.
 
-    :param target_kl: KL target for the spike check (number or schedule of progress remaining); None: the algorithm's,
-        or the family default when it has none (:func:`family_default_target_kl`)
+    :param target_kl: KL target for the spike check (number or schedule of progress remaining), in the monitor's
+        convention; None: the algorithm's, or the family default when it has none (:func:`family_default_target_kl`),
+        each compared with the KL in the algorithm's convention
     :param spike_factor: How many times the target counts as a spike when sustained for ``patience`` updates
     :param max_kl_factor: How many times the target counts as a spike in a single update (None: no single-update
         check); default :data:`MAX_KL_FACTOR`, chosen on the committed benchmark runs
@@ -181,12 +190,18 @@ class KLAlarmCallback(MonitorUser):
         self._stop = False
         self._announced_default_target = False
 
-    def _target(self) -> float:
+    def _target(self) -> tuple[float, str]:
+        """
+        :return: the target of the spike checks and the key of the monitor's record to compare with it: ``"mean"``
+            (the monitor's own convention) for the callback's ``target_kl``, ``"mean_in_target_convention"`` for the
+            algorithm's target or the family default, which are stated in the algorithm's convention
+            (:func:`~sb3_kl.common.callbacks_monitor.target_kl_settings`)
+        """
         if self.target_kl is not None:
-            return float(self.target_kl(self.model._current_progress_remaining))
+            return float(self.target_kl(self.model._current_progress_remaining)), "mean"
         target = model_target_kl(self.model)
         if target is not None:
-            return target
+            return target, "mean_in_target_convention"
         target, source = family_default_target_kl(self.model)
         if not self._announced_default_target:
             self._announced_default_target = True
@@ -197,7 +212,7 @@ class KLAlarmCallback(MonitorUser):
             warnings.warn(message, UserWarning, stacklevel=2)
             if self.verbose >= 1:
                 print(message)
-        return target
+        return target, "mean_in_target_convention"
 
     def _streak(self, kind: str, condition: bool) -> bool:
         """Count consecutive updates with ``condition``; True when the count reaches ``patience``."""
@@ -219,20 +234,12 @@ class KLAlarmCallback(MonitorUser):
                 )
             )
         else:
-            sample_k1 = self.monitor.settings.estimator == "k1"
-            lowest = mean if sample_k1 else record["min"]
-            if lowest < -self.negative_tol:
-                raised.append(
-                    (
-                        "negative_kl",
-                        lowest,
-                        f"a KL of {lowest:.3g} < 0 was measured; an exact KL is never negative, so this is an implementation "
-                        "bug: check the KL direction, the distribution parameters and the log-probabilities fed to it.",
-                    )
-                )
-        target = self._target()
-        spike = self._spike_rule.check(mean / target)
-        if spike is not None and math.isfinite(mean):  # a non-finite KL is its own alarm (above)
+            raised += self._negative_kl_alarms(record, per_state)
+        target, key = self._target()
+        kl = record[key]
+        convention = self.monitor.convention if key == "mean" else record["target_convention"]
+        spike = self._spike_rule.check(kl / target)
+        if spike is not None and math.isfinite(kl):  # a non-finite KL is its own alarm (above)
             what = (
                 f"{self.max_kl_factor:g} x target ({target:.3g}) in a single update"
                 if spike == "single"
@@ -241,9 +248,10 @@ class KLAlarmCallback(MonitorUser):
             raised.append(
                 (
                     "kl_spike",
-                    mean,
-                    f"the KL ({mean:.3g}) exceeded {what}: the policy moves much more than intended. Lower the learning "
-                    "rate or the number of epochs, or strengthen the KL control (kl_coef, kl_coef_bounds, clip range).",
+                    kl,
+                    f"the KL ({kl:.3g}, {convention}) exceeded {what}: the policy moves much more than intended. Lower "
+                    "the learning rate or the number of epochs, or strengthen the KL control (kl_coef, kl_coef_bounds, "
+                    "clip range).",
                 )
             )
         raised += self._beta_bound_alarms()
@@ -261,7 +269,7 @@ class KLAlarmCallback(MonitorUser):
         grad_ratio = record.get("grad_ratio")
         if self.grad_ratio_band is not None and grad_ratio is not None and math.isfinite(grad_ratio):
             low, high = self.grad_ratio_band
-            too_weak = grad_ratio < low and target is not None and mean > target
+            too_weak = grad_ratio < low and kl > target
             if self._streak("grad_ratio", too_weak or grad_ratio > high):
                 raised.append(
                     (
@@ -277,6 +285,35 @@ class KLAlarmCallback(MonitorUser):
             self._raise(record, kind, value, message)
         self.logger.record("kl/alarms", len(self.alarms))
         record["alarms"] = len(self.alarms)
+
+    def _negative_kl_alarms(self, record: dict[str, Any], per_state: np.ndarray) -> list[tuple[str, float, str]]:
+        """
+        ``negative_kl``: with an exact or ``k3`` KL, a per-state value below ``-negative_tol`` (neither can be negative);
+        with ``k1``, whose single samples can, the update's mean more than ``negative_tol`` plus
+        :data:`NEGATIVE_K1_STANDARD_ERRORS` standard errors below 0 (the expectation of k1 is the KL, never negative).
+        """
+        if self.monitor.settings.estimator == "k1":
+            lowest = record["mean"]
+            standard_error = float(np.std(per_state, ddof=1) / np.sqrt(len(per_state))) if len(per_state) > 1 else 0.0
+            if lowest >= -(self.negative_tol + NEGATIVE_K1_STANDARD_ERRORS * standard_error):
+                return []
+            what = (
+                f"the mean k1 estimate of the KL is {lowest:.3g}, {-lowest / max(standard_error, 1e-300):.1f} standard "
+                "errors below 0"
+            )
+        else:
+            lowest = record["min"]
+            if lowest >= -self.negative_tol:
+                return []
+            what = f"a KL of {lowest:.3g} < 0 was measured"
+        return [
+            (
+                "negative_kl",
+                lowest,
+                f"{what}; a KL is never negative, so this is an implementation bug: check the KL direction, the "
+                "distribution parameters and the log-probabilities fed to it.",
+            )
+        ]
 
     def _beta_bound_alarms(self) -> list[tuple[str, float, str]]:
         """``beta_at_upper_bound`` / ``beta_at_lower_bound`` for an sb3_kl algorithm whose beta stayed at a bound."""

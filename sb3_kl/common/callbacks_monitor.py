@@ -28,9 +28,10 @@ from sb3_kl.common.kl import (
     make_distribution_params,
     per_state_kl,
     quantile_name,
+    sb3_contrib_kl_reduction,
 )
 from sb3_kl.common.recurrent import RolloutSequences, evaluate_sequences, is_recurrent_policy, step_major
-from sb3_kl.common.validation import check_bool, check_choice, check_int
+from sb3_kl.common.validation import check_bool, check_choice, check_int, check_quantiles
 
 try:  # sb3-contrib is optional: only needed to recognise MaskablePPO's distributions
     from sb3_contrib.common.maskable.distributions import (
@@ -42,7 +43,18 @@ except ImportError:  # pragma: no cover
     MaskableBernoulliDistribution = MaskableCategoricalDistribution = MaskableMultiCategoricalDistribution = None  # type: ignore[assignment,misc]
 
 #: Keys every ``KLMonitorCallback.history`` record has (besides the quantiles, named ``p50``, ``p90``, ...)
-HISTORY_KEYS = ("update", "num_timesteps", "n_updates", "mean", "max", "min", "tail_ratio", "entropy")
+HISTORY_KEYS = (
+    "update",
+    "num_timesteps",
+    "n_updates",
+    "mean",
+    "max",
+    "min",
+    "tail_ratio",
+    "entropy",
+    "target_convention",
+    "mean_in_target_convention",
+)
 
 # Logger formats that must not receive the per-state KL histogram (a tensor)
 _HISTOGRAM_EXCLUDE = ("stdout", "log", "json", "csv")
@@ -90,6 +102,32 @@ def model_target_kl(model: Any) -> float | None:
     return None
 
 
+def target_kl_settings(model: Any) -> KLSettings:
+    """
+    The KL convention in which an algorithm's KL target is stated (:func:`model_target_kl`; without one, the family
+    default the alarms use, :func:`~sb3_kl.common.callbacks_alarm.family_default_target_kl`), so that a KL measured in
+    another convention is never compared with it:
+
+    - sb3_kl algorithms: their own ``kl_direction`` and ``kl_reduction`` (KLTRPO's ``"sb3_contrib"`` resolved for the
+      action space);
+    - the TRPO family (sb3-contrib's ``TRPO``): KL(new||old), reduced as TRPO reduces it on the action space
+      (:func:`~sb3_kl.common.kl.sb3_contrib_kl_reduction`);
+    - the PPO family (``PPO``, ``RecurrentPPO``, ``MaskablePPO``) and ``A2C``: KL(old||new) summed over action
+      dimensions, the KL whose estimate SB3's ``target_kl`` early stop compares (``approx_kl``).
+
+    The estimator is always ``"analytic"``: a target bounds the KL itself, whichever estimate an algorithm steers by.
+
+    :param model: The algorithm
+    :return: the convention, as :class:`~sb3_kl.common.kl.KLSettings`
+    """
+    settings = getattr(model, "kl_settings", None)
+    if isinstance(settings, KLSettings):
+        return KLSettings(direction=settings.direction, reduction=settings.reduction)
+    if hasattr(model, "cg_max_steps"):
+        return KLSettings(direction="reverse", reduction=sb3_contrib_kl_reduction(model.action_space))
+    return KLSettings(direction="forward", reduction="sum")
+
+
 def _step_major_observations(sequences: RolloutSequences) -> Any:
     if isinstance(sequences.observations, dict):
         return {key: step_major(value) for key, value in sequences.observations.items()}
@@ -106,9 +144,9 @@ class KLMonitorCallback(BaseCallback):
     logger:
 
     - ``kl/mean``, ``kl/p50``, ``kl/p90``, ``kl/p99`` (configurable ``quantiles``), ``kl/max``;
-    - ``kl/tail_ratio``: p99 / mean (how much of the KL sits in a few states; the last quantile is used
-      when 0.99 is not among ``quantiles``); NaN when the mean is not positive, which only the ``k1`` estimator,
-      whose per-state values can be negative, produces;
+    - ``kl/tail_ratio``: p99 / mean (how much of the KL sits in a few states; the p99 whichever ``quantiles`` are
+      logged); NaN when the mean is not positive and always with the ``k1`` estimator, whose per-state values are
+      signed samples;
     - ``kl/env_<i>``: mean KL over the states of environment ``i`` of the VecEnv (``per_env=True``);
     - ``kl/entropy``: mean entropy of the updated policy on those states;
     - ``kl/to_uniform``: discrete actions only, the mean KL(pi_updated || uniform) = log(#actions) - entropy
@@ -116,7 +154,11 @@ class KLMonitorCallback(BaseCallback):
     - ``kl/hist``: a TensorBoard histogram of the per-state KL (only when a TensorBoard output is configured);
     - ``kl/convention``: e.g. ``forward/analytic/sum`` (not sent to TensorBoard);
     - with an sb3_kl algorithm: ``kl/coef`` (beta), ``kl/target`` and ``kl/grad_ratio`` (from ``train/kl_grad_ratio``);
-      with a stock algorithm whose ``target_kl`` is set: ``kl/target``.
+      with a stock algorithm whose ``target_kl`` is set: ``kl/target``;
+    - with ``kl/target``: ``kl/target_convention`` (the convention the algorithm states its target in,
+      :func:`target_kl_settings`, e.g. ``reverse/analytic/mean`` for sb3-contrib's TRPO on ``Box`` actions; not sent to
+      TensorBoard) and ``kl/mean_in_target_convention`` (the update's exact mean KL in that convention, the number to
+      compare with ``kl/target``; equal to ``kl/mean`` when the monitor measures in it).
 
     The values of an update are recorded right after it (in the next ``_on_rollout_start``), so they are written
     at the next ``dump_logs``; the last update of ``learn()`` is measured in ``_on_training_end`` and, like SB3's own
@@ -124,9 +166,11 @@ class KLMonitorCallback(BaseCallback):
 
     Every measured update appends a dict to :attr:`history`: ``update`` (0-based count of updates seen by this
     callback), ``num_timesteps``, ``n_updates`` (the model's counter), ``mean``, the quantiles (``p50``...),
-    ``max``, ``min``, ``tail_ratio``, ``entropy``, ``to_uniform`` (discrete), ``coef``/``target``/``grad_ratio``
-    (when available) and ``env_means`` (a list, with ``per_env``). :attr:`last_per_state` holds the per-state KL of
-    the last measured update (numpy array, states ordered step-major: ``index = step * n_envs + env``).
+    ``max``, ``min``, ``tail_ratio``, ``entropy``, ``target_convention`` and ``mean_in_target_convention`` (see above;
+    also without a target: then the convention of the family default the alarms use), ``to_uniform`` (discrete),
+    ``coef``/``target``/``grad_ratio`` (when available) and ``env_means`` (a list, with ``per_env``).
+    :attr:`last_per_state` holds the per-state KL of the last measured update (numpy array, states ordered
+    step-major: ``index = step * n_envs + env``).
 
     Top-k drill-down: with ``top_k > 0`` the ``top_k`` highest-KL states of every measured update are kept in
     :attr:`top_states`, together with a random background sample of ``background_size`` other states of the same
@@ -188,10 +232,7 @@ class KLMonitorCallback(BaseCallback):
         if seed is not None:
             check_int("seed", seed, 0)
         self.settings = KLSettings(estimator=estimator, direction=direction, reduction=reduction)
-        quantiles = tuple(float(q) for q in quantiles)
-        for q in quantiles:
-            if not 0.0 < q < 1.0:
-                raise ValueError(f"`quantiles` must lie strictly between 0 and 1, got {q!r}.")
+        quantiles = check_quantiles("quantiles", quantiles)
         check_int("every", every, 1)
         check_int("top_k", top_k, 0)
         check_int("chunk_size", chunk_size, 1)
@@ -459,9 +500,10 @@ class KLMonitorCallback(BaseCallback):
             record.update({quantile_name(q): float("nan") for q in self.quantiles})
             record["max"] = float(np.max(per_state))
         record["min"] = float(np.min(per_state))
-        tail_q = 0.99 if 0.99 in self.quantiles else (self.quantiles[-1] if self.quantiles else None)
-        tail = record.get(quantile_name(tail_q)) if tail_q is not None else record["max"]
-        record["tail_ratio"] = float(tail / record["mean"]) if record["mean"] > 0 and tail is not None else float("nan")
+        record["tail_ratio"] = self._tail_ratio(per_state, record["mean"]) if finite else float("nan")
+        target_settings = target_kl_settings(self.model)
+        record["target_convention"] = target_settings.convention
+        record["mean_in_target_convention"] = self._mean_in(target_settings, snapshot["old_params"], new_params, record)
         entropy = self._dist_params.entropy(new_params)
         record["entropy"] = float(entropy.mean())
         to_uniform = self._kl_to_uniform(entropy, snapshot["masks"])
@@ -480,6 +522,27 @@ class KLMonitorCallback(BaseCallback):
         if grad_ratio is not None:
             record["grad_ratio"] = float(grad_ratio)
         return record
+
+    def _tail_ratio(self, per_state: np.ndarray, mean: float) -> float:
+        """
+        p99 / mean of the per-state KL (whichever ``quantiles`` are logged). NaN when the mean is not positive, and
+        always with the ``k1`` estimator: its per-state values are signed single-action samples, whose p99 says nothing
+        about how the KL is spread over the states.
+        """
+        if self.settings.estimator == "k1" or not mean > 0:
+            return float("nan")
+        return float(np.quantile(per_state, 0.99) / mean)
+
+    def _mean_in(self, settings: KLSettings, old_params: th.Tensor, new_params: th.Tensor, record: dict[str, Any]) -> float:
+        """
+        The exact mean per-state KL of the update in another convention (analytic, from the same distribution
+        parameters); the measured mean when ``settings`` is the monitor's own exact convention.
+        """
+        assert self._dist_params is not None
+        if settings.convention == self.settings.convention:
+            return float(record["mean"])
+        per_state = per_state_kl(settings, self._dist_params, old_params.double(), new_params.double(), None)
+        return float(per_state.mean())
 
     def _kl_to_uniform(self, entropy: th.Tensor, masks: th.Tensor | None) -> float | None:
         """Mean KL(pi || uniform over the valid actions) = log(#valid actions) - entropy, for discrete actions."""
@@ -513,6 +576,10 @@ class KLMonitorCallback(BaseCallback):
         for key in ("max", "tail_ratio", "entropy", "to_uniform", "coef", "target", "grad_ratio"):
             if key in record:
                 logger.record(f"kl/{key}", record[key])
+        if "target" in record:
+            # the target is in the algorithm's convention: the KL to compare it with, and which convention that is
+            logger.record("kl/mean_in_target_convention", record["mean_in_target_convention"])
+            logger.record("kl/target_convention", record["target_convention"], exclude="tensorboard")
         for i, value in enumerate(record.get("env_means", [])):
             logger.record(f"kl/env_{i}", value)
         logger.record("kl/convention", self.settings.convention, exclude="tensorboard")

@@ -29,6 +29,7 @@ because KL is invariant under the same bijection applied to both distributions.
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -605,9 +606,29 @@ def kl_quantiles(per_state: np.ndarray, quantiles: tuple[float, ...] = (0.5, 0.9
 
 
 def quantile_name(q: float) -> str:
-    """``0.99 -> "p99"``, ``0.5 -> "p50"``, ``0.999 -> "p99.9"``."""
-    percent = round(100.0 * q, 6)
-    return f"p{percent:g}"
+    """
+    ``0.99 -> "p99"``, ``0.5 -> "p50"``, ``0.999 -> "p99.9"``, ``0.9999999 -> "p99.99999"``: the percentage written
+    exactly from the shortest decimal form of ``q`` (never rounded, so distinct quantiles get distinct names and only
+    the maximum could read as ``p100``).
+    """
+    percent = Decimal(repr(float(q))) * 100
+    return f"p{format(percent.normalize(), 'f')}"
+
+
+def sb3_contrib_kl_reduction(action_space: spaces.Space) -> str:
+    """
+    The reduction over action dimensions of the KL sb3-contrib's TRPO constrains on an action space.
+
+    TRPO bounds ``kl_divergence(new, old).mean()`` (SB3's ``kl_divergence``, i.e. KL(new||old)). For a
+    ``MultiDiscrete`` space SB3 sums the KL of the sub-actions, so the ``.mean()`` runs over states only: the joint
+    KL (``"sum"``; ``Discrete`` has one dimension, where sum and mean agree). For ``Box`` (with or without gSDE) and
+    ``MultiBinary``, PyTorch returns one KL per action dimension and ``.mean()`` averages over states *and*
+    dimensions: ``"mean"``.
+
+    :param action_space: The action space
+    :return: ``"sum"`` or ``"mean"``
+    """
+    return "sum" if isinstance(action_space, (spaces.Discrete, spaces.MultiDiscrete)) else "mean"
 
 
 def distribution_params_for_space(action_space: spaces.Space) -> DistributionParams:

@@ -30,7 +30,14 @@ from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_cont
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
 from sb3_kl.common.threads import warn_if_many_threads
-from sb3_kl.common.validation import check_bool, check_int, check_path, check_probability, check_schedule
+from sb3_kl.common.validation import (
+    check_bool,
+    check_int,
+    check_path,
+    check_probability,
+    check_quantiles,
+    check_schedule,
+)
 from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
     DistributionParams,
@@ -332,12 +339,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                     f"`min_std`={min_std} sets a variance floor, which only exists for Gaussian policies (Box actions); "
                     f"this action space is {type(action_space).__name__}: pass min_std=None."
                 )
-        for q in kl_quantiles:
-            if not 0.0 < q < 1.0:
-                raise ValueError(f"`kl_quantiles` must lie strictly between 0 and 1, got {q!r}.")
+        kl_quantiles = check_quantiles("kl_quantiles", kl_quantiles)
         self.target_kl = target_kl
         self.min_std = min_std
-        self.kl_quantiles = tuple(kl_quantiles)
+        self.kl_quantiles = kl_quantiles
         # Incremented each time the policy's parameters change; the rollout buffer records the version that acted
         self.policy_version = 0
         self.nonfinite_steps_total = 0

@@ -159,6 +159,26 @@ def check_pair(name: str, value: Any, positive: bool = True) -> tuple[float, flo
     return low, high
 
 
+def check_quantiles(name: str, value: Any) -> tuple[float, ...]:
+    """
+    A tuple of distinct quantiles strictly between 0 and 1 (each logged under its own key, e.g. ``p99``).
+
+    :raises ValueError: naming the argument when an entry is out of range or repeated
+    :return: the quantiles as floats, in the given order
+    """
+    try:
+        quantiles = tuple(value)
+    except TypeError:
+        raise ValueError(f"`{name}` must be a tuple of quantiles such as (0.5, 0.9, 0.99), got {value!r}.") from None
+    for q in quantiles:
+        if not is_number(q) or not 0.0 < q < 1.0:
+            raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {q!r}.")
+    floats = tuple(float(q) for q in quantiles)
+    if len(set(floats)) < len(floats):
+        raise ValueError(f"`{name}` lists a quantile twice ({value!r}): each one is logged under its own key.")
+    return floats
+
+
 def check_schedule(name: str, value: Any, allow_none: bool = False, allow_zero_at_end: bool = False) -> None:
     """
     A positive finite number, or a schedule (a callable of the progress remaining, 1 -> 0) whose values at the

@@ -7,7 +7,10 @@ A *run* is one directory holding ``events.out.tfevents.*`` files (one ``tb_log_n
 value at ``num_timesteps`` (TensorBoard step, or the ``time/total_timesteps`` column of the CSV).
 
 The KL keys differ between sb3_kl's algorithms (``train/kl``, ...) and a stock agent watched by
-``KLMonitorCallback`` (``kl/mean``, ...): :data:`KL_KEYS` maps one canonical name to both spellings.
+``KLMonitorCallback`` (``kl/mean``, ...): :data:`KL_KEYS` maps one canonical name to both spellings. The KL figures
+of a run (mean, p99, target, beta) all come from one source, so that they are in one convention: the algorithm's own
+``train/`` keys when it logged ``train/kl``, else the monitor's ``kl/`` keys, where the mean compared with
+``kl/target`` is ``kl/mean_in_target_convention`` (the KL in the convention the algorithm states its target in).
 """
 
 import csv
@@ -20,7 +23,7 @@ import numpy as np
 
 # canonical name -> logger keys, in order of preference (sb3_kl algorithms first, then KLMonitorCallback)
 KL_KEYS: dict[str, tuple[str, ...]] = {
-    "kl_mean": ("train/kl", "kl/mean"),
+    "kl_mean": ("train/kl", "kl/mean_in_target_convention", "kl/mean"),
     "kl_p99": ("train/kl_p99", "kl/p99"),
     "target_kl": ("train/target_kl", "kl/target"),
     "kl_coef": ("train/kl_coef", "kl/coef"),
@@ -29,6 +32,17 @@ KL_KEYS: dict[str, tuple[str, ...]] = {
     "kl_band_low": ("train/kl_band_low",),
     "kl_band_high": ("train/kl_band_high",),
     "ep_rew_mean": ("rollout/ep_rew_mean",),
+}
+
+#: The canonical names read from the run's one KL source (the algorithm's ``train/`` keys or the monitor's ``kl/``)
+KL_SOURCE_NAMES = ("kl_mean", "kl_p99", "target_kl", "kl_coef")
+#: Text key naming the convention of each KL key (CSV logs only: SB3 sends no text to TensorBoard's scalars)
+CONVENTION_KEYS = {
+    "train/": "train/kl_convention",
+    "kl/mean": "kl/convention",
+    "kl/p99": "kl/convention",
+    "kl/mean_in_target_convention": "kl/target_convention",
+    "kl/target": "kl/target_convention",
 }
 
 TIMESTEP_COLUMN = "time/total_timesteps"
@@ -65,22 +79,71 @@ class RunLog:
     :param path: The run directory or file
     :param source: ``"tensorboard"`` or ``"csv"``
     :param scalars: Logger key -> :class:`Series`
+    :param texts: Logger key -> last text value (CSV logs: e.g. ``train/kl_convention``)
     """
 
     name: str
     path: str
     source: str
     scalars: dict[str, Series] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+
+    def _logged(self, key: str) -> bool:
+        return key in self.scalars and len(self.scalars[key]) > 0
+
+    @property
+    def kl_prefix(self) -> str | None:
+        """``"train/"`` when the algorithm logged its own KL (``train/kl``), ``"kl/"`` for a monitor's, else None."""
+        if self._logged("train/kl"):
+            return "train/"
+        if self._logged("kl/mean") or self._logged("kl/mean_in_target_convention"):
+            return "kl/"
+        return None
 
     def key_for(self, canonical: str) -> str | None:
         """
         :param canonical: A name of :data:`KL_KEYS`
-        :return: The logger key this run uses for it, or None if the run did not log it
+        :return: The logger key this run uses for it, or None if the run did not log it. The KL figures
+            (:data:`KL_SOURCE_NAMES`) come from the run's one KL source (:attr:`kl_prefix`); a monitor's ``kl/p99``
+            only when it is in the convention of the mean it stands beside (see :meth:`_monitor_p99_matches`)
         """
+        prefix = self.kl_prefix if canonical in KL_SOURCE_NAMES else None
         for key in KL_KEYS[canonical]:
-            if key in self.scalars and len(self.scalars[key]) > 0:
+            if prefix is not None and not key.startswith(prefix):
+                continue
+            if self._logged(key):
+                if key == "kl/p99" and not self._monitor_p99_matches():
+                    return None
                 return key
         return None
+
+    def _monitor_p99_matches(self) -> bool:
+        """
+        Whether the monitor's ``kl/p99`` (its own convention) is in the convention of the mean the report uses: always
+        with ``kl/mean``; with ``kl/mean_in_target_convention`` when the logged conventions agree or, without them
+        (TensorBoard), when that series equals ``kl/mean`` at every step (the monitor logs its own mean there when it
+        measures in the target's convention).
+        """
+        if not self._logged("kl/mean_in_target_convention"):
+            return True
+        own, target = self.texts.get("kl/convention"), self.texts.get("kl/target_convention")
+        if own is not None and target is not None:
+            return own == target
+        if not self._logged("kl/mean"):
+            return False
+        steps, (mean, in_target) = align(self.scalars["kl/mean"], self.scalars["kl/mean_in_target_convention"])
+        return len(steps) > 0 and bool(np.array_equal(mean, in_target))
+
+    def convention_of(self, key: str | None) -> str | None:
+        """
+        :param key: A logger key of this run (None: None)
+        :return: The KL convention the run logged for it (e.g. ``forward/analytic/sum``), or None when the log does not
+            say (TensorBoard logs, logs of sb3-kl versions before the convention was logged)
+        """
+        if key is None:
+            return None
+        text_key = CONVENTION_KEYS["train/"] if key.startswith("train/") else CONVENTION_KEYS.get(key)
+        return None if text_key is None else self.texts.get(text_key)
 
     def get(self, canonical: str) -> Series | None:
         """
@@ -135,7 +198,8 @@ def _to_float(text: str) -> float | None:
 
 def read_csv(csv_path: str, name: str) -> RunLog:
     """
-    Read SB3's CSV logger output. Empty cells (a key not written at that dump) and text values are skipped.
+    Read SB3's CSV logger output. Empty cells (a key not written at that dump) are skipped; text values are kept in
+    :attr:`RunLog.texts` (the last one of each key), numbers in :attr:`RunLog.scalars`.
 
     :param csv_path: Path of ``progress.csv``
     :param name: Display name of the run
@@ -149,6 +213,7 @@ def read_csv(csv_path: str, name: str) -> RunLog:
     if not rows or TIMESTEP_COLUMN not in rows[0]:
         raise DiagnosticsError(f"{csv_path} is not an SB3 progress.csv (no '{TIMESTEP_COLUMN}' column or no rows)")
     columns: dict[str, dict[int, float]] = {}
+    texts: dict[str, str] = {}
     for row in rows:
         step = _to_float(row.get(TIMESTEP_COLUMN) or "")
         if step is None or not math.isfinite(step):
@@ -159,7 +224,9 @@ def read_csv(csv_path: str, name: str) -> RunLog:
             value = _to_float(text)
             if value is not None:
                 columns.setdefault(key, {})[int(step)] = value
-    run = RunLog(name=name, path=csv_path, source="csv")
+            else:
+                texts[key] = text
+    run = RunLog(name=name, path=csv_path, source="csv", texts=texts)
     run.scalars = {key: _make_series(pairs) for key, pairs in columns.items()}
     return run
 

@@ -151,6 +151,7 @@ def summarize_run(
         notes.append(f"no target KL logged: using --target {target_kl}")
     elif target_series is None:
         notes.append("no target KL logged: band statistics skipped (pass --target)")
+    notes += _convention_notes(run)
 
     if target_series is not None:
         steps_t, (kl_t, target_t) = align(kl, target_series)
@@ -211,6 +212,36 @@ def summarize_run(
     return report
 
 
+def _convention_notes(run: RunLog) -> list[str]:
+    """What the report could not put in one convention (a monitor's p99, or a target of unknown convention)."""
+    notes = []
+    if run.kl_prefix == "kl/" and run.key_for("kl_p99") is None and "kl/p99" in run.scalars:
+        notes.append(
+            "kl/p99 is in the monitor's convention, not in the target's (kl/mean_in_target_convention): p99 not shown"
+        )
+    if run.key_for("kl_mean") == "kl/mean" and run.key_for("target_kl") == "kl/target":
+        notes.append(
+            "kl/target is compared with kl/mean, and this log (sb3-kl before kl/mean_in_target_convention) does not say "
+            "whether they share a convention: they do for SB3's PPO and a default monitor, not for sb3-contrib's TRPO"
+        )
+    return notes
+
+
+def keys_line(run: RunLog) -> str:
+    """The logger keys the report reads, each KL key with the convention the run logged for it when it did."""
+
+    def described(canonical: str) -> str:
+        key = run.key_for(canonical)
+        convention = run.convention_of(key)
+        return f"{key}" + (f" ({convention})" if convention else "")
+
+    conventions_known = run.convention_of(run.key_for("kl_mean")) is not None
+    return (
+        f"KL keys: mean={described('kl_mean')}, p99={described('kl_p99')}, target={described('target_kl')}, "
+        f"coef={run.key_for('kl_coef')}" + ("" if conventions_known else "; KL convention not in the log")
+    )
+
+
 def _pct(share: float) -> str:
     return "n/a" if not np.isfinite(share) else f"{100 * share:.0f}%"
 
@@ -252,8 +283,7 @@ def format_text(report: RunReport, coef_bounds: tuple[float, float] = DEFAULT_CO
     lines = [
         f"== {run.name} ({run.source}: {run.path})",
         f"updates with KL: {report.n_updates}, steps {report.phases[0].first_step}..{report.phases[-1].last_step}",
-        f"KL keys: mean={run.key_for('kl_mean')}, p99={run.key_for('kl_p99')}, target={run.key_for('target_kl')}, "
-        f"coef={run.key_for('kl_coef')}",
+        keys_line(run),
         f"{'phase':<8}{'steps':>22}{'n':>6}{'KL mean':>11}{'median':>11}{'max':>11}{'p99 max':>11}{'target':>11}"
         f"{'above':>8}{'below':>8}",
     ]
@@ -288,7 +318,7 @@ def format_markdown(reports: list[RunReport], coef_bounds: tuple[float, float] =
         out += [
             f"## {run.name}",
             "",
-            f"Source: {run.source} `{run.path}`; {report.n_updates} updates with KL.",
+            f"Source: {run.source} `{run.path}`; {report.n_updates} updates with KL. {keys_line(run)}.",
             "",
             "| phase | steps | updates | KL mean | KL median | KL max | p99 max | target | above band | below band |",
             "|---|---|---|---|---|---|---|---|---|---|",

@@ -55,6 +55,7 @@ class StatesReport:
     :param high_kl: KL of the high-KL states
     :param ref_kl: KL of the reference states (may be empty)
     :param updates: Update indices of the high-KL states (may be empty)
+    :param convention: The KL convention the monitor saved (e.g. ``forward/analytic/sum``), None when the file has none
     """
 
     dims: list[DimensionComparison]
@@ -64,6 +65,7 @@ class StatesReport:
     high_kl: np.ndarray
     ref_kl: np.ndarray
     updates: np.ndarray
+    convention: str | None = None
 
 
 def _auc(high: np.ndarray, ref: np.ndarray) -> float:
@@ -192,7 +194,8 @@ def load_states(path: str) -> StatesReport:
         high, ref = observations[order[:half]], observations[order[half:]]
         high_kl, ref_kl = kl[order[:half]], kl[order[half:]]
         reference = "no background saved: the lower-KL half of the saved top states (a weaker contrast)"
-    return StatesReport(compare(high, ref, names), len(high), len(ref), reference, high_kl, ref_kl, updates)
+    convention = str(arrays["convention"]) if "convention" in arrays else None
+    return StatesReport(compare(high, ref, names), len(high), len(ref), reference, high_kl, ref_kl, updates, convention)
 
 
 def format_states(report: StatesReport, top: int = 20) -> str:
@@ -206,7 +209,8 @@ def format_states(report: StatesReport, top: int = 20) -> str:
         return "/".join(f"{v:.3g}" for v in values)
 
     lines = [
-        f"high-KL states: {report.n_high} (KL {report.high_kl.min():.3g}..{report.high_kl.max():.3g}"
+        f"high-KL states: {report.n_high} (KL {report.high_kl.min():.3g}..{report.high_kl.max():.3g}, "
+        f"{report.convention or 'convention not saved'}"
         + (f", updates {int(report.updates.min())}..{int(report.updates.max())}" if len(report.updates) else "")
         + ")",
         f"reference: {report.n_ref} {report.reference}"

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
-from sb3_kl.common.kl import per_state_kl
+from sb3_kl.common.kl import per_state_kl, sb3_contrib_kl_reduction
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_range
@@ -32,22 +32,6 @@ BUDGET_STOP = 0.95
 BUDGET_AIM = 0.98
 #: Largest growth of the step per forward pass while no larger step has been rejected
 MAX_GROWTH = 4.0
-
-
-def sb3_contrib_kl_reduction(action_space: spaces.Space) -> str:
-    """
-    The reduction over action dimensions of the KL sb3-contrib's TRPO constrains on an action space.
-
-    TRPO bounds ``kl_divergence(new, old).mean()`` (SB3's ``kl_divergence``, i.e. KL(new||old)). For a
-    ``MultiDiscrete`` space SB3 sums the KL of the sub-actions, so the ``.mean()`` runs over states only: the joint
-    KL (``"sum"``; ``Discrete`` has one dimension, where sum and mean agree). For ``Box`` (with or without gSDE) and
-    ``MultiBinary``, PyTorch returns one KL per action dimension and ``.mean()`` averages over states *and*
-    dimensions: ``"mean"``.
-
-    :param action_space: The action space
-    :return: ``"sum"`` or ``"mean"``
-    """
-    return "sum" if isinstance(action_space, (spaces.Discrete, spaces.MultiDiscrete)) else "mean"
 
 
 @th.no_grad()
