@@ -82,7 +82,9 @@ def _draw_run(
             linewidth=0,
         )
         ax.plot(target.steps, target.values, color=color if overlay else "tab:green", lw=0.8, ls=":", drawstyle="steps-post")
-    ax.plot(kl.steps, _positive(kl.values), color=color, lw=1.5, label=label if overlay else "KL mean")
+    convention = run.convention_of(run.key_for("kl_mean"))
+    suffix = f" ({convention})" if convention else ""
+    ax.plot(kl.steps, _positive(kl.values), color=color, lw=1.5, label=f"{label}{suffix}" if overlay else f"KL mean{suffix}")
     p99 = run.get("kl_p99")
     if p99 is not None:
         ax.plot(p99.steps, _positive(p99.values), color=color, lw=0.9, ls="--", alpha=0.8, label=None if overlay else "KL p99")

@@ -49,7 +49,7 @@ def _attached(model_class, env_id, **kwargs):
 
 
 def _measure(alarm, mean: float, update: int = 0) -> None:
-    # a monitor measuring in the target's convention (the conversion is tested in test_kl_figures_conventions.py)
+    # a monitor measuring in the target's convention (the conversion is tested in test_kl_target_convention.py)
     record = dict(update=update, num_timesteps=64 * (update + 1), mean=mean, min=0.0, mean_in_target_convention=mean)
     record["target_convention"] = "forward/analytic/sum"
     alarm._on_kl_measured(record, np.array([mean]))

@@ -29,13 +29,13 @@ from sb3_kl.diagnostics.logs import find_runs, load_run
 from sb3_kl.diagnostics.report import format_text, summarize_run
 
 
-class WideBoxEnv(gym.Env):
-    """Random observations in R^4, ``n_dims``-dimensional actions rewarded for following the observations' sign."""
+class ActionEnv(gym.Env):
+    """Random observations in R^4, 20-step episodes; actions (of any space) rewarded for following the observations."""
 
     observation_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
 
-    def __init__(self, n_dims: int = 10):
-        self.action_space = spaces.Box(-1.0, 1.0, (n_dims,), np.float32)
+    def __init__(self, action_space: spaces.Space):
+        self.action_space = action_space
         self._rng = np.random.default_rng(0)
         self._obs = np.zeros(4, np.float32)
         self._t = 0
@@ -49,16 +49,21 @@ class WideBoxEnv(gym.Env):
         return self._obs, {}
 
     def step(self, action):
+        action = np.asarray(action, dtype=np.float64)
         reward = float(np.tanh(self._obs.sum()) * np.sum(action) - 0.1 * np.sum(action**2))
         self._t += 1
         self._obs = self._rng.uniform(-1, 1, 4).astype(np.float32)
         return self._obs, reward, False, self._t >= 20, {}
 
 
-def _wide_env(n_dims: int = 10) -> DummyVecEnv:
-    env = DummyVecEnv([lambda: WideBoxEnv(n_dims), lambda: WideBoxEnv(n_dims)])
+def _env(action_space: spaces.Space) -> DummyVecEnv:
+    env = DummyVecEnv([lambda: ActionEnv(action_space), lambda: ActionEnv(action_space)])
     env.seed(0)
     return env
+
+
+def _wide_env(n_dims: int = 10) -> DummyVecEnv:
+    return _env(spaces.Box(-1.0, 1.0, (n_dims,), np.float32))
 
 
 class IndependentDistributions(BaseCallback):
@@ -96,8 +101,13 @@ class IndependentDistributions(BaseCallback):
 
     def mean_kl(self, index: int, direction: str, reduction: str) -> float:
         old, new = self.pairs[index]
-        kl = kl_divergence(old, new) if direction == "forward" else kl_divergence(new, old)
-        if kl.ndim == 2:  # independent Gaussian dimensions
+        if isinstance(old, list):  # MultiDiscrete: one Categorical per sub-action
+            pairs = list(zip(old, new, strict=True))
+        else:
+            pairs = [(old, new)]
+        parts = [kl_divergence(p, q) if direction == "forward" else kl_divergence(q, p) for p, q in pairs]
+        kl = th.stack(parts, dim=1) if len(parts) > 1 else parts[0]
+        if kl.ndim == 2:  # independent dimensions (Gaussian, Bernoulli, sub-actions)
             kl = kl.sum(dim=1) if reduction == "sum" else kl.mean(dim=1)
         return float(kl.double().mean())
 
@@ -106,10 +116,20 @@ CASES = [
     # sb3-contrib's TRPO bounds KL(new||old) averaged over Box dimensions, summed for discrete actions
     (lambda: TRPO("MlpPolicy", _wide_env(4), n_steps=64, seed=0), "reverse/analytic/mean"),
     (lambda: TRPO("MlpPolicy", make_vec_env("CartPole-v1", n_envs=2, seed=0), n_steps=64, seed=0), "reverse/analytic/sum"),
+    (lambda: TRPO("MlpPolicy", _env(spaces.MultiBinary(3)), n_steps=64, seed=0), "reverse/analytic/mean"),
+    (lambda: TRPO("MlpPolicy", _env(spaces.MultiDiscrete([3, 2, 4])), n_steps=64, seed=0), "reverse/analytic/sum"),
     # KLTRPO in TRPO's convention, and KLPPO in a non-default one: their own
     (
         lambda: KLTRPO("MlpPolicy", _wide_env(4), n_steps=64, kl_reduction="sb3_contrib", seed=0),
         "reverse/analytic/mean",
+    ),
+    (
+        lambda: KLTRPO("MlpPolicy", _env(spaces.MultiBinary(3)), n_steps=64, kl_reduction="sb3_contrib", seed=0),
+        "reverse/analytic/mean",
+    ),
+    (
+        lambda: KLPPO("MlpPolicy", _env(spaces.MultiDiscrete([3, 2, 4])), n_steps=64, batch_size=64, kl_reduction="mean"),
+        "forward/analytic/mean",
     ),
     (
         lambda: KLPPO("MlpPolicy", _wide_env(4), n_steps=64, batch_size=64, kl_direction="reverse", kl_reduction="mean"),
@@ -256,4 +276,17 @@ def test_report_takes_every_kl_figure_of_an_sb3_kl_run_from_the_algorithm(tmp_pa
     assert run.key_for("kl_mean") == "train/kl" and run.key_for("target_kl") == "train/target_kl"
     # the monitor's p99 is a joint KL: it does not stand beside the algorithm's per-dimension mean
     assert "kl/p99" in run.scalars and run.key_for("kl_p99") is None
+    assert "mean=train/kl (forward/analytic/mean)" in format_text(summarize_run(run))
+
+
+def test_a_tensorboard_run_takes_its_conventions_from_the_csv_beside_it(tmp_path):
+    from stable_baselines3.common.logger import configure
+
+    model = KLPPO("MlpPolicy", _wide_env(3), n_steps=64, batch_size=64, kl_reduction="mean", seed=0)
+    model.set_logger(configure(str(tmp_path), ["csv", "tensorboard"]))  # SB3's usual pair, in one folder
+    model.learn(3 * 128)
+    model.logger.close()
+    ((name, path, source),) = find_runs(str(tmp_path))
+    run = load_run(name, path, source)
+    assert source == "tensorboard" and run.convention_of("train/kl") == "forward/analytic/mean"
     assert "mean=train/kl (forward/analytic/mean)" in format_text(summarize_run(run))

@@ -13,7 +13,7 @@ from gymnasium import spaces
 from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import FloatSchedule
 
-from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, model_target_kl
+from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, is_trust_region_family, model_target_kl
 from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
 from sb3_kl.common.validation import check_bool, check_int, check_pair, check_positive
 
@@ -38,7 +38,7 @@ def family_default_target_kl(model: Any) -> tuple[float, str]:
         ``cg_max_steps``, like TRPO) uses sb3-contrib TRPO's default 0.01; every other algorithm (the PPO family, A2C)
         uses KLPPO's defaults, 0.02 for discrete action spaces and 0.03 for ``Box``
     """
-    if hasattr(model, "cg_max_steps"):
+    if is_trust_region_family(model):
         return TRUST_REGION_DEFAULT_TARGET_KL, "the TRPO family's default (sb3-contrib TRPO's target_kl)"
     continuous = isinstance(getattr(model, "action_space", None), spaces.Box)
     kind = "continuous" if continuous else "discrete"
@@ -236,6 +236,8 @@ class KLAlarmCallback(MonitorUser):
         else:
             raised += self._negative_kl_alarms(record, per_state)
         target, key = self._target()
+        if key not in record:  # a record that does not carry the conversion: the monitor's KL, and the message says so
+            key = "mean"
         kl = record[key]
         convention = self.monitor.convention if key == "mean" else record["target_convention"]
         spike = self._spike_rule.check(kl / target)

@@ -102,6 +102,11 @@ def model_target_kl(model: Any) -> float | None:
     return None
 
 
+def is_trust_region_family(model: Any) -> bool:
+    """Whether an algorithm is of the TRPO family (sb3-contrib's ``TRPO``, KLTRPO): it has ``cg_max_steps``."""
+    return hasattr(model, "cg_max_steps")
+
+
 def target_kl_settings(model: Any) -> KLSettings:
     """
     The KL convention in which an algorithm's KL target is stated (:func:`model_target_kl`; without one, the family
@@ -123,7 +128,7 @@ def target_kl_settings(model: Any) -> KLSettings:
     settings = getattr(model, "kl_settings", None)
     if isinstance(settings, KLSettings):
         return KLSettings(direction=settings.direction, reduction=settings.reduction)
-    if hasattr(model, "cg_max_steps"):
+    if is_trust_region_family(model):
         return KLSettings(direction="reverse", reduction=sb3_contrib_kl_reduction(model.action_space))
     return KLSettings(direction="forward", reduction="sum")
 

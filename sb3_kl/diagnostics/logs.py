@@ -155,7 +155,7 @@ class RunLog:
 
     @property
     def has_kl(self) -> bool:
-        """Whether the run logged a mean KL (``train/kl`` or ``kl/mean``)."""
+        """Whether the run logged a mean KL (``train/kl``, ``kl/mean_in_target_convention`` or ``kl/mean``)."""
         return self.key_for("kl_mean") is not None
 
 
@@ -275,6 +275,13 @@ def load_run(name: str, path: str, source: str) -> RunLog:
     """
     if source == "tensorboard":
         run = read_tensorboard(path, name)
+        # SB3 sends no text to TensorBoard: the KL conventions are in a progress.csv written beside (CSV + TensorBoard)
+        beside = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), CSV_FILE_NAME)
+        if os.path.isfile(beside):
+            try:
+                run.texts = read_csv(beside, name).texts
+            except DiagnosticsError:
+                pass  # the scalars come from the events; an unreadable CSV only costs the labels
     else:
         run = read_csv(path, name)
     if not run.scalars:
