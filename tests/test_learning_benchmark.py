@@ -132,6 +132,17 @@ def _write(folder: Path, record: dict) -> None:
     (folder / name).write_text(json.dumps(record))
 
 
+def _row(text: str, start: str) -> str:
+    """The table row of a report that starts with ``start``."""
+    return next(line for line in text.splitlines() if line.startswith(start))
+
+
+def _empty(folder: Path) -> None:
+    """Remove the records of a results folder (its section must then leave the report)."""
+    for path in folder.iterdir():
+        path.unlink()
+
+
 def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     monkeypatch.setattr(learning, "plot", lambda *args: None)
@@ -149,7 +160,7 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
         _write(folder, record)
     text = learning.report("tiny")
     assert (tmp_path / "learning_tiny.md").read_text() == text
-    row = next(line for line in text.splitlines() if line.startswith("| x1 | Pendulum-v1 | klppo |"))
+    row = _row(text, "| x1 | Pendulum-v1 | klppo |")
     assert "tie" in row.split("|")[4] and "better" in row.split("|")[6]
     assert "- klppo on Pendulum-v1 (x1), return: tie" in text
     assert "x10, Pendulum-v1, klppo (3 seeds pooled): updates in band 100% (**met**" in text
@@ -205,14 +216,13 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
     assert "| CartPole-v1 | x1 | kltrpo_matched |" not in section
     assert "on the records of that machine alone (Other CPU, torch 9.9; the replication's and 3 of the records" in section
     assert "- CartPole-v1: kltrpo_matched 531.0 vs TRPO 541.0 ± 0.8 (n=3/3)" in section
-    row = next(line for line in section.splitlines() if line.startswith("| CartPole-v1 | x1 | kltrpo |"))
+    row = _row(section, "| CartPole-v1 | x1 | kltrpo |")
     # 3 seeds, 1 identical; evaluation 410.0 above vs 414.7 in the replication
     assert row.startswith("| CartPole-v1 | x1 | kltrpo | 3 | 1 | 410.0 ± 8.2 | 414.7 ± 11.1 | +4.7")
     assert "- CartPole-v1: kltrpo 414.7 vs TRPO 541.0 ± 0.8 (n=3/3), within one std of TRPO or better: not measured" in section
     assert "differ significantly between the machines (p < 0.05): 1 of 2 cells: CartPole-v1 x1 trpo." in section
     # no replication folder: no section
-    for path in replica.iterdir():
-        path.unlink()
+    _empty(replica)
     assert "## Replication" not in learning.report("tiny")
 
 
@@ -234,15 +244,14 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     assert learning.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.1], 0.03)) == 2
     text = learning.report("tiny")
     section = text[text.index("## KLPPO's initial beta") : text.index("## Goals")]
-    row = next(line for line in section.splitlines() if line.startswith("| Pendulum-v1 | x1 | klppo |"))
+    row = _row(section, "| Pendulum-v1 | x1 | klppo |")
     # 3 seeds: -151.0 at 1.0, -149.0 at 0.2, a difference of +2.0 that the seeds' spread calls a tie
     assert row.startswith("| Pendulum-v1 | x1 | klppo | 3 | -151.0 ± 0.8 | -149.0 ± 0.8 | +2.0 (p=0.07): tie")
     # in band: 2 of 4 updates at 1.0, 2 of 4 at 0.2 (one undershoots, one overshoots); over 2x: 0 vs 1 of 4
     assert "| 50 ± 0% | 50 ± 0% | 0 ± 0% | 25 ± 0% |" in row
     assert "Pendulum-v1 x1 klppo 2.0 -> 1.0" in section
     # without the candidate's records: no section
-    for path in lowered.iterdir():
-        path.unlink()
+    _empty(lowered)
     assert "## KLPPO's initial beta" not in learning.report("tiny")
 
 

@@ -505,7 +505,7 @@ class KLMonitorCallback(BaseCallback):
             record.update({quantile_name(q): float("nan") for q in self.quantiles})
             record["max"] = float(np.max(per_state))
         record["min"] = float(np.min(per_state))
-        record["tail_ratio"] = self._tail_ratio(per_state, record["mean"]) if finite else float("nan")
+        record["tail_ratio"] = self._tail_ratio(per_state, record) if finite else float("nan")
         target_settings = target_kl_settings(self.model)
         record["target_convention"] = target_settings.convention
         record["mean_in_target_convention"] = self._mean_in(target_settings, snapshot["old_params"], new_params, record)
@@ -528,15 +528,17 @@ class KLMonitorCallback(BaseCallback):
             record["grad_ratio"] = float(grad_ratio)
         return record
 
-    def _tail_ratio(self, per_state: np.ndarray, mean: float) -> float:
+    def _tail_ratio(self, per_state: np.ndarray, record: dict[str, Any]) -> float:
         """
-        p99 / mean of the per-state KL (whichever ``quantiles`` are logged). NaN when the mean is not positive, and
-        always with the ``k1`` estimator: its per-state values are signed single-action samples, whose p99 says nothing
-        about how the KL is spread over the states.
+        p99 / mean of the per-state KL (the record's p99 when 0.99 is among ``quantiles``, else computed here). NaN
+        when the mean is not positive, and always with the ``k1`` estimator: its per-state values are signed
+        single-action samples, whose p99 says nothing about how the KL is spread over the states.
         """
+        mean = record["mean"]
         if self.settings.estimator == "k1" or not mean > 0:
             return float("nan")
-        return float(np.quantile(per_state, 0.99) / mean)
+        p99 = record.get(quantile_name(0.99))
+        return float((np.quantile(per_state, 0.99) if p99 is None else p99) / mean)
 
     def _mean_in(self, settings: KLSettings, old_params: th.Tensor, new_params: th.Tensor, record: dict[str, Any]) -> float:
         """
