@@ -523,6 +523,7 @@ def report(tier: str) -> str:
     initial_kl_coef = initial_kl_coef_comparison(tier)
     if initial_kl_coef:
         lines += initial_kl_coef, ""
+    lines += collapse_table(groups), ""
     replicated = replication(tier)
     note = (
         "The cells replicated on a second machine are judged again on that machine's records alone under"
@@ -1028,6 +1029,35 @@ def overhead_ratios(ours: str, stock: str) -> dict[str, float]:
     return ratios
 
 
+def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
+    """Every run of the grid that ``count_collapses`` counts, with its learning curve and its evaluation after training."""
+    out = [
+        "## The collapses",
+        "",
+        "Every run of both grids with a collapse (`count_collapses`, on the learning curve: the mean return of the last"
+        " 100 training episodes, SB3's `ep_info_buffer`, after each rollout, from the stochastic policy), beside the"
+        " deterministic evaluation after training (10 episodes) and the mean evaluation of its cell. The curve's window"
+        " holds episodes, not steps: where an episode lasts up to 1000 steps (Hopper) it spans up to 100,000 steps, so"
+        " a run of short episodes empties it within a few rollouts while long ones refill it slowly.",
+        "",
+        "| env | lr | algo | seed | curve: start | best | end | eval after training | cell's mean eval |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
+        cell_eval = float(np.mean([r["eval_mean"] for r in runs]))
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            if count_collapses(r["curve"]) == 0:
+                continue
+            curve = [c[1] for c in r["curve"]]
+            out.append(
+                f"| {env} | x{mult:g} | {algo} | {r['seed']} | {curve[0]:.1f} | {max(curve):.1f} | {curve[-1]:.1f}"
+                f" | {r['eval_mean']:.1f} | {cell_eval:.1f} |"
+            )
+    if not out[-1].startswith("| ") or out[-1].startswith("|---"):
+        out.append("| none | | | | | | | | |")
+    return "\n".join(out)
+
+
 def status(met: bool | None) -> str:
     return "not measured" if met is None else ("**met**" if met else "**NOT met**")
 
@@ -1122,10 +1152,16 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
     """No collapse of any sb3-kl algorithm anywhere in the grid."""
     runs = [r for (_, algo, _), rs in groups.items() if algo in SB3_KL_ALGOS for r in rs]
     collapsed = [r for r in runs if count_collapses(r["curve"]) > 0]
-    detail = ", ".join(f"{r['algo']} {r['env']} x{r['lr_mult']:g} s{r['seed']}" for r in collapsed) or "none"
+    detail = (
+        ", ".join(
+            f"{r['algo']} {r['env']} x{r['lr_mult']:g} s{r['seed']}, evaluation after training {r['eval_mean']:.1f}"
+            for r in collapsed
+        )
+        or "none"
+    )
     return [
         f"- No collapse of any sb3-kl algorithm in the grid ({len(runs)} runs): "
-        f"{status(not collapsed if runs else None)} (collapsed: {detail})"
+        f"{status(not collapsed if runs else None)} (collapsed: {detail}; see *The collapses*)"
     ]
 
 

@@ -171,6 +171,26 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     assert "*unrecorded* (made before records named their machine and library versions): 14; Test CPU, torch 9.9: 1." in text
 
 
+def test_collapses_are_listed_with_their_evaluation_after_training():
+    rising = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 990, 1000, 1000, 1000, 1000])]
+    falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
+    groups = learning.group_records(
+        [
+            _record("klppo", "Hopper-v5", 0, 1040.0, [0.03], 0.03, curve=falling),
+            _record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising),
+        ]
+    )
+    table = learning.collapse_table(groups)
+    assert _row(table, "| Hopper-v5 | x1 | klppo | 0 |") == (
+        "| Hopper-v5 | x1 | klppo | 0 | 10.0 | 980.0 | 270.0 | 1040.0 | 1000.0 |"
+    )
+    assert "| Hopper-v5 | x1 | klppo | 1 |" not in table
+    goal = learning.goal_collapses(groups)[0]
+    assert "**NOT met** (collapsed: klppo Hopper-v5 x1 s0, evaluation after training 1040.0;" in goal
+    quiet = learning.group_records([_record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
+    assert "| none |" in learning.collapse_table(quiet)
+
+
 def test_seeds_goal_asks_five_seeds_of_close_cells_in_the_stress_grid_too():
     def cell(algo, means, lr_mult):
         return [_record(algo, "HalfCheetah-v5", s, m, [0.03], 0.03, lr_mult=lr_mult) for s, m in enumerate(means)]
@@ -266,7 +286,8 @@ def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkey
             record["overrides"] = {"cg_damping": 0.6} if algo == "kltrpo" else {}
             _write(tmp_path / folder / "runs" / "tiny", record)
     text = learning.report("tiny")
-    section = text[text.index("## KLTRPO against TRPO on HalfCheetah-v5") : text.index("## Goals")]
+    start = text.index("## KLTRPO against TRPO on HalfCheetah-v5")
+    section = text[start : text.index("\n## ", start)]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [row.split(" | ")[0] for row in rows] == ["| sb3-contrib TRPO", "| the same with 6 x `cg_damping`"]
     # the synthetic curve rises linearly to the eval return: AUC 0.55 x 55.0 = 30.2, against TRPO's 0.55 x 105.0
