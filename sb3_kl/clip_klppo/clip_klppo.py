@@ -74,8 +74,8 @@ class ClipKLPPO(KLPPO):
         per-state KLs, each taken before that minibatch's step) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
         None disables the early stop
     :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds``, the update ends before
-        the first optimizer step whose minibatch KL exceeds ``kl_saturation_stop_factor * target_kl`` (default 1.5,
-        as in KLPPO; None: never)
+        the first optimizer step whose minibatch KL (exact, of the policy as it acts, before the step) exceeds
+        ``kl_saturation_stop_factor * target_kl`` (default 1.5, as in KLPPO; None: never)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (Schulman's modular_rl uses 1000 and 2, the default): it holds the KL of a minibatch near that multiple
         within the update, when beta alone would react only at the next one; 0 disables it

@@ -1,17 +1,22 @@
+import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.utils import FloatSchedule, explained_variance
 from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
+from sb3_kl.common.kl import per_state_kl_to
+from sb3_kl.common.modes import has_mode_dependent_modules
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
@@ -88,9 +93,10 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_saturation_stop_factor: Used only while the controller cannot raise beta any further (beta at the upper
         end of ``kl_coef_bounds`` or one controller step below it, with an adapting controller, so that one low-KL
         update at the bound does not release the next): the update then ends before the first optimizer step
-        whose minibatch KL (exact, mean over the minibatch's states, before the step) exceeds
-        ``kl_saturation_stop_factor * target_kl``, SB3's per-minibatch rule, and beta is held at its bound after
-        an update the stop ended (that KL is the stop's doing, not beta's). With Adam the penalty only turns the
+        whose minibatch KL (exact whatever ``kl_estimator``, of the policy as it acts: eval mode, dropout off; mean
+        over the minibatch's states, before the step) exceeds ``kl_saturation_stop_factor * target_kl``, SB3's
+        per-minibatch rule, and beta is held at its bound after an update the stop ended (that KL is the stop's
+        doing, not beta's). With Adam the penalty only turns the
         step's direction, so a learning rate too high for the task (HalfCheetah at 10x the zoo rate) pins beta at its
         bound while the KL stays above the band; there the stop holds the KL, and elsewhere beta stays inside its
         bounds and the updates are as without it (judging every minibatch unconditionally stopped on the noise of
@@ -396,7 +402,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                 if clip_fraction is not None:
                     clip_fractions.append(clip_fraction)
 
-                if saturation_stop_kl is not None and self._minibatch_kl_ran_away(kl, saturation_stop_kl, epoch):
+                if saturation_stop_kl is not None and self._stops_at_bound(
+                    kl, rollout_data, distribution, saturation_stop_kl, epoch
+                ):
                     stopped_at_bound = True
                     break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
@@ -493,12 +501,62 @@ class KLPPO(KLOnPolicyAlgorithm):
             return None
         return self.kl_saturation_stop_factor * target_kl
 
+    def _stops_at_bound(
+        self, kl: th.Tensor, rollout_data: Any, distribution: Distribution, stop_kl: float, epoch: int
+    ) -> bool:
+        """
+        Whether the stop at beta's bound ends the update before this minibatch's step (:meth:`_judged_minibatch_kl`
+        against ``stop_kl``).
+
+        :param kl: The loss's minibatch KL
+        :param rollout_data: The minibatch
+        :param distribution: The loss's distribution on its states
+        :param stop_kl: The threshold from :meth:`_saturation_stop_kl`
+        :param epoch: Index of the epoch (for the verbose message)
+        """
+        judged_kl = self._judged_minibatch_kl(
+            kl, rollout_data.old_dist_params, distribution, lambda: self._samples_distribution(self.policy, rollout_data)
+        )
+        return self._minibatch_kl_ran_away(judged_kl, stop_kl, epoch)
+
+    @th.no_grad()
+    def _judged_minibatch_kl(
+        self,
+        kl: th.Tensor,
+        old_params: th.Tensor,
+        distribution: Distribution,
+        acting_distribution: Callable[[], Distribution],
+        mask: th.Tensor | None = None,
+    ) -> th.Tensor:
+        """
+        The minibatch KL the stop at beta's bound judges: exact (analytic, whatever ``kl_estimator``), in the
+        algorithm's direction and reduction, of the policy as it acts (eval mode), before the step. It is the loss's
+        own ``kl`` when that already is this number (analytic estimator, no dropout or batch norm in the policy).
+
+        :param kl: The loss's minibatch KL (mean over the valid states)
+        :param old_params: Rollout-policy parameters of the minibatch's states
+        :param distribution: The loss's distribution on those states (train mode)
+        :param acting_distribution: Computes the policy's distribution on those states (called in eval mode)
+        :param mask: The valid states (padded sequences), None: all
+        """
+        if has_mode_dependent_modules(self.policy):
+            self.policy.set_training_mode(False)
+            try:
+                distribution = acting_distribution()
+            finally:
+                self.policy.set_training_mode(True)
+        elif self.kl_settings.estimator == "analytic":
+            return kl
+        exact = dataclasses.replace(self.kl_settings, estimator="analytic")
+        per_state = per_state_kl_to(exact, self.dist_params, old_params, distribution)
+        return (per_state if mask is None else per_state[mask]).mean()
+
     def _minibatch_kl_ran_away(self, kl: th.Tensor, stop_kl: float, epoch: int) -> bool:
         """
         Whether the update ends before this minibatch's optimizer step: its KL (mean over its states of the per-state
         KL to the rollout policy, before the step) exceeds ``stop_kl``.
 
-        :param kl: The minibatch's mean per-state KL (the loss's)
+        :param kl: The minibatch's mean per-state KL, from :meth:`_judged_minibatch_kl`
         :param stop_kl: The threshold from :meth:`_saturation_stop_kl`
         :param epoch: Index of the epoch (for the verbose message)
         """

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import math
 import warnings
@@ -17,6 +18,7 @@ from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl, sb3_contrib_kl_reduction
+from sb3_kl.common.modes import RUNNING_STATISTICS_MODULES, has_mode_dependent_modules, modules_run_by
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_range
@@ -69,7 +71,10 @@ class KLTRPO(KLOnPolicyAlgorithm):
        candidates) finds a first acceptable step; then up to ``line_search_grow_iter`` more candidates grow it
        toward the bound, past ``beta d`` when the quadratic model overestimated the KL, interpolating on the
        measured KL between the largest accepted and the smallest rejected step. Only a measured, accepted
-       candidate is kept; if none is accepted the policy is unchanged.
+       candidate is kept; if none is accepted the policy is unchanged. Candidates are measured on the policy as it
+       acts (eval mode: dropout off), like the rollout distribution they are compared with; the gradient and
+       Fisher pass runs in train mode, as SB3 trains. Batch norm on the actor's path is refused: its running
+       statistics move the acting policy at every train-mode forward pass, outside any step the line search measures.
     4. The critic is fitted by ``n_critic_updates`` epochs of Adam on minibatches (the actor's gradients removed).
 
     Paper: https://arxiv.org/abs/1502.05477 (and John Schulman's thesis, http://joschu.net/docs/thesis.pdf, p40-42)
@@ -327,6 +332,34 @@ class KLTRPO(KLOnPolicyAlgorithm):
     def _setup_model(self) -> None:
         self._resolve_kl_convention()
         super()._setup_model()
+        self._refuse_running_statistics_on_the_actor()
+
+    def _refuse_running_statistics_on_the_actor(self) -> None:
+        """
+        Raise a ``ValueError`` when a module with running statistics (batch norm) computes the action distribution:
+        every train-mode forward pass (the gradient pass, the critic fit through a shared features extractor) updates
+        them and so moves the policy that acts, which no candidate of the line search measures, and the constraint
+        could not hold.
+        """
+        # from a copy of the space: sampling the space itself would draw from the random state the env may share
+        observation, _ = self.policy.obs_to_tensor(copy.deepcopy(self.observation_space).sample())
+        was_training = self.policy.training
+        self.policy.set_training_mode(False)
+        try:
+            with th.no_grad():
+                ran = modules_run_by(
+                    self.policy, lambda: self.policy.get_distribution(observation), RUNNING_STATISTICS_MODULES
+                )
+        finally:
+            self.policy.set_training_mode(was_training)
+        if ran:
+            names = ", ".join(name for name, module in self.policy.named_modules() if any(module is m for m in ran))
+            raise ValueError(
+                f"KLTRPO bounds the KL of the policy as it acts, but the module(s) {names} on the actor's path keep "
+                "running statistics (batch norm), which every train-mode forward pass updates: the acting policy would "
+                "move outside any step the line search measures. Build the policy without them (`policy_kwargs`: "
+                "nn.LayerNorm normalizes without running statistics), or use KLPPO, whose KL is a penalty."
+            )
 
     def cg_damping_scale(self) -> float:
         """
@@ -568,6 +601,10 @@ class KLTRPO(KLOnPolicyAlgorithm):
         full_observations = rollout_data.observations if step > 1 else None
         constraint_old_params = rollout_data.old_dist_params if step > 1 else old_params
 
+        # The candidates are measured on the policy as it acts (eval mode), as the rollout distribution was: with
+        # dropout, a train-mode pass would see a KL > 0 at the unchanged policy
+        mode_dependent = has_mode_dependent_modules(self.policy)
+        self.policy.set_training_mode(False)
         with th.no_grad():
             original_flat = nn.utils.parameters_to_vector(actor_params).clone()
             log_std_floor = self._candidate_log_std_floor()
@@ -595,6 +632,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 tail = th.quantile(per_state, self.tail_quantile).item() if self.tail_kl is not None else None
                 return objective, per_state.mean().item(), tail
 
+            if mode_dependent:
+                old_objective = evaluate(0.0)[0]  # the objective the candidates are compared with, in eval mode too
             step_size, accepted_objective, accepted_kl, steps_tried = (
                 self._search_step_size(evaluate, max_step_size, old_objective, target_kl)
                 if max_step_size > 0
@@ -606,6 +645,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 set_candidate(step_size)
             else:
                 _copy_flat_to_parameters(original_flat, actor_params)
+        self.policy.set_training_mode(True)
 
         value_losses = self._fit_critic(actor_params)
 

@@ -104,8 +104,8 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
     :param kl_stop_factor: Skip the remaining epochs once an epoch's KL exceeds ``kl_stop_factor * target_kl``
         (None, the default, as in KLPPO: no early stop)
     :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds``, the update ends before
-        the first optimizer step whose minibatch KL exceeds ``kl_saturation_stop_factor * target_kl`` (default 1.5,
-        as in KLPPO; None: never)
+        the first optimizer step whose minibatch KL (exact, of the policy as it acts, before the step) exceeds
+        ``kl_saturation_stop_factor * target_kl`` (default 1.5, as in KLPPO; None: never)
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor of Gaussian policies; masked policies are discrete, so it must stay None

@@ -86,8 +86,9 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
         exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
     :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds`` (an adapting controller
-        that cannot raise it further), the update ends before the first optimizer step whose minibatch KL exceeds
-        ``kl_saturation_stop_factor * target_kl`` and beta is held there, as in KLPPO. Default 1.5; None: never
+        that cannot raise it further), the update ends before the first optimizer step whose minibatch KL (exact, of the
+        policy as it acts, before the step) exceeds ``kl_saturation_stop_factor * target_kl`` and beta is held
+        there, as in KLPPO. Default 1.5; None: never
     :param kl_hinge_coef: Coefficient of a quadratic hinge on the minibatch KL above ``kl_hinge_factor * target_kl``
         (1000 by default, as KLPPO: it holds the KL of a minibatch within the update); 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
@@ -132,6 +133,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     _kl_ran_away = KLPPO._kl_ran_away
     _saturation_stop_kl = KLPPO._saturation_stop_kl
     _minibatch_kl_ran_away = KLPPO._minibatch_kl_ran_away
+    _judged_minibatch_kl = KLPPO._judged_minibatch_kl
     #: The early stop judges KLPPO's documented rule: the mean of the epoch's minibatch KLs (see ``KLPPO._kl_ran_away``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
 
@@ -403,6 +405,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             "clip_fraction": clip_fraction,
             "kl": kl,
             "log_ratio": log_ratio[mask],
+            "distribution": distribution,
+            "mask": mask,
         }
 
     def train(self) -> None:
@@ -451,9 +455,19 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                 kl_losses.append(out["kl_loss"].item())
                 if out["clip_fraction"] is not None:
                     clip_fractions.append(out["clip_fraction"])
-                if saturation_stop_kl is not None and self._minibatch_kl_ran_away(out["kl"], saturation_stop_kl, epoch):
-                    stopped_at_bound = True
-                    break
+                if saturation_stop_kl is not None:
+                    judged_kl = self._judged_minibatch_kl(
+                        out["kl"],
+                        rollout_data.old_dist_params,
+                        out["distribution"],
+                        lambda data=rollout_data: self._sequence_distribution(
+                            data.observations, data.lstm_states.pi, data.episode_starts
+                        ),
+                        out["mask"],
+                    )
+                    if self._minibatch_kl_ran_away(judged_kl, saturation_stop_kl, epoch):
+                        stopped_at_bound = True
+                        break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
                 if self._optimizer_step(loss):

@@ -1,0 +1,191 @@
+"""
+Policies with dropout or batch norm act in eval mode and train in train mode (SB3's ``set_training_mode``): the KL
+figures that promise the acting policy's KL are checked here against ``torch.distributions`` on eval-mode snapshots of
+the policy before and after each update (KLTRPO's constraint) or before each minibatch step (KLPPO's stop at beta's
+bound, whatever the estimator).
+"""
+
+import copy
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+from torch import nn
+
+from sb3_kl import KLPPO, KLTRPO
+from sb3_kl.common.modes import has_mode_dependent_modules
+from sb3_kl.kltrpo.policies import MlpPolicy as KLTRPOMlpPolicy
+
+
+class NormalizedFeatures(BaseFeaturesExtractor):
+    """A features extractor with a mode-dependent layer (dropout or batch norm) in front."""
+
+    def __init__(self, observation_space: gym.spaces.Box, layer: str = "dropout", features_dim: int = 16):
+        super().__init__(observation_space, features_dim)
+        n_inputs = int(np.prod(observation_space.shape))
+        first = nn.Dropout(0.5) if layer == "dropout" else nn.BatchNorm1d(n_inputs)
+        self.net = nn.Sequential(first, nn.Linear(n_inputs, features_dim), nn.Tanh())
+
+    def forward(self, observations: th.Tensor) -> th.Tensor:
+        return self.net(observations)
+
+
+def _policy_kwargs(layer: str) -> dict:
+    return dict(
+        features_extractor_class=NormalizedFeatures,
+        features_extractor_kwargs=dict(layer=layer),
+        net_arch=dict(pi=[16], vf=[16]),
+    )
+
+
+class Snapshots:
+    """Eval-mode copies of a model's policy at chosen moments (state dicts loaded into a copy made before training)."""
+
+    def __init__(self, policy: nn.Module):
+        self.template = copy.deepcopy(policy)
+
+    @staticmethod
+    def take(policy: nn.Module) -> dict[str, th.Tensor]:
+        return {name: value.detach().clone() for name, value in policy.state_dict().items()}
+
+    @th.no_grad()
+    def acting_normal(self, state: dict[str, th.Tensor], observations: th.Tensor) -> th.distributions.Normal:
+        """The policy's Gaussian on ``observations`` as it acts (eval mode), in float64."""
+        self.template.load_state_dict(state)
+        self.template.set_training_mode(False)
+        distribution = self.template.get_distribution(observations).distribution
+        return th.distributions.Normal(distribution.loc.double(), distribution.scale.double())
+
+    def exact_kl(self, before: dict[str, th.Tensor], after: dict[str, th.Tensor], observations: th.Tensor) -> float:
+        """Mean over states of the joint KL(before || after) of the acting policies."""
+        kl = th.distributions.kl_divergence(self.acting_normal(before, observations), self.acting_normal(after, observations))
+        return float(kl.sum(-1).mean())
+
+
+def test_mode_dependent_modules_are_detected():
+    assert has_mode_dependent_modules(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+    assert has_mode_dependent_modules(nn.Sequential(nn.BatchNorm1d(2)))
+    assert has_mode_dependent_modules(nn.LSTM(2, 2, num_layers=2, dropout=0.2))
+    assert not has_mode_dependent_modules(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), nn.LSTM(2, 2)))
+    assert not has_mode_dependent_modules(nn.InstanceNorm1d(2))  # no running statistics: the same in both modes
+
+
+def test_kltrpo_constrains_the_acting_policy_with_dropout():
+    # measured in train mode, dropout alone put the unchanged policy above target_kl: every candidate was rejected
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = KLTRPO(
+        "MlpPolicy", env, n_steps=128, target_kl=0.01, seed=0, device="cpu", policy_kwargs=_policy_kwargs("dropout")
+    )
+    updates, snapshots = [], Snapshots(model.policy)
+    original_train = model.train
+
+    def train() -> None:
+        before = snapshots.take(model.policy)
+        original_train()
+        observations = th.as_tensor(model.rollout_buffer.observations.reshape(-1, 3))
+        exact = snapshots.exact_kl(before, snapshots.take(model.policy), observations)
+        logs = model.logger.name_to_value
+        updates.append((exact, logs["train/line_search_success"], logs["train/kl"]))
+
+    model.train = train
+    model.learn(128 * 2 * 4)
+    assert len(updates) == 4
+    for exact, _, logged in updates:
+        assert exact <= 0.01 * (1 + 1e-5)
+        assert logged == pytest.approx(exact, rel=1e-4, abs=1e-7)
+    accepted = [exact for exact, success, _ in updates if success == 1.0]
+    assert len(accepted) >= 3 and min(accepted) > 0.5 * 0.01  # the steps grow toward the bound
+    # an update whose candidates were all rejected leaves the acting policy exactly as it was
+    assert all(exact == 0.0 for exact, success, _ in updates if success == 0.0)
+
+
+def test_kltrpo_refuses_batch_norm_on_the_actor():
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    with pytest.raises(ValueError, match=r"features_extractor\.net\.0.*running statistics.*`policy_kwargs`"):
+        KLTRPO("MlpPolicy", env, n_steps=64, device="cpu", policy_kwargs=_policy_kwargs("batch_norm"))
+
+
+class CriticBatchNormPolicy(KLTRPOMlpPolicy):
+    """Batch norm in front of the value head only: the critic's business, not the constraint's."""
+
+    def _build(self, lr_schedule) -> None:
+        super()._build(lr_schedule)
+        self.value_net = nn.Sequential(nn.BatchNorm1d(self.mlp_extractor.latent_dim_vf), self.value_net)
+
+
+def test_kltrpo_accepts_batch_norm_in_the_critic_only():
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = KLTRPO(CriticBatchNormPolicy, env, n_steps=64, target_kl=0.01, seed=0, device="cpu")
+    model.learn(64 * 2 * 2)
+    assert model.logger.name_to_value["train/kl"] <= 0.01 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("estimator, layer", [("k1", None), ("k3", None), ("analytic", "dropout")])
+def test_stop_at_beta_bound_judges_the_exact_kl_of_the_acting_policy(estimator, layer):
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    policy_kwargs = _policy_kwargs(layer) if layer else dict(net_arch=dict(pi=[16], vf=[16]))
+    # beta starts at the top of its bounds, so the stop is armed from the first update; a high rate makes it fire
+    model = KLPPO(
+        "MlpPolicy", env, n_steps=128, batch_size=64, learning_rate=3e-2, target_kl=0.002, kl_coef=10.0,
+        kl_estimator=estimator, seed=0, device="cpu", policy_kwargs=policy_kwargs,
+    )  # fmt: skip
+    judged, taken, snapshots = [], [], Snapshots(model.policy)
+    original_train, original_stops, original_ran_away = model.train, model._stops_at_bound, model._minibatch_kl_ran_away
+
+    def train() -> None:
+        taken.append(("update", snapshots.take(model.policy)))
+        original_train()
+
+    def stops_at_bound(kl, rollout_data, distribution, stop_kl, epoch):
+        taken.append(("minibatch", (rollout_data.observations.clone(), snapshots.take(model.policy))))
+        return original_stops(kl, rollout_data, distribution, stop_kl, epoch)
+
+    def ran_away(kl, stop_kl, epoch):
+        judged.append(float(kl))
+        return original_ran_away(kl, stop_kl, epoch)
+
+    model.train, model._stops_at_bound, model._minibatch_kl_ran_away = train, stops_at_bound, ran_away
+    model.learn(128 * 2 * 3)
+    minibatches, before = [], None
+    for kind, item in taken:
+        if kind == "update":
+            before = item
+        else:
+            observations, current = item
+            minibatches.append(snapshots.exact_kl(before, current, observations))
+    assert len(judged) == len(minibatches) > 0
+    np.testing.assert_allclose(judged, minibatches, rtol=1e-4, atol=1e-7)
+    stopped = [i for i, kl in enumerate(judged) if kl > 1.5 * 0.002]
+    assert stopped, "the stop never fired: the check would not exercise it"
+    # the first minibatch of an update is judged on the unchanged policy: exactly 0, even with dropout
+    assert judged[0] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_recurrent_stop_at_beta_bound_judges_an_exact_kl():
+    from sb3_kl import RecurrentKLPPO
+
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = RecurrentKLPPO(
+        "MlpLstmPolicy", env, n_steps=64, batch_size=64, learning_rate=3e-2, target_kl=0.002, kl_coef=10.0,
+        kl_estimator="k1", seed=0, device="cpu", policy_kwargs=dict(lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])),
+    )  # fmt: skip
+    judged, k1 = [], []
+    original_judged, original_ran_away = model._judged_minibatch_kl, model._minibatch_kl_ran_away
+
+    def judged_minibatch_kl(kl, *args, **kwargs):
+        k1.append(float(kl.detach()))
+        return original_judged(kl, *args, **kwargs)
+
+    def ran_away(kl, stop_kl, epoch):
+        judged.append(float(kl))
+        return original_ran_away(kl, stop_kl, epoch)
+
+    model._judged_minibatch_kl, model._minibatch_kl_ran_away = judged_minibatch_kl, ran_away
+    model.learn(64 * 2 * 3)
+    assert judged and judged[0] == pytest.approx(0.0, abs=1e-7)
+    # an exact KL is never negative, while the k1 sample mean of the loss is below 0 on some minibatches
+    assert min(judged) >= -1e-7 and min(k1) < 0
+    assert judged != k1 and max(judged) > 1.5 * 0.002
