@@ -101,23 +101,54 @@ def pct(numerator: int, denominator: int) -> str:
 
 
 def mostly_alarmed_cells(runs: list[dict[str, Any]], max_kl_factor: float) -> list[str]:
-    """:return: the (algorithm, environment) cells in which more than half of the seeds alarm (single-update rule)"""
+    """
+    :param runs: The runs of one group
+    :param max_kl_factor: The single-update factor
+    :return: the (algorithm, environment) cells in which more than half of the seeds alarm (single-update rule alone)
+    """
     cells: dict[tuple[str, str], list[bool]] = {}
     for run in runs:
         cells.setdefault((run["algo"], run["env"]), []).append(bool(alarms(run["ratios"], max_kl_factor, np.inf, 1).any()))
     return [f"{algo} on {env} ({sum(f)}/{len(f)})" for (algo, env), f in sorted(cells.items()) if sum(f) > len(f) / 2]
 
 
+def factor_rows(groups: dict[str, list[dict[str, Any]]]) -> list[dict]:
+    """
+    One row per factor of :data:`FACTORS`: each group's alarms under the single-update rule alone (``single``) and
+    with the sustained rule beside it (``combined``), and the normal cells alarmed on most of their seeds.
+
+    :param groups: The runs by group name
+    """
+    rows = []
+    for factor in FACTORS:
+        single = {name: summarize(group, factor, np.inf, PATIENCE) for name, group in groups.items()}
+        combined = {name: summarize(group, factor, SPIKE_FACTOR, PATIENCE) for name, group in groups.items()}
+        cells = mostly_alarmed_cells(groups.get(NORMAL, []), factor)
+        rows.append(dict(max_kl_factor=factor, single=single, combined=combined, normal_cells_mostly_alarmed=cells))
+    return rows
+
+
 def choose(rows: list[dict], groups: dict[str, list], max_false: float, per_cell: bool) -> dict | None:
     """
     The first row (smallest factor) meeting the criterion: every stock stress run alarmed, at most ``max_false`` of the
-    normal runs and of the KL-controlled stress runs alarmed, and (``per_cell``) no normal cell mostly alarmed.
+    normal runs and of the KL-controlled stress runs alarmed, and (``per_cell``) no normal cell mostly alarmed. A group
+    without runs constrains nothing.
+
+    :param rows: The rows of :func:`factor_rows`, by increasing factor
+    :param groups: The runs by group name
+    :param max_false: Largest share of false alarms allowed in each group of normal or KL-controlled runs
+    :param per_cell: Whether to apply the clause on the normal cells
+    :return: the chosen row, or None when no factor meets the criterion
     """
+    empty = dict(runs_alarmed=0)
     for row in rows:
         single = row["single"]
-        if single[STOCK_STRESS]["runs_alarmed"] < len(groups[STOCK_STRESS]):
+        if single.get(STOCK_STRESS, empty)["runs_alarmed"] < len(groups.get(STOCK_STRESS, [])):
             continue
-        if any(single[name]["runs_alarmed"] > max_false * len(groups[name]) for name in (NORMAL, CONTROLLED_STRESS)):
+        if any(
+            single.get(name, empty)["runs_alarmed"] > max_false * len(groups.get(name, []))
+            for name in (NORMAL, CONTROLLED_STRESS)
+        ):
             continue
         if per_cell and row["normal_cells_mostly_alarmed"]:
             continue
@@ -146,12 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     # the learning grid no longer runs x3 (its committed table came from records of an earlier grid)
     groups = {name: group for name, group in groups.items() if group}
-    rows = []
-    for factor in FACTORS:
-        single = {name: summarize(group, factor, np.inf, PATIENCE) for name, group in groups.items()}
-        combined = {name: summarize(group, factor, SPIKE_FACTOR, PATIENCE) for name, group in groups.items()}
-        cells = mostly_alarmed_cells(groups[NORMAL], factor)
-        rows.append(dict(max_kl_factor=factor, single=single, combined=combined, normal_cells_mostly_alarmed=cells))
+    rows = factor_rows(groups)
     sustained = {name: summarize(group, None, SPIKE_FACTOR, PATIENCE) for name, group in groups.items()}
     chosen = choose(rows, groups, args.max_false_runs, per_cell=True)
     pooled_only = choose(rows, groups, args.max_false_runs, per_cell=False)

@@ -1053,7 +1053,7 @@ def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
                 f"| {env} | x{mult:g} | {algo} | {r['seed']} | {curve[0]:.1f} | {max(curve):.1f} | {curve[-1]:.1f}"
                 f" | {r['eval_mean']:.1f} | {cell_eval:.1f} |"
             )
-    if not out[-1].startswith("| ") or out[-1].startswith("|---"):
+    if out[-1].startswith("|---"):
         out.append("| none | | | | | | | | |")
     return "\n".join(out)
 

@@ -127,15 +127,6 @@ def _runs(algo: str, env: str, lr_mult: int, peaks: list[float]) -> list[dict]:
     ]
 
 
-def _factor_rows(bench, groups: dict[str, list]) -> list[dict]:
-    rows = []
-    for factor in bench.FACTORS:
-        single = {name: bench.summarize(group, factor, np.inf, bench.PATIENCE) for name, group in groups.items()}
-        cells = bench.mostly_alarmed_cells(groups[bench.NORMAL], factor)
-        rows.append(dict(max_kl_factor=factor, single=single, normal_cells_mostly_alarmed=cells))
-    return rows
-
-
 def test_spike_factor_criterion_refuses_a_factor_that_alarms_on_most_seeds_of_one_cell():
     bench = _spike_rule_benchmark()
     # 60 quiet normal runs and one cell whose 3 seeds peak at 12, 40 and 60 x target: 3/63 runs is under 5 %
@@ -144,7 +135,7 @@ def test_spike_factor_criterion_refuses_a_factor_that_alarms_on_most_seeds_of_on
         bench.STOCK_STRESS: _runs("ppo", "Pendulum-v1", 10, [300.0, 500.0]),
         bench.CONTROLLED_STRESS: _runs("klppo", "Pendulum-v1", 10, [3.0, 8.0]),
     }
-    rows = _factor_rows(bench, groups)
+    rows = bench.factor_rows(groups)
     assert rows[1]["max_kl_factor"] == 10.0 and rows[1]["normal_cells_mostly_alarmed"] == ["ppo on Hopper-v5 (3/3)"]
     # the KL-controlled stress runs rule out 5 (1 of 2 alarms); the pooled shares alone then allow 10
     assert bench.choose(rows, groups, 0.05, per_cell=False)["max_kl_factor"] == 10.0
@@ -152,6 +143,14 @@ def test_spike_factor_criterion_refuses_a_factor_that_alarms_on_most_seeds_of_on
     assert bench.choose(rows, groups, 0.05, per_cell=True)["max_kl_factor"] == 50.0
     # a stock stress run peaking at 45 x target is missed from 50 on, and below 50 the Hopper cell mostly alarms
     groups[bench.STOCK_STRESS] = _runs("ppo", "Pendulum-v1", 10, [300.0, 45.0])
-    rows = _factor_rows(bench, groups)
+    rows = bench.factor_rows(groups)
     assert bench.choose(rows, groups, 0.05, per_cell=True) is None
     assert bench.choose(rows, groups, 0.05, per_cell=False)["max_kl_factor"] == 10.0
+
+
+def test_spike_factor_criterion_runs_without_stress_records():
+    bench = _spike_rule_benchmark()
+    groups = {bench.NORMAL: _runs("ppo", "CartPole-v1", 1, [1.5, 2.0, 90.0])}
+    rows = bench.factor_rows(groups)
+    # no stress run to detect: the smallest factor whose false alarms stay within the share (here: none of 3)
+    assert bench.choose(rows, groups, 0.05, per_cell=True)["max_kl_factor"] == 100.0

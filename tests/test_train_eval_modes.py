@@ -73,39 +73,85 @@ def test_mode_dependent_modules_are_detected():
     assert not has_mode_dependent_modules(nn.InstanceNorm1d(2))  # no running statistics: the same in both modes
 
 
+@th.no_grad()
+def _eval_mode_objective(snapshots: Snapshots, state: dict[str, th.Tensor], buffer) -> float:
+    """TRPO's surrogate E[A r] (normalized advantages) of a policy as it acts, on the whole buffer."""
+    observations = th.as_tensor(buffer.observations.reshape(-1, buffer.obs_shape[0]))
+    actions = th.as_tensor(buffer.actions.reshape(-1, buffer.action_dim)).double()
+    advantages = th.as_tensor(buffer.advantages.flatten()).double()
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    log_prob = snapshots.acting_normal(state, observations).log_prob(actions).sum(-1)
+    return float((advantages * th.exp(log_prob - th.as_tensor(buffer.log_probs.flatten()).double())).mean())
+
+
 def test_kltrpo_constrains_the_acting_policy_with_dropout():
     # measured in train mode, dropout alone put the unchanged policy above target_kl: every candidate was rejected
     env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
     model = KLTRPO(
         "MlpPolicy", env, n_steps=128, target_kl=0.01, seed=0, device="cpu", policy_kwargs=_policy_kwargs("dropout")
     )
-    updates, snapshots = [], Snapshots(model.policy)
-    original_train = model.train
+    updates, critic_modes, snapshots = [], [], Snapshots(model.policy)
+    original_train, original_fit_critic = model.train, model._fit_critic
+
+    def fit_critic(actor_params):
+        critic_modes.append(model.policy.training)
+        return original_fit_critic(actor_params)
 
     def train() -> None:
         before = snapshots.take(model.policy)
         original_train()
-        observations = th.as_tensor(model.rollout_buffer.observations.reshape(-1, 3))
-        exact = snapshots.exact_kl(before, snapshots.take(model.policy), observations)
-        logs = model.logger.name_to_value
-        updates.append((exact, logs["train/line_search_success"], logs["train/kl"]))
+        assert model.policy.training  # left in train mode, as SB3's train() leaves it
+        after, buffer, logs = snapshots.take(model.policy), model.rollout_buffer, model.logger.name_to_value
+        observations = th.as_tensor(buffer.observations.reshape(-1, 3))
+        exact = snapshots.exact_kl(before, after, observations)
+        objective = _eval_mode_objective(snapshots, after, buffer)
+        updates.append((exact, logs["train/line_search_success"], logs["train/kl"], logs["train/policy_objective"], objective))
 
-    model.train = train
+    model.train, model._fit_critic = train, fit_critic
     model.learn(128 * 2 * 4)
-    assert len(updates) == 4
-    for exact, _, logged in updates:
+    assert len(updates) == 4 and critic_modes == [True] * 4  # the critic is fitted in train mode, as SB3 trains
+    for exact, _, logged, objective, independent in updates:
         assert exact <= 0.01 * (1 + 1e-5)
         assert logged == pytest.approx(exact, rel=1e-4, abs=1e-7)
-    accepted = [exact for exact, success, _ in updates if success == 1.0]
+        # the objective the line search compared and kept is the acting policy's (for a rejected update: the
+        # unchanged policy's, whose train-mode value dropout would move)
+        assert objective == pytest.approx(independent, rel=1e-4, abs=1e-6)
+    accepted = [exact for exact, success, *_ in updates if success == 1.0]
     assert len(accepted) >= 3 and min(accepted) > 0.5 * 0.01  # the steps grow toward the bound
     # an update whose candidates were all rejected leaves the acting policy exactly as it was
-    assert all(exact == 0.0 for exact, success, _ in updates if success == 0.0)
+    assert all(exact == 0.0 for exact, success, *_ in updates if success == 0.0)
 
 
-def test_kltrpo_refuses_batch_norm_on_the_actor():
+def test_kltrpo_refuses_batch_norm_on_the_actor(tmp_path):
     env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
     with pytest.raises(ValueError, match=r"features_extractor\.net\.0.*running statistics.*`policy_kwargs`"):
         KLTRPO("MlpPolicy", env, n_steps=64, device="cpu", policy_kwargs=_policy_kwargs("batch_norm"))
+    separate = dict(_policy_kwargs("batch_norm"), share_features_extractor=False)
+    with pytest.raises(ValueError, match=r"pi_features_extractor\.net\.0"):
+        KLTRPO("MlpPolicy", env, n_steps=64, device="cpu", policy_kwargs=separate)
+    # a model saved before the refusal still loads (to predict); learning with it is refused
+    model = KLTRPO(
+        "MlpPolicy", env, n_steps=64, device="cpu", policy_kwargs=_policy_kwargs("dropout"), _init_setup_model=False
+    )
+    model.policy_kwargs = _policy_kwargs("batch_norm")
+    model._setup_model()
+    model.save(tmp_path / "batch_norm")
+    loaded = KLTRPO.load(tmp_path / "batch_norm", env=env, custom_objects=dict(policy_kwargs=_policy_kwargs("batch_norm")))
+    loaded.predict(env.reset(), deterministic=True)
+    with pytest.raises(ValueError, match="running statistics"):
+        loaded.learn(64)
+
+
+def test_kltrpo_accepts_batch_norm_without_running_statistics():
+    # it normalizes by the batch in both modes: nothing moves the acting policy between updates
+    class BatchStatistics(NormalizedFeatures):
+        def __init__(self, observation_space: gym.spaces.Box, features_dim: int = 16):
+            super().__init__(observation_space, "batch_norm", features_dim)
+            self.net[0] = nn.BatchNorm1d(observation_space.shape[0], track_running_stats=False)
+
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = KLTRPO("MlpPolicy", env, n_steps=64, device="cpu", policy_kwargs=dict(features_extractor_class=BatchStatistics))
+    model.learn(128)
 
 
 class CriticBatchNormPolicy(KLTRPOMlpPolicy):
@@ -114,6 +160,7 @@ class CriticBatchNormPolicy(KLTRPOMlpPolicy):
     def _build(self, lr_schedule) -> None:
         super()._build(lr_schedule)
         self.value_net = nn.Sequential(nn.BatchNorm1d(self.mlp_extractor.latent_dim_vf), self.value_net)
+        self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
 
 
 def test_kltrpo_accepts_batch_norm_in_the_critic_only():
@@ -147,8 +194,16 @@ def test_stop_at_beta_bound_judges_the_exact_kl_of_the_acting_policy(estimator, 
         judged.append(float(kl))
         return original_ran_away(kl, stop_kl, epoch)
 
+    step_modes, original_step = [], model._optimizer_step
+
+    def optimizer_step(loss):
+        step_modes.append(model.policy.training)
+        return original_step(loss)
+
     model.train, model._stops_at_bound, model._minibatch_kl_ran_away = train, stops_at_bound, ran_away
+    model._optimizer_step = optimizer_step
     model.learn(128 * 2 * 3)
+    assert step_modes and all(step_modes)  # every step is taken in train mode, after the stop's eval-mode look
     minibatches, before = [], None
     for kind, item in taken:
         if kind == "update":
@@ -164,28 +219,46 @@ def test_stop_at_beta_bound_judges_the_exact_kl_of_the_acting_policy(estimator, 
     assert judged[0] == pytest.approx(0.0, abs=1e-7)
 
 
-def test_recurrent_stop_at_beta_bound_judges_an_exact_kl():
+@th.no_grad()
+def _sequence_normal(snapshots: Snapshots, state: dict[str, th.Tensor], data) -> th.distributions.Normal:
+    """sb3-contrib's own sequence evaluation of a minibatch (from its stored LSTM states), as the policy acts."""
+    snapshots.template.load_state_dict(state)
+    snapshots.template.set_training_mode(False)
+    distribution, _ = snapshots.template.get_distribution(data.observations, data.lstm_states.pi, data.episode_starts)
+    return th.distributions.Normal(distribution.distribution.loc.double(), distribution.distribution.scale.double())
+
+
+def test_recurrent_stop_at_beta_bound_judges_the_exact_kl_of_the_acting_policy():
     from sb3_kl import RecurrentKLPPO
 
     env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    # k1 in the loss, and dropout between two LSTM layers: neither may reach the judged KL
     model = RecurrentKLPPO(
         "MlpLstmPolicy", env, n_steps=64, batch_size=64, learning_rate=3e-2, target_kl=0.002, kl_coef=10.0,
-        kl_estimator="k1", seed=0, device="cpu", policy_kwargs=dict(lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])),
+        kl_estimator="k1", seed=0, device="cpu",
+        policy_kwargs=dict(lstm_hidden_size=8, n_lstm_layers=2, lstm_kwargs=dict(dropout=0.5), net_arch=dict(pi=[8], vf=[8])),
     )  # fmt: skip
-    judged, k1 = [], []
-    original_judged, original_ran_away = model._judged_minibatch_kl, model._minibatch_kl_ran_away
+    judged, expected, snapshots = [], [], Snapshots(model.policy)
+    before: list[dict[str, th.Tensor]] = []
+    original_train, original_stops, original_ran_away = model.train, model._stops_at_bound, model._minibatch_kl_ran_away
 
-    def judged_minibatch_kl(kl, *args, **kwargs):
-        k1.append(float(kl.detach()))
-        return original_judged(kl, *args, **kwargs)
+    def train() -> None:
+        before[:] = [snapshots.take(model.policy)]
+        original_train()
+
+    def stops_at_bound(kl, rollout_data, distribution, stop_kl, epoch):
+        old = _sequence_normal(snapshots, before[0], rollout_data)
+        new = _sequence_normal(snapshots, snapshots.take(model.policy), rollout_data)
+        valid = rollout_data.mask > 1e-8
+        expected.append(float(th.distributions.kl_divergence(old, new).sum(-1)[valid].mean()))
+        return original_stops(kl, rollout_data, distribution, stop_kl, epoch)
 
     def ran_away(kl, stop_kl, epoch):
         judged.append(float(kl))
         return original_ran_away(kl, stop_kl, epoch)
 
-    model._judged_minibatch_kl, model._minibatch_kl_ran_away = judged_minibatch_kl, ran_away
+    model.train, model._stops_at_bound, model._minibatch_kl_ran_away = train, stops_at_bound, ran_away
     model.learn(64 * 2 * 3)
-    assert judged and judged[0] == pytest.approx(0.0, abs=1e-7)
-    # an exact KL is never negative, while the k1 sample mean of the loss is below 0 on some minibatches
-    assert min(judged) >= -1e-7 and min(k1) < 0
-    assert judged != k1 and max(judged) > 1.5 * 0.002
+    assert len(judged) == len(expected) > 0
+    np.testing.assert_allclose(judged, expected, rtol=1e-4, atol=1e-7)
+    assert judged[0] == pytest.approx(0.0, abs=1e-7) and max(judged) > 1.5 * 0.002

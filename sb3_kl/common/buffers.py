@@ -10,6 +10,7 @@ from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_kl.common.kl import DistributionParams, distribution_params_for_space
+from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.type_aliases import KLDictRolloutBufferSamples, KLRolloutBufferSamples
 
 
@@ -124,9 +125,7 @@ class KLBufferMixin:
         flat_obs, env_major = self._flat_observations()
         n_samples = self.buffer_size * self.n_envs
         params = np.empty((n_samples, self.dist_params.n_params), dtype=np.float32)
-        was_training = policy.training
-        policy.set_training_mode(False)
-        try:
+        with acting_mode(policy):
             for start in range(0, n_samples, chunk_size):
                 end = min(start + chunk_size, n_samples)
                 if isinstance(flat_obs, dict):
@@ -135,8 +134,6 @@ class KLBufferMixin:
                     obs = self.to_torch(flat_obs[start:end])  # type: ignore[attr-defined]
                 distribution = self._distribution(policy, obs, slice(start, end))
                 params[start:end] = self.dist_params.extract(distribution).cpu().numpy()
-        finally:
-            policy.set_training_mode(was_training)
         if not env_major:
             params = self.swap_and_flatten(params.reshape(self.buffer_size, self.n_envs, -1))  # type: ignore[attr-defined]
         self.old_dist_params = params

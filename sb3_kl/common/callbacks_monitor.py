@@ -30,6 +30,7 @@ from sb3_kl.common.kl import (
     quantile_name,
     sb3_contrib_kl_reduction,
 )
+from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.recurrent import RolloutSequences, evaluate_sequences, is_recurrent_policy, step_major
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_quantiles
 
@@ -391,18 +392,14 @@ class KLMonitorCallback(BaseCallback):
         policy = self.model.policy
         if snapshot.get("sequences") is not None:
             return self._evaluate_sequences(snapshot)
-        was_training = policy.training
-        policy.set_training_mode(False)
         params, log_probs = [], []
-        try:
+        with acting_mode(policy):
             for chunk in self._chunks(snapshot["n"]):
                 masks = snapshot["masks"][chunk] if snapshot["masks"] is not None else None
                 distribution = self._distribution(self._index(snapshot["observations"], chunk), masks)
                 params.append(self._dist_params.extract(distribution))
                 if self.settings.estimator != "analytic":
                     log_probs.append(distribution.log_prob(self._actions_for_log_prob(snapshot["actions"][chunk])))
-        finally:
-            policy.set_training_mode(was_training)
         return th.cat(params), (th.cat(log_probs) if log_probs else None)
 
     def _evaluate_sequences(self, snapshot: dict[str, Any]) -> tuple[th.Tensor, th.Tensor | None]:

@@ -27,6 +27,7 @@ from stable_baselines3.common.vec_env import VecEnv
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
+from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
 from sb3_kl.common.threads import warn_if_many_threads
@@ -694,18 +695,14 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
         :return: the per-state KL in the algorithm's convention, and the updated policy's distribution parameters
         """
-        was_training = self.policy.training
-        self.policy.set_training_mode(False)
         kls, params = [], []
-        try:
+        with acting_mode(self.policy):
             for data in self.rollout_buffer.ordered_samples(chunk_size):
                 distribution = self._samples_distribution(self.policy, data)
                 log_ratio = distribution.log_prob(self._actions_for_log_prob(data.actions)) - data.old_log_prob
                 new_params = self.dist_params.extract(distribution)
                 kls.append(per_state_kl(self.kl_settings, self.dist_params, data.old_dist_params, new_params, log_ratio))
                 params.append(new_params)
-        finally:
-            self.policy.set_training_mode(was_training)
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
 
     def _record_update_kl(

@@ -24,6 +24,7 @@ import torch as th
 from gymnasium import spaces
 
 from sb3_kl.common.kl import DistributionParams, actions_for_log_prob
+from sb3_kl.common.modes import acting_mode
 
 #: Constructor arguments of sb3-contrib's ``RecurrentActorCriticPolicy`` that its ``_get_constructor_parameters``
 #: leaves out although they shape the network
@@ -211,9 +212,7 @@ def evaluate_sequences(
     n_envs, n_steps = sequences.n_envs, sequences.n_steps
     envs_per_chunk = max(1, chunk_size // max(n_steps, 1))
     params, log_probs, hidden, cell = [], [], [], []
-    was_training = policy.training
-    policy.set_training_mode(False)
-    try:
+    with acting_mode(policy):
         for start in range(0, n_envs, envs_per_chunk):
             selection = slice(start, min(start + envs_per_chunk, n_envs))
             chunk = sequences.envs(selection)
@@ -233,8 +232,6 @@ def evaluate_sequences(
                 assert chunk.actions is not None
                 log_prob = distribution.log_prob(_actions_for_log_prob(chunk.actions, policy.action_space))
                 log_probs.append(log_prob.reshape(n_chunk, n_steps))
-    finally:
-        policy.set_training_mode(was_training)
     final = (th.cat(hidden, dim=1), th.cat(cell, dim=1)) if recurrent else None
     return SequenceEvaluation(th.cat(params), th.cat(log_probs) if with_log_prob else None, final)
 

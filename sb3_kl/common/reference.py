@@ -42,6 +42,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
+from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.recurrent import is_recurrent_policy, lstm_constructor_parameters
 from sb3_kl.common.validation import check_existing_file, check_pair
 
@@ -439,10 +440,8 @@ class ReferenceKLMixin:
         :return: the per-state reference KL
         """
         policy: ActorCriticPolicy = self.policy  # type: ignore[attr-defined]
-        was_training = policy.training
-        policy.set_training_mode(False)
         kls = []
-        try:
+        with acting_mode(policy):
             for data in self.rollout_buffer.ordered_samples(chunk_size):  # type: ignore[attr-defined]
                 actions = self._actions_for_log_prob(data.actions)  # type: ignore[attr-defined]
                 distribution = self._samples_distribution(policy, data)  # type: ignore[attr-defined]
@@ -451,8 +450,6 @@ class ReferenceKLMixin:
                 masks = self._sample_masks(data)  # type: ignore[attr-defined]
                 ref_params, ref_log_prob = self._reference_distribution(data.observations, actions, masks)
                 kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob))
-        finally:
-            policy.set_training_mode(was_training)
         return th.cat(kls).cpu().numpy()
 
     def _record_reference_kl(self) -> None:

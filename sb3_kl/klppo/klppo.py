@@ -1,7 +1,6 @@
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -16,7 +15,7 @@ from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl_to
-from sb3_kl.common.modes import has_mode_dependent_modules
+from sb3_kl.common.modes import acting_mode, has_mode_dependent_modules
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
@@ -505,51 +504,57 @@ class KLPPO(KLOnPolicyAlgorithm):
         self, kl: th.Tensor, rollout_data: Any, distribution: Distribution, stop_kl: float, epoch: int
     ) -> bool:
         """
-        Whether the stop at beta's bound ends the update before this minibatch's step (:meth:`_judged_minibatch_kl`
-        against ``stop_kl``).
+        Whether the stop at beta's bound ends the update before this minibatch's step: the minibatch KL it judges
+        (:meth:`_judged_minibatch_kl`) exceeds ``stop_kl``.
 
-        :param kl: The loss's minibatch KL
+        :param kl: The loss's minibatch KL (mean over the valid states)
         :param rollout_data: The minibatch
         :param distribution: The loss's distribution on its states
         :param stop_kl: The threshold from :meth:`_saturation_stop_kl`
         :param epoch: Index of the epoch (for the verbose message)
+        :return: whether the update ends here
         """
-        judged_kl = self._judged_minibatch_kl(
-            kl, rollout_data.old_dist_params, distribution, lambda: self._samples_distribution(self.policy, rollout_data)
-        )
+        judged_kl = self._judged_minibatch_kl(kl, rollout_data, distribution)
         return self._minibatch_kl_ran_away(judged_kl, stop_kl, epoch)
 
     @th.no_grad()
-    def _judged_minibatch_kl(
-        self,
-        kl: th.Tensor,
-        old_params: th.Tensor,
-        distribution: Distribution,
-        acting_distribution: Callable[[], Distribution],
-        mask: th.Tensor | None = None,
-    ) -> th.Tensor:
+    def _judged_minibatch_kl(self, kl: th.Tensor, rollout_data: Any, distribution: Distribution) -> th.Tensor:
         """
         The minibatch KL the stop at beta's bound judges: exact (analytic, whatever ``kl_estimator``), in the
-        algorithm's direction and reduction, of the policy as it acts (eval mode), before the step. It is the loss's
-        own ``kl`` when that already is this number (analytic estimator, no dropout or batch norm in the policy).
+        algorithm's direction and reduction, of the policy as it acts (eval mode), before the step; mean over the
+        minibatch's valid states. It is the loss's own ``kl`` when that already is this number (analytic estimator, no
+        mode-dependent module in the policy, :func:`~sb3_kl.common.modes.has_mode_dependent_modules`). With batch norm,
+        the acting policy includes the running statistics the update's train-mode passes have moved, so the stop may
+        end an update at its first minibatch.
 
-        :param kl: The loss's minibatch KL (mean over the valid states)
-        :param old_params: Rollout-policy parameters of the minibatch's states
-        :param distribution: The loss's distribution on those states (train mode)
-        :param acting_distribution: Computes the policy's distribution on those states (called in eval mode)
-        :param mask: The valid states (padded sequences), None: all
+        :param kl: The loss's minibatch KL
+        :param rollout_data: The minibatch
+        :param distribution: The loss's distribution on its states (train mode)
+        :return: the judged KL (a scalar tensor)
         """
         if has_mode_dependent_modules(self.policy):
-            self.policy.set_training_mode(False)
-            try:
-                distribution = acting_distribution()
-            finally:
-                self.policy.set_training_mode(True)
+            with acting_mode(self.policy):
+                distribution = self._acting_samples_distribution(rollout_data)
         elif self.kl_settings.estimator == "analytic":
             return kl
         exact = dataclasses.replace(self.kl_settings, estimator="analytic")
-        per_state = per_state_kl_to(exact, self.dist_params, old_params, distribution)
-        return (per_state if mask is None else per_state[mask]).mean()
+        per_state = per_state_kl_to(exact, self.dist_params, rollout_data.old_dist_params, distribution)
+        valid = self._valid_states(rollout_data)
+        return (per_state if valid is None else per_state[valid]).mean()
+
+    def _acting_samples_distribution(self, rollout_data: Any) -> Distribution:
+        """
+        :param rollout_data: A minibatch
+        :return: the policy's action distribution on its states (in the policy's current mode)
+        """
+        return self._samples_distribution(self.policy, rollout_data)
+
+    def _valid_states(self, rollout_data: Any) -> th.Tensor | None:
+        """
+        :param rollout_data: A minibatch
+        :return: which of its states count (a boolean mask), or None: all of them
+        """
+        return None
 
     def _minibatch_kl_ran_away(self, kl: th.Tensor, stop_kl: float, epoch: int) -> bool:
         """

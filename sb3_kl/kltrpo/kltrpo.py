@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl, sb3_contrib_kl_reduction
-from sb3_kl.common.modes import RUNNING_STATISTICS_MODULES, has_mode_dependent_modules, modules_run_by
+from sb3_kl.common.modes import RUNNING_STATISTICS_MODULES, acting_mode, has_mode_dependent_modules, modules_run_by
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_range
@@ -34,6 +34,13 @@ BUDGET_STOP = 0.95
 BUDGET_AIM = 0.98
 #: Largest growth of the step per forward pass while no larger step has been rejected
 MAX_GROWTH = 4.0
+
+
+def _stack(observations: list[Any]) -> Any:
+    """A batch of observations of one space (arrays, or dicts of arrays), as a VecEnv returns them."""
+    if isinstance(observations[0], dict):
+        return {key: np.stack([obs[key] for obs in observations]) for key in observations[0]}
+    return np.stack(observations)
 
 
 @th.no_grad()
@@ -321,6 +328,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
 
         if _init_setup_model:
             self._setup_model()
+            self._refuse_running_statistics_on_the_actor()
 
     def _resolve_kl_convention(self) -> None:
         """With ``kl_reduction="sb3_contrib"``, set the constrained (and reference) KL's reduction for the action space."""
@@ -332,7 +340,11 @@ class KLTRPO(KLOnPolicyAlgorithm):
     def _setup_model(self) -> None:
         self._resolve_kl_convention()
         super()._setup_model()
+
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        # checked here too for a loaded model (which may still be loaded to predict)
         self._refuse_running_statistics_on_the_actor()
+        return super()._setup_learn(*args, **kwargs)
 
     def _refuse_running_statistics_on_the_actor(self) -> None:
         """
@@ -341,19 +353,15 @@ class KLTRPO(KLOnPolicyAlgorithm):
         them and so moves the policy that acts, which no candidate of the line search measures, and the constraint
         could not hold.
         """
-        # from a copy of the space: sampling the space itself would draw from the random state the env may share
-        observation, _ = self.policy.obs_to_tensor(copy.deepcopy(self.observation_space).sample())
-        was_training = self.policy.training
-        self.policy.set_training_mode(False)
-        try:
-            with th.no_grad():
-                ran = modules_run_by(
-                    self.policy, lambda: self.policy.get_distribution(observation), RUNNING_STATISTICS_MODULES
-                )
-        finally:
-            self.policy.set_training_mode(was_training)
+        # two observations (batch norm without running statistics needs a batch), drawn from a copy of the space:
+        # sampling the space itself would draw from the random state the env may share
+        space = copy.deepcopy(self.observation_space)
+        observation, _ = self.policy.obs_to_tensor(_stack([space.sample(), space.sample()]))
+        with acting_mode(self.policy), th.no_grad():
+            ran = modules_run_by(self.policy, lambda: self.policy.get_distribution(observation), RUNNING_STATISTICS_MODULES)
         if ran:
-            names = ", ".join(name for name, module in self.policy.named_modules() if any(module is m for m in ran))
+            named = self.policy.named_modules(remove_duplicate=False)
+            names = ", ".join(name for name, module in named if any(module is m for m in ran))
             raise ValueError(
                 f"KLTRPO bounds the KL of the policy as it acts, but the module(s) {names} on the actor's path keep "
                 "running statistics (batch norm), which every train-mode forward pass updates: the acting policy would "
@@ -603,12 +611,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
 
         # The candidates are measured on the policy as it acts (eval mode), as the rollout distribution was: with
         # dropout, a train-mode pass would see a KL > 0 at the unchanged policy
-        mode_dependent = has_mode_dependent_modules(self.policy)
-        self.policy.set_training_mode(False)
-        with th.no_grad():
+        with acting_mode(self.policy), th.no_grad():
             original_flat = nn.utils.parameters_to_vector(actor_params).clone()
             log_std_floor = self._candidate_log_std_floor()
-            old_objective = policy_objective.item()
 
             def set_candidate(step_size: float) -> None:
                 _copy_flat_to_parameters(original_flat + step_size * search_direction, actor_params)
@@ -616,8 +621,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 if log_std_floor is not None:
                     self.policy.log_std.copy_(th.maximum(self.policy.log_std, log_std_floor))
 
-            def evaluate(step_size: float) -> tuple[float, float, float | None]:
-                set_candidate(step_size)
+            def measure() -> tuple[float, float, float | None]:
+                # objective, mean KL and tail quantile of the policy's current parameters
                 candidate_distribution = self.policy.get_distribution(observations)
                 candidate_log_prob = candidate_distribution.log_prob(actions)
                 objective = (advantages * th.exp(candidate_log_prob - old_log_prob)).mean().item()
@@ -632,8 +637,13 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 tail = th.quantile(per_state, self.tail_quantile).item() if self.tail_kl is not None else None
                 return objective, per_state.mean().item(), tail
 
-            if mode_dependent:
-                old_objective = evaluate(0.0)[0]  # the objective the candidates are compared with, in eval mode too
+            def evaluate(step_size: float) -> tuple[float, float, float | None]:
+                set_candidate(step_size)
+                return measure()
+
+            # The objective the candidates must improve, in eval mode too (the gradient pass's equals it without
+            # mode-dependent modules, and saves a forward pass)
+            old_objective = measure()[0] if has_mode_dependent_modules(self.policy) else policy_objective.item()
             step_size, accepted_objective, accepted_kl, steps_tried = (
                 self._search_step_size(evaluate, max_step_size, old_objective, target_kl)
                 if max_step_size > 0
@@ -645,7 +655,6 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 set_candidate(step_size)
             else:
                 _copy_flat_to_parameters(original_flat, actor_params)
-        self.policy.set_training_mode(True)
 
         value_losses = self._fit_critic(actor_params)
 

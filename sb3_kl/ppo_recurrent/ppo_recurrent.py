@@ -134,6 +134,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     _saturation_stop_kl = KLPPO._saturation_stop_kl
     _minibatch_kl_ran_away = KLPPO._minibatch_kl_ran_away
     _judged_minibatch_kl = KLPPO._judged_minibatch_kl
+    _stops_at_bound = KLPPO._stops_at_bound
     #: The early stop judges KLPPO's documented rule: the mean of the epoch's minibatch KLs (see ``KLPPO._kl_ran_away``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
 
@@ -358,6 +359,20 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         attach_sde_features(distribution, latent_pi, getattr(policy, "log_std", None))
         return distribution
 
+    def _acting_samples_distribution(self, rollout_data: RecurrentKLRolloutBufferSamples) -> Distribution:
+        """
+        :param rollout_data: A padded sequence minibatch
+        :return: the policy's action distribution on its steps, from the minibatch's stored LSTM states
+        """
+        return self._sequence_distribution(rollout_data.observations, rollout_data.lstm_states.pi, rollout_data.episode_starts)
+
+    def _valid_states(self, rollout_data: RecurrentKLRolloutBufferSamples) -> th.Tensor:
+        """
+        :param rollout_data: A padded sequence minibatch
+        :return: its valid (unpadded) steps
+        """
+        return rollout_data.mask > 1e-8
+
     def _minibatch_loss(
         self,
         data: RecurrentKLRolloutBufferSamples,
@@ -372,7 +387,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
 
         :return: the loss and its terms (tensors), the clip fraction, the mean KL and log-ratio of the valid steps
         """
-        mask = data.mask > 1e-8
+        mask = self._valid_states(data)
         actions = self._actions_for_log_prob(data.actions)
         # The policy's own sequence evaluation from the minibatch's stored LSTM states (RecurrentPPO's minibatches)
         distribution = self._sequence_distribution(data.observations, data.lstm_states.pi, data.episode_starts)
@@ -406,7 +421,6 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             "kl": kl,
             "log_ratio": log_ratio[mask],
             "distribution": distribution,
-            "mask": mask,
         }
 
     def train(self) -> None:
@@ -455,19 +469,11 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                 kl_losses.append(out["kl_loss"].item())
                 if out["clip_fraction"] is not None:
                     clip_fractions.append(out["clip_fraction"])
-                if saturation_stop_kl is not None:
-                    judged_kl = self._judged_minibatch_kl(
-                        out["kl"],
-                        rollout_data.old_dist_params,
-                        out["distribution"],
-                        lambda data=rollout_data: self._sequence_distribution(
-                            data.observations, data.lstm_states.pi, data.episode_starts
-                        ),
-                        out["mask"],
-                    )
-                    if self._minibatch_kl_ran_away(judged_kl, saturation_stop_kl, epoch):
-                        stopped_at_bound = True
-                        break
+                if saturation_stop_kl is not None and self._stops_at_bound(
+                    out["kl"], rollout_data, out["distribution"], saturation_stop_kl, epoch
+                ):
+                    stopped_at_bound = True
+                    break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
                 if self._optimizer_step(loss):
