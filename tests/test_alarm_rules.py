@@ -154,3 +154,17 @@ def test_spike_factor_criterion_runs_without_stress_records():
     rows = bench.factor_rows(groups)
     # no stress run to detect: the smallest factor whose false alarms stay within the share (here: none of 3)
     assert bench.choose(rows, groups, 0.05, per_cell=True)["max_kl_factor"] == 100.0
+
+
+def test_spike_factor_counts_the_sustained_rule_for_detection():
+    bench = _spike_rule_benchmark()
+    sustained_runaway = [dict(path="slow", algo="ppo", env="Pendulum-v1", seed=0, lr_mult=10, ratios=np.full(6, 8.0))]
+    groups = {
+        bench.NORMAL: _runs("klppo", "CartPole-v1", 1, [1.5] * 60) + _runs("ppo", "Hopper-v5", 1, [12.0, 40.0, 60.0]),
+        bench.STOCK_STRESS: _runs("ppo", "Pendulum-v1", 10, [300.0]) + sustained_runaway,
+        bench.CONTROLLED_STRESS: _runs("klppo", "Pendulum-v1", 10, [3.0, 8.0]),
+    }
+    rows = bench.factor_rows(groups)
+    # never above 8 x target in one update, but above 5 x for 6 updates: the sustained rule detects it at any factor
+    assert all(row["single"][bench.STOCK_STRESS]["runs_alarmed"] == 1 for row in rows if row["max_kl_factor"] >= 10)
+    assert bench.choose(rows, groups, 0.05, per_cell=True)["max_kl_factor"] == 50.0

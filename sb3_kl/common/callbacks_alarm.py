@@ -19,9 +19,9 @@ from sb3_kl.common.validation import check_bool, check_int, check_pair, check_po
 
 #: ``max_kl_factor``'s default: a single update whose mean KL exceeds this many times the target raises ``kl_spike``
 #: at once. Chosen by ``benchmarks/alarm_spike_rule.py`` from the committed benchmark runs' per-update KLs (the
-#: smallest factor that alarms on every stress run whose KL ran away, on at most 5 % of the normal runs and of the
-#: KL-controlled stress runs, and on at most half of the seeds of any algorithm-environment cell at rl-zoo's settings;
-#: see ``benchmarks/results/alarm_spike_rule.md``)
+#: smallest factor with which the callback, sustained rule included, alarms on every stress run whose KL ran away, and
+#: whose own alarms stay on at most 5 % of the normal runs and of the KL-controlled stress runs and on at most half of
+#: the seeds of any algorithm-environment cell at rl-zoo's settings; see ``benchmarks/results/alarm_spike_rule.md``)
 MAX_KL_FACTOR = 75.0
 #: Target of the trust-region family (sb3-contrib ``TRPO``'s default ``target_kl``) when a model has none
 TRUST_REGION_DEFAULT_TARGET_KL = 0.01
