@@ -102,15 +102,16 @@ def pct(numerator: int, denominator: int) -> str:
     return f"{100 * numerator / denominator:.2f} %" if denominator else "-"
 
 
-def mostly_alarmed_cells(runs: list[dict[str, Any]], max_kl_factor: float) -> list[str]:
+def mostly_alarmed_cells(runs: list[dict[str, Any]], alarmed: list[str]) -> list[str]:
     """
     :param runs: The runs of one group
-    :param max_kl_factor: The single-update factor
-    :return: the (algorithm, environment) cells in which more than half of the seeds alarm (single-update rule alone)
+    :param alarmed: The paths of those that alarm (``summarize``'s ``alarmed``)
+    :return: the (algorithm, environment) cells in which more than half of the seeds alarm
     """
+    alarmed_paths = set(alarmed)
     cells: dict[tuple[str, str], list[bool]] = {}
     for run in runs:
-        cells.setdefault((run["algo"], run["env"]), []).append(bool(alarms(run["ratios"], max_kl_factor, np.inf, 1).any()))
+        cells.setdefault((run["algo"], run["env"]), []).append(run["path"] in alarmed_paths)
     return [f"{algo} on {env} ({sum(f)}/{len(f)})" for (algo, env), f in sorted(cells.items()) if sum(f) > len(f) / 2]
 
 
@@ -125,7 +126,8 @@ def factor_rows(groups: dict[str, list[dict[str, Any]]]) -> list[dict]:
     for factor in FACTORS:
         single = {name: summarize(group, factor, np.inf, PATIENCE) for name, group in groups.items()}
         combined = {name: summarize(group, factor, SPIKE_FACTOR, PATIENCE) for name, group in groups.items()}
-        cells = mostly_alarmed_cells(groups.get(NORMAL, []), factor)
+        # the single-update rule's alarms, already replayed by summarize
+        cells = mostly_alarmed_cells(groups.get(NORMAL, []), single[NORMAL]["alarmed"] if NORMAL in single else [])
         rows.append(dict(max_kl_factor=factor, single=single, combined=combined, normal_cells_mostly_alarmed=cells))
     return rows
 
