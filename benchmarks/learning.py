@@ -323,21 +323,27 @@ def area_under_curve(curve: list[list[float]], budget: int) -> float:
     return float(np.trapezoid(r, t) / (t[-1] - t[0]))
 
 
-def count_collapses(curve: list[list[float]]) -> int:
+def collapse_points(curve: list[list[float]]) -> list[tuple[int, int]]:
     """
-    A collapse: after the return has improved by at least 10 % of its range, it falls below 50 % of the way from
-    its starting value to its running best, and never comes back above 90 % of that best before the end.
-    (Measured on progress from the start, so it works for negative returns such as Pendulum's.)
+    The collapses of a learning curve. A collapse: after the return has improved by at least 10 % of its range, it
+    falls below 50 % of the way from its starting value to its running best, and never comes back above 90 % of that
+    best before the end. (Measured on progress from the start, so it works for negative returns such as Pendulum's.)
+
+    :param curve: ``[timesteps, return]`` points
+    :return: for each collapse, the index of the curve's running best when it fell and the index where it fell
+        below 50 %
     """
     if len(curve) < 3:
-        return 0
+        return []
     returns = np.array([c[1] for c in curve], dtype=float)
     start, span = returns[0], np.ptp(returns)
     if span == 0:
-        return 0
-    collapses, best, in_collapse = 0, returns[0], False
+        return []
+    points: list[tuple[int, int]] = []
+    best, best_index, in_collapse = returns[0], 0, False
     for i, r in enumerate(returns):
-        best = max(best, r)
+        if r > best:
+            best, best_index = r, i
         gained = best - start
         if gained < 0.1 * span:
             continue
@@ -345,11 +351,46 @@ def count_collapses(curve: list[list[float]]) -> int:
         if not in_collapse and progress < 0.5:
             later = (returns[i:] - start) / gained
             if not np.any(later >= 0.9):
-                collapses += 1
+                points.append((best_index, i))
                 in_collapse = True
         elif in_collapse and progress >= 0.9:
             in_collapse = False
-    return collapses
+    return points
+
+
+def count_collapses(curve: list[list[float]]) -> int:
+    """The number of collapses of a learning curve (:func:`collapse_points`)."""
+    return len(collapse_points(curve))
+
+
+def fall_kl(record: dict[str, Any]) -> dict[str, float] | None:
+    """
+    The per-update KL (the monitor's exact per-update mean, as a multiple of the run's target) over the fall of the
+    run's first collapse: the updates that made the policies of the rollouts after the curve's best point, up to the
+    rollout where it fell below 50 % (an update at ``t`` steps trains on the rollout that ended at ``t``, and the
+    next rollout acts with its result).
+
+    :return: ``n`` updates, their ``mean`` and ``max`` KL / target, the share ``over`` 2 x target, and the run's
+        share over 2 x target over all its updates (``over_run``); None without a collapse or KL records
+    """
+    points = collapse_points(record["curve"])
+    kl = record.get("kl_updates") or []
+    if not points or not kl:
+        return None
+    best, fell = points[0]
+    low, high = record["curve"][best][0], record["curve"][fell][0]
+    target = record["target_kl"]
+    fall = np.array([u["mean"] for u in kl if low <= u["timesteps"] < high]) / target
+    whole = np.array([u["mean"] for u in kl]) / target
+    if len(fall) == 0:
+        return None
+    return dict(
+        n=len(fall),
+        mean=float(fall.mean()),
+        max=float(fall.max()),
+        over=float(np.mean(fall > BAND[1])),
+        over_run=float(np.mean(whole > BAND[1])),
+    )
 
 
 def summarize(record: dict[str, Any]) -> dict[str, float]:
@@ -1040,8 +1081,15 @@ def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
         " holds episodes, not steps: where an episode lasts up to 1000 steps (Hopper) it spans up to 100,000 steps, so"
         " a run of short episodes empties it within a few rollouts while long ones refill it slowly.",
         "",
-        "| env | lr | algo | seed | curve: start | best | end | eval after training | cell's mean eval |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "*KL in the fall*: the exact per-update KL (the monitor's per-update mean, / target) of the updates between the"
+        " curve's best point and the rollout where it fell below 50 % of its gain (`fall_kl`): their number, mean and"
+        " maximum, and the share of them over 2 x target beside that share over the whole run. Where the fall's updates"
+        " stay in the band, the policy left its best without any single update taking a large step, so a per-update KL"
+        " control has nothing to act on.",
+        "",
+        "| env | lr | algo | seed | curve: start | best | end | eval after training | cell's mean eval"
+        " | KL in the fall: updates | mean | max | over 2x (run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
         cell_eval = float(np.mean([r["eval_mean"] for r in runs]))
@@ -1049,12 +1097,18 @@ def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
             if count_collapses(r["curve"]) == 0:
                 continue
             curve = [c[1] for c in r["curve"]]
+            fall = fall_kl(r)
+            fall_cells = (
+                f"{fall['n']} | {fall['mean']:.2f} | {fall['max']:.2f} | {fall['over']:.0%} ({fall['over_run']:.0%})"
+                if fall is not None
+                else "- | - | - | -"
+            )
             out.append(
                 f"| {env} | x{mult:g} | {algo} | {r['seed']} | {curve[0]:.1f} | {max(curve):.1f} | {curve[-1]:.1f}"
-                f" | {r['eval_mean']:.1f} | {cell_eval:.1f} |"
+                f" | {r['eval_mean']:.1f} | {cell_eval:.1f} | {fall_cells} |"
             )
     if out[-1].startswith("|---"):
-        out.append("| none | | | | | | | | |")
+        out.append("| none | | | | | | | | | | | | |")
     return "\n".join(out)
 
 
@@ -1155,6 +1209,11 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
     detail = (
         ", ".join(
             f"{r['algo']} {r['env']} x{r['lr_mult']:g} s{r['seed']}, evaluation after training {r['eval_mean']:.1f}"
+            + (
+                f", per-update KL in its fall {fall['mean']:.2f} x target on average, at most {fall['max']:.2f}"
+                if (fall := fall_kl(r)) is not None
+                else ""
+            )
             for r in collapsed
         )
         or "none"

@@ -174,19 +174,24 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
 def test_collapses_are_listed_with_their_evaluation_after_training():
     rising = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 990, 1000, 1000, 1000, 1000])]
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
-    groups = learning.group_records(
-        [
-            _record("klppo", "Hopper-v5", 0, 1040.0, [0.03], 0.03, curve=falling),
-            _record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising),
-        ]
-    )
+    collapsed = _record("klppo", "Hopper-v5", 0, 1040.0, [0.03], 0.03, curve=falling)
+    # one update after each rollout; the one after the best rollout (400 steps) is 3 x target
+    collapsed["kl_updates"] = [dict(timesteps=100 * i, mean=0.09 if i == 4 else 0.03, p99=0.1) for i in range(10)]
+    groups = learning.group_records([collapsed, _record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
+    # best at 400 steps (980), below 50 % of the gain at 600 steps (400): the updates at 400 and 500 made the fall
+    assert learning.collapse_points(falling) == [(4, 6)]
+    assert learning.count_collapses(rising) == 0
+    assert learning.fall_kl(collapsed) == dict(n=2, mean=2.0, max=3.0, over=0.5, over_run=0.1)
     table = learning.collapse_table(groups)
     assert _row(table, "| Hopper-v5 | x1 | klppo | 0 |") == (
-        "| Hopper-v5 | x1 | klppo | 0 | 10.0 | 980.0 | 270.0 | 1040.0 | 1000.0 |"
+        "| Hopper-v5 | x1 | klppo | 0 | 10.0 | 980.0 | 270.0 | 1040.0 | 1000.0 | 2 | 2.00 | 3.00 | 50% (10%) |"
     )
     assert "| Hopper-v5 | x1 | klppo | 1 |" not in table
     goal = learning.goal_collapses(groups)[0]
-    assert "**NOT met** (collapsed: klppo Hopper-v5 x1 s0, evaluation after training 1040.0;" in goal
+    assert (
+        "**NOT met** (collapsed: klppo Hopper-v5 x1 s0, evaluation after training 1040.0, per-update KL in its fall"
+        " 2.00 x target on average, at most 3.00;" in goal
+    )
     quiet = learning.group_records([_record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
     assert "| none |" in learning.collapse_table(quiet)
 
