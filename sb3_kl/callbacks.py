@@ -2,8 +2,9 @@
 Callbacks that measure and control the KL of each update of any SB3 on-policy agent
 (``PPO``, ``A2C``, sb3-contrib ``TRPO`` and ``MaskablePPO``, and the sb3_kl algorithms).
 
-- :class:`KLMonitorCallback` measures the exact per-state KL(pi_rollout || pi_updated) of every update on the
-  rollout's states and logs its mean, quantiles, tail, entropy and more under ``kl/``.
+- :class:`KLMonitorCallback` measures the per-state KL between the rollout and the updated policy of every update
+  on the rollout's states (by default the exact KL(pi_rollout || pi_updated), summed over action dimensions) and logs
+  its mean, quantiles, tail, entropy and more under ``kl/``.
 - :class:`KLAdaptiveLRCallback` multiplies the learning rate up or down after each update so that this KL tracks a
   target.
 - :class:`VarianceFloorCallback` keeps a Gaussian policy's std above a floor after every optimizer step.

@@ -369,6 +369,26 @@ def test_alarm_shares_monitor():
         _model(PPO, "CartPole-v1").learn(64, callback=KLAlarmCallback(monitor=KLMonitorCallback()))
 
 
+def test_monitor_and_alarm_see_no_kl_coefficient_on_kltrpo():
+    """
+    KLTRPO's hard constraint has no penalty coefficient: the monitor logs no ``kl/coef`` for it (the idle controller
+    it inherits would read a constant 1.0) and the alarm raises no beta-bound alarm, with a patience of one update and
+    bounds that put that idle controller's beta at both of them.
+    """
+    from sb3_kl import KLTRPO
+
+    model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=64, n_critic_updates=1, **TINY)
+    assert not model.has_kl_coef and KLPPO.has_kl_coef
+    model.kl_controller.kl_coef_bounds = (1.0, 1.0)
+    monitor = KLMonitorCallback()
+    alarm = KLAlarmCallback(monitor=monitor, patience=1)
+    model.learn(2 * 64, callback=[monitor, alarm])
+    values = model.logger.name_to_value
+    assert "kl/coef" not in values and "train/kl_coef" not in values
+    assert all("coef" not in record for record in monitor.history)
+    assert not [a for a in alarm.alarms if a.kind.startswith("beta_at")]
+
+
 def test_callbacks_on_klppo():
     model = KLPPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=3, **TINY)
     monitor = KLMonitorCallback()

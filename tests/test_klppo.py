@@ -640,6 +640,36 @@ def test_epoch_end_judge_measures_the_policy_the_epoch_leaves():
     assert logs["train/kl"] == pytest.approx(judged[-1], rel=1e-6)
 
 
+def test_epoch_end_judge_logs_the_final_policy_after_a_stop_at_the_coefficient_bound():
+    """
+    With the epoch-end judge, a stop at beta's upper bound in a later epoch ends the update after the judge measured
+    the policy an earlier epoch left: the logged ``train/kl`` must still be that of the policy the update leaves
+    (recomputed with ``torch.distributions``), not the earlier epoch's measurement.
+    """
+    judged, snapshots = [], []
+    model = _recording_klppo("epoch_end", judged, snapshots)(
+        "MlpPolicy",
+        "CartPole-v1",
+        learning_rate=3e-2,
+        target_kl=1.5e-3,
+        kl_coef=10.0,  # at the upper bound: the stop at the bound is armed from the first update
+        kl_stop_factor=1e6,  # the per-epoch rule runs (and measures) but never stops
+        kl_hinge_coef=0.0,
+        # two minibatches per epoch: the stop can come after a step of the epoch it ends
+        **{**EARLY_STOP_KWARGS, "batch_size": 32},
+    )
+    model.learn(64)
+    logs = model.logger.name_to_value
+    assert logs["train/early_stop_at_kl_coef_bound"] == 1.0
+    stop_epoch = int(logs["train/early_stop_epoch"])
+    # the bound stopped the update in a later epoch than the first, after the judge measured at least one epoch
+    assert 1 < stop_epoch < EARLY_STOP_KWARGS["n_epochs"] and len(judged) == stop_epoch - 1
+    snapshots.append({name: tensor.detach().clone() for name, tensor in model.policy.state_dict().items()})
+    final = _torch_kl_after_each_epoch(model, snapshots)[-1]
+    assert final != pytest.approx(judged[-1], rel=1e-3)  # the stopped epoch moved the policy after the last judgement
+    assert logs["train/kl"] == pytest.approx(final, rel=1e-5)
+
+
 class RolloutDistributionSnapshot(BaseCallback):
     """Keeps the rollout policy's action probabilities on the buffer's observations (CartPole)."""
 

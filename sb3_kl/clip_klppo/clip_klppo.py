@@ -84,7 +84,8 @@ class ClipKLPPO(KLPPO):
         (``log_std`` clamped in place: the std parameter that ``train/std`` averages; without gSDE that is the action
         std in every state, with gSDE the std of the exploration weights, and the per-state action std
         ``train/action_std_min`` is then not floored). None = no floor
-    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``; with a
+        sample ``kl_estimator``, quantiles of the one-action estimates, of which only the mean estimates the KL)
     :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
         model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as
         ``model.ref_policy`` (eval mode, no gradients, never updated) and saved with the model. Must share the action

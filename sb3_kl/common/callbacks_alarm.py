@@ -320,9 +320,9 @@ class KLAlarmCallback(MonitorUser):
 
     def _beta_bound_alarms(self) -> list[tuple[str, float, str]]:
         """``beta_at_upper_bound`` / ``beta_at_lower_bound`` for an sb3_kl algorithm whose beta stayed at a bound."""
-        controller = getattr(self.model, "kl_controller", None)
-        if controller is None:
+        if not getattr(self.model, "has_kl_coef", False):  # stock agents and KLTRPO's hard constraint have no beta
             return []
+        controller = self.model.kl_controller
         low, high = controller.kl_coef_bounds
         kl_coef = float(controller.kl_coef)
         raised = []

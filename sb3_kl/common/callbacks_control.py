@@ -39,7 +39,8 @@ class AdaptiveLRSchedule:
 
 class KLAdaptiveLRCallback(MonitorUser):
     """
-    Adapt the learning rate so that the exact KL of each update tracks ``target_kl``: after every measured update,
+    Adapt the learning rate so that the KL of each update, as the monitor measures it (by default exact), tracks
+    ``target_kl``: after every measured update,
     if KL > ``band[1] * target_kl`` the learning rate is divided by ``factor``, if KL < ``band[0] * target_kl`` it is
     multiplied by ``factor``, and it is kept within ``lr_bounds``. This is the rule popular in legged-robot training
     (e.g. rsl_rl's "adaptive" schedule), applied per update to the exact KL instead of per minibatch to an estimate.
@@ -48,7 +49,8 @@ class KLAdaptiveLRCallback(MonitorUser):
     ``_update_learning_rate`` at the start of ``train()`` uses the adapted value instead of the configured schedule) and
     restores the original schedule at the end of training. The starting learning rate is the configured schedule's
     value at the start of ``learn()`` (clipped to ``lr_bounds``); a callback reused for another ``learn()`` continues
-    from its last value. Logs ``kl/learning_rate`` (also written to ``train/learning_rate`` by SB3).
+    from its last value. Logs ``kl/learning_rate``, the learning rate chosen for the *next* update, in the same log
+    row as the update it was chosen from (SB3's ``train/learning_rate`` in that row is the rate that update used).
 
     A model saved while the callback is attached (e.g. by ``CheckpointCallback``) saves fine, but ``load()`` rebuilds
     ``lr_schedule`` from the configured ``learning_rate``: to resume with the adapted value, pass the same callback

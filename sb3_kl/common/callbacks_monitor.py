@@ -142,7 +142,11 @@ def _step_major_observations(sequences: RolloutSequences) -> Any:
 
 class KLMonitorCallback(BaseCallback):
     """
-    Measure the exact per-state KL between the rollout policy and the updated policy after every update.
+    Measure the per-state KL between the rollout policy and the updated policy after every update: by default the
+    exact KL(pi_rollout || pi_updated) summed over action dimensions; ``direction``, ``estimator`` and ``reduction``
+    choose otherwise, and ``kl/convention`` says which. With a sample estimator (``k1``/``k3``) a state's value is the
+    estimate from its one stored action: the means (``kl/mean``, ``kl/env_<i>``) estimate the KL, the quantiles and
+    the maximum are those of the single-sample estimates, not of the per-state KL.
 
     At the end of each rollout the rollout policy's distribution parameters are computed on the buffer's
     observations (parameters only, no copy of the network; a no-grad forward pass in eval mode, by chunks). After
@@ -155,11 +159,13 @@ class KLMonitorCallback(BaseCallback):
       signed samples;
     - ``kl/env_<i>``: mean KL over the states of environment ``i`` of the VecEnv (``per_env=True``);
     - ``kl/entropy``: mean entropy of the updated policy on those states;
-    - ``kl/to_uniform``: discrete actions only, the mean KL(pi_updated || uniform) = log(#actions) - entropy
-      (only the valid actions count with action masks): how far the policy is from uniform exploration;
+    - ``kl/to_uniform``: discrete actions only, the mean exact KL(pi_updated || uniform) = log(#actions) - entropy
+      (only the valid actions count with action masks), whatever ``direction`` and ``estimator``, divided by the
+      number of action dimensions with ``reduction="mean"``: how far the policy is from uniform exploration;
     - ``kl/hist``: a TensorBoard histogram of the per-state KL (only when a TensorBoard output is configured);
     - ``kl/convention``: e.g. ``forward/analytic/sum`` (not sent to TensorBoard);
-    - with an sb3_kl algorithm: ``kl/coef`` (beta), ``kl/target`` and ``kl/grad_ratio`` (from ``train/kl_grad_ratio``);
+    - with an sb3_kl algorithm: ``kl/coef`` (beta; not with KLTRPO, which has none), ``kl/target`` and
+      ``kl/grad_ratio`` (from ``train/kl_grad_ratio``);
       with a stock algorithm whose ``target_kl`` is set: ``kl/target``;
     - with ``kl/target``: ``kl/target_convention`` (the convention the algorithm states its target in,
       :func:`target_kl_settings`, e.g. ``reverse/analytic/mean`` for sb3-contrib's TRPO on ``Box`` actions; not sent to
@@ -515,7 +521,7 @@ class KLMonitorCallback(BaseCallback):
             n_envs = snapshot["n_envs"]
             record["env_means"] = [float(x) for x in per_state.reshape(-1, n_envs).mean(axis=0)]
         model = self.model
-        if hasattr(model, "kl_coef") and hasattr(model, "kl_controller"):
+        if getattr(model, "has_kl_coef", False):  # an sb3_kl algorithm with a KL penalty (not KLTRPO)
             record["coef"] = float(model.kl_coef)
         target = model_target_kl(model)
         if target is not None:

@@ -264,7 +264,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     :param kl_reduction: ``"sum"`` (joint KL) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
     :param min_std: Variance floor for Gaussian policies: std >= min_std after every optimizer step
-    :param kl_quantiles: Quantiles of the per-state KL that are logged after each update
+    :param kl_quantiles: Quantiles of the per-state KL that are logged after each update (with a sample
+        ``kl_estimator``, quantiles of the one-action estimates, of which only the mean estimates the KL)
     :param ref_policy: Frozen reference policy to anchor to (path of a saved SB3 model, a model or a policy), or None
     :param ref_kl_coef: Coefficient beta_ref of the reference KL (initial value when ``ref_target_kl`` is set;
         0 with ``ref_target_kl=None``: the KL to the reference is only measured and logged)
@@ -279,6 +280,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     policy: ActorCriticPolicy
     #: The policies the algorithm works with (sb3-contrib's maskable policies are not ``ActorCriticPolicy`` subclasses)
     policy_base: ClassVar[type[BasePolicy]] = ActorCriticPolicy
+    #: Whether the loss carries a KL penalty whose coefficient beta ``kl_controller`` adapts (``train/kl_coef``);
+    #: False for a hard constraint (KLTRPO), whose controller is never used: ``kl/coef`` and the beta-bound alarms skip it
+    has_kl_coef: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -108,7 +108,8 @@ class KLPPO(KLOnPolicyAlgorithm):
         (``log_std`` clamped in place: the std parameter that ``train/std`` averages; without gSDE that is the action
         std in every state, with gSDE the std of the exploration weights, and the per-state action std
         ``train/action_std_min`` is then not floored). None = no floor
-    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``; with a
+        sample ``kl_estimator``, quantiles of the one-action estimates, of which only the mean estimates the KL)
     :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
         model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as
         ``model.ref_policy`` (eval mode, no gradients, never updated) and saved with the model. Must share the action
@@ -429,8 +430,9 @@ class KLPPO(KLOnPolicyAlgorithm):
             )
         self.nonfinite_steps_total += nonfinite_steps
 
-        # The early stop's last pass measured the final policy already: reuse it
-        per_state, new_params = self._epoch_end_kl or self._measure_update_kl()
+        # The early stop's last pass measured the final policy already: reuse it (not after a stop at beta's bound,
+        # which may come after steps of an epoch that "epoch_end" judging has not measured)
+        per_state, new_params = (None if stopped_at_bound else self._epoch_end_kl) or self._measure_update_kl()
         self._epoch_end_kl = None
         self._finish_update()
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())

@@ -110,7 +110,8 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor of Gaussian policies; masked policies are discrete, so it must stay None
         (accepted for the same signature as KLPPO, refused otherwise)
-    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``; with a
+        sample ``kl_estimator``, quantiles of the one-action estimates, of which only the mean estimates the KL)
     :param ref_policy: Reference policy to anchor to: the path of a saved ``MaskablePPO``/``MaskableKLPPO`` model, such
         a model or its ``MaskableActorCriticPolicy`` (the reference is masked with the same masks). None: no anchor
     :param ref_kl_coef: Coefficient beta_ref of the reference KL (fixed, or initial value with ``ref_target_kl``)

@@ -93,7 +93,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         (1000 by default, as KLPPO: it holds the KL of a minibatch within the update); 0 disables it
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std. None = no floor
-    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``; with a
+        sample ``kl_estimator``, quantiles of the one-action estimates, of which only the mean estimates the KL)
     :param ref_policy: Reference policy to anchor to: the path of a saved SB3 model, a model or a policy, recurrent
         (e.g. a ``RecurrentPPO``) or feed-forward. A frozen copy is kept as ``model.ref_policy`` and saved with the
         model. None (default): no anchor
