@@ -275,8 +275,23 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     # in band: 2 of 4 updates at 1.0, 2 of 4 at 0.2 (one undershoots, one overshoots); over 2x: 0 vs 1 of 4
     assert "| 50 ± 0% | 50 ± 0% | 0 ± 0% | 25 ± 0% |" in row
     assert "Pendulum-v1 x1 klppo 2.0 -> 1.0" in section
-    # without the candidate's records: no section
+    assert "### Starting at 0.2" in section and "### Starting at 0.0001" not in section
+    # a second start, at the floor: its own subsection, with the AUCs' difference tested like the returns'
+    floor = tmp_path / "kl_coef_0.0001" / "runs" / "tiny"
+    for seed in range(3):
+        record = _record("klppo", "Pendulum-v1", seed, -140.0 - seed, [0.03, 0.03, 0.03, 0.03], 0.03)
+        # training returns near 0 all along, where the default's curve climbs from -15 to -150
+        record["curve"] = [[100 * i, 10.0 * seed] for i in range(1, 11)]
+        _write(floor, record)
+    section = learning.initial_kl_coef_comparison("tiny")
+    assert section.startswith("## KLPPO's initial beta (`kl_coef`): 1.0 kept as the default, 0.2 and 0.0001 measured")
+    floor_part = section[section.index("### Starting at 0.0001") :]
+    assert "Pendulum-v1 x1 klppo 2.0 -> 0.0" in floor_part
+    assert "AUC difference (0.0001 - 1.0): Pendulum-v1 x1 klppo +" in floor_part
+    assert ": better." in floor_part  # far above the default's AUC on every seed
+    # without the candidates' records: no section
     _empty(lowered)
+    _empty(floor)
     assert "## KLPPO's initial beta" not in learning.report("tiny")
 
 
