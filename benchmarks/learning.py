@@ -891,7 +891,7 @@ def initial_kl_coef_comparison(tier: str) -> str:
         label = f"{coef:g}"
         lines += [
             "",
-            f"### Starting at {label} (code {versions})",
+            f"### Starting at {label} (records in `benchmarks/results/{folder}/`, code {versions})",
             "",
             "| env | lr | algo | n | " + PAIRED_HEADER.format(a="1.0", b=label)[2:],
             "|" + "---|" * 14,
