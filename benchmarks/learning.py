@@ -856,13 +856,15 @@ def initial_kl_coef_comparison(tier: str) -> str:
     beside the same cells and seeds with the default 1.0 on the same machine (the replication's records).
     """
     default = load_folder(f"replication/runs/{tier}")
-    measured = [
-        (folder, coef, finding, load_folder(f"{folder}/runs/{tier}")) for folder, coef, finding in INITIAL_KL_COEF_RUNS
-    ]
-    measured = [entry for entry in measured if paired_runs(default, entry[3])]
+    measured = []
+    for folder, coef, finding in INITIAL_KL_COEF_RUNS:
+        lowered = load_folder(f"{folder}/runs/{tier}")
+        pairs = paired_runs(default, lowered)
+        if pairs:
+            measured.append((folder, coef, finding, lowered, pairs))
     if not measured:
         return ""
-    starts = " and ".join(f"{coef:g}" for _, coef, _, _ in measured)
+    starts = " and ".join(f"{entry[1]:g}" for entry in measured)
     lines = [
         f"## KLPPO's initial beta (`kl_coef`): 1.0 kept as the default, {starts} measured",
         "",
@@ -875,19 +877,17 @@ def initial_kl_coef_comparison(tier: str) -> str:
         "(the replication's records below), so that only beta's start differs. Difference of the evaluation returns "
         f"(start - 1.0) and of the AUCs, with their Welch p-values: tie when p ≥ {SIGNIFICANCE}.",
     ]
-    for folder, coef, finding, lowered in measured:
+    for folder, coef, finding, lowered, pairs in measured:
         records = [r for runs in lowered.values() for r in runs]
         versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
-        pairs = paired_runs(default, lowered)
-        warm_up = [
-            f"{env} x{mult:g} {algo} {np.mean([updates_to_band(r) for r in old]):.1f} -> "
-            f"{np.mean([updates_to_band(r) for r in new]):.1f}"
-            for (env, algo, mult), old, new in pairs
-        ]
-        auc = []
+        warm_up, auc = [], []
         for (env, algo, mult), old, new in pairs:
+            cell = f"{env} x{mult:g} {algo}"
+            warm_up.append(
+                f"{cell} {np.mean([updates_to_band(r) for r in old]):.1f} -> {np.mean([updates_to_band(r) for r in new]):.1f}"
+            )
             text, result = verdict([summarize(r)["auc"] for r in new], [summarize(r)["auc"] for r in old])
-            auc.append(f"{env} x{mult:g} {algo} {text}: {result}")
+            auc.append(f"{cell} {text}: {result}")
         label = f"{coef:g}"
         lines += [
             "",

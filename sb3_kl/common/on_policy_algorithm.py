@@ -714,17 +714,15 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         per_state: np.ndarray,
         new_params: np.ndarray,
         target_kl: float,
-        update_controller: bool = True,
         hold_kl_coef: bool = False,
     ) -> dict[str, float]:
         """
-        Log the KL of the update (``train/kl``, quantiles, max), adjust beta from its mean and log it.
+        Log the KL of the update (``train/kl``, quantiles, max), adjust beta from its mean and log it (only for an
+        algorithm with a KL coefficient, :attr:`has_kl_coef`).
 
         :param per_state: Per-state KL of the update
         :param new_params: Updated policy's distribution parameters on the buffer
         :param target_kl: Current target
-        :param update_controller: Whether to adapt beta and log ``train/kl_coef`` (False for algorithms
-            without a KL penalty, e.g. KLTRPO's hard constraint)
         :param hold_kl_coef: Log beta but leave it as it is: the update was ended by the stop at beta's upper bound
             (``kl_saturation_stop_factor``), so its KL is the stop's doing, not beta's, and lowering beta after a stop
             that came early would only let the next update run away
@@ -740,7 +738,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             self.logger.record("train/kl" if name == "mean" else f"train/kl_{name}", value)
         self.logger.record("train/kl_convention", self.kl_settings.convention, exclude="tensorboard")
         self.logger.record("train/target_kl", target_kl)
-        if update_controller:
+        if self.has_kl_coef:
             if not hold_kl_coef:
                 self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
             self.logger.record("train/kl_coef", self.kl_coef)

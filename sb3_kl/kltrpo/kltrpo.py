@@ -680,7 +680,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         if self.tail_kl is not None:
             self.logger.record("train/kl_tail", float(np.quantile(update_kl, self.tail_quantile)))
             self.logger.record("train/tail_kl", self.tail_kl)
-        self._record_update_kl(update_kl, new_params, target_kl, update_controller=self.has_kl_coef)
+        self._record_update_kl(update_kl, new_params, target_kl)
         self._record_reference_kl()
 
     def _same_kl_option(self, name: str, value: Any) -> bool:
