@@ -516,12 +516,16 @@ def report(tier: str) -> str:
         "`klppo` is that run); `ppo_target_kl` is stock PPO with SB3's KL early stop, `target_kl` set to the target "
         "KLPPO controls toward (0.02 discrete, 0.03 continuous) and PPO's clip, the baseline an SB3 user would pick "
         "instead; `kltrpo_matched` is KLTRPO with `target_kl` set to the joint KL TRPO took per update on that "
-        "environment (from TRPO's records), so both take steps of the same size. Evaluation: "
-        f"{N_EVAL_EPISODES[tier]} deterministic episodes after training. AUC: mean training episode return over the run. "
+        f"environment (from TRPO's records of seeds {', '.join(map(str, MATCHED_SEEDS))}, kept fixed as seeds are added), "
+        "so both take steps of the same size. Evaluation: "
+        f"{N_EVAL_EPISODES[tier]} deterministic episodes after training. AUC: the time-average of the learning curve "
+        "(the mean return of the last 100 training episodes after each rollout; trapezoid area over the curve's span "
+        "in steps). "
         f"KL: exact per-update KL(old||new) from KLMonitorCallback, mean over updates of the per-update mean and p99; "
         f"in-band: share of updates whose KL lies in [{BAND[0]}, {BAND[1]}] x target (target: the algorithm's, or the "
         "family default 0.02 discrete / 0.03 continuous for PPO and 0.01 for TRPO). Collapses: see `count_collapses`. "
-        "Values are mean ± std over seeds; the best evaluation return and AUC per row are in bold, and a cell marked ≈ "
+        "Values are mean ± std over seeds (population std, ddof 0, also in the goals' 'minus one std'; the Welch "
+        "tests use sample variances); the best evaluation return and AUC per row are in bold, and a cell marked ≈ "
         f"is not significantly different from the best (two-sided Welch t-test, p ≥ {SIGNIFICANCE}): a difference "
         "inside the seed noise is a tie.",
         "",
@@ -647,6 +651,21 @@ def baseline_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]
                 out.append(f"| x{lr_mult:g} | {env} | {ours} | " + " | ".join(cells) + " |")
     if not any(line.startswith("| x") for line in out):
         return "\n".join([*out[:2], "No `ppo_target_kl` records yet."])
+    # where SB3's early stop never fired, ppo_target_kl trained exactly as PPO did: that cell compares with PPO
+    never_stopped = [
+        f"{env} (x{mult:g}, {len(new)} seeds)"
+        for (env, _, mult), old, new in paired_runs(
+            {(e, "ppo_target_kl", m): runs for (e, a, m), runs in groups.items() if a == "ppo"},
+            {cell: runs for cell, runs in groups.items() if cell[1] == "ppo_target_kl"},
+        )
+        if all(same_run(a, b) for a, b in zip(new, old, strict=True))
+    ]
+    if never_stopped:
+        out += [
+            "",
+            "Cells where every seed of `ppo_target_kl` trained identically to stock PPO's (SB3's early stop never "
+            "fired, so there the baseline is PPO itself): " + ", ".join(never_stopped) + ".",
+        ]
     out += ["", "Where KLPPO/ClipKLPPO do not beat stock PPO with `target_kl` (tie or worse):", ""]
     out += [f"- {line}" for line in not_beaten] or ["- nowhere: they beat it on every metric of every cell"]
     return "\n".join(out)
@@ -966,6 +985,30 @@ def kltrpo_direction_comparison(tier: str) -> str:
     return "\n".join(lines)
 
 
+def matched_target_on_replication(
+    primary: dict[tuple[str, str, float], list[dict[str, Any]]],
+    replica: dict[tuple[str, str, float], list[dict[str, Any]]],
+) -> str:
+    """
+    How far ``kltrpo_matched``'s target (one per environment, from the TRPO records above, used on both machines) lies
+    from the joint KL TRPO took on the same seeds on the replication's machine.
+    """
+    cells = []
+    for env in MAIN_ENVS:
+        targets = {r["target_kl"] for r in primary.get((env, "kltrpo_matched", 1.0), [])}
+        kls = [u["mean"] for r in replica.get((env, "trpo", 1.0), []) if r["seed"] in MATCHED_SEEDS for u in r["kl_updates"]]
+        if len(targets) == 1 and kls:
+            target = targets.pop()
+            cells.append(f"{env} {target:.4g} ({100 * (np.mean(kls) / target - 1):+.1f}%)")
+    if not cells:
+        return ""
+    return (
+        "`kltrpo_matched` runs with one target per environment on both machines, TRPO's joint KL on seeds "
+        f"{', '.join(map(str, MATCHED_SEEDS))} of the records above; TRPO's joint KL on the same seeds of the "
+        "replication's machine differs from it by: " + ", ".join(cells) + "."
+    )
+
+
 def replication(tier: str) -> str:
     """
     The cells that were run again on another machine (``results/replication/runs/<tier>/``, written by the grid with
@@ -999,8 +1042,8 @@ def replication(tier: str) -> str:
         f" ({machines}); records in `benchmarks/results/replication/runs/{tier}/`. A run repeats bit for bit only on"
         " one machine and one set of library versions, so this shows how far the figures above move when nothing but"
         " floating-point rounding changes. `identical`: seeds that trained identically on both; difference:"
-        " replication - records above, with its Welch p-value. `kltrpo_matched`'s target comes from the TRPO records"
-        " of the same machine. Cells the records above re-made on the replication's machine are not repeated here.",
+        " replication - records above, with its Welch p-value. Cells the records above re-made on the replication's"
+        " machine are not repeated here. " + matched_target_on_replication(primary, replica),
         "",
         "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="above", b="replication")[2:],
         "|---" * 15 + "|",
@@ -1211,7 +1254,12 @@ def goal_fair_trpo(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
             met = met and ok if met is not None else met
             label = f"{env} ({ours}) " if algo == "shipped" else f"{env} "
             cells.append(f"{label}{np.mean(a):.1f} vs {np.mean(b):.1f} ± {np.std(b):.1f} (n={len(a)}/{len(b)})")
-        name = "KLTRPO's return at the shipped zoo configs' `target_kl`" if algo == "shipped" else f"{algo}'s return"
+        name = (
+            "KLTRPO's return at the shipped zoo configs' `target_kl` (where a config takes TRPO's joint KL, the runs are "
+            "kltrpo_matched's, whose target the config rounds to two significant digits)"
+            if algo == "shipped"
+            else f"{algo}'s return"
+        )
         out.append(
             f"- {name} ≥ TRPO's minus one std on all six environments, 5 seeds each: {status(met)} "
             f"({'; '.join(cells) or 'no records'})"
@@ -1220,21 +1268,27 @@ def goal_fair_trpo(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
 
 
 def goal_stress(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
-    """x10 learning rate: >= 90 % of KLPPO's updates in band (every seed pooled) and a return within 20 % of x1."""
+    """
+    x10 learning rate: >= 90 % of KLPPO's updates in band (every seed pooled) and a return within 20 % of x1, on the
+    seeds both learning rates have (so that the comparison does not mix seed sets).
+    """
     out = []
     for env in STRESS_ENVS:
         for ours in ("klppo_noclip", "klppo"):
-            runs, base = groups.get((env, ours, 10.0), []), _evals(groups, env, ours)
-            if not runs or not base:
+            runs = groups.get((env, ours, 10.0), [])
+            x1_by_seed = {r["seed"]: r["eval_mean"] for r in groups.get((env, ours, 1.0), [])}
+            paired = [(r["eval_mean"], x1_by_seed[r["seed"]]) for r in runs if r["seed"] in x1_by_seed]
+            if not runs or not paired:
                 out.append(f"- x10, {env}, {ours}: updates in band ≥ 90%, return within 20% of x1: {status(None)}")
                 continue
             kls = [(u["mean"], r["target_kl"]) for r in runs for u in r["kl_updates"]]
             share = float(np.mean([BAND[0] * t <= k <= BAND[1] * t for k, t in kls]))
-            x10 = float(np.mean([r["eval_mean"] for r in runs]))
-            return_ok = x10 >= np.mean(base) - 0.2 * abs(np.mean(base))
+            x10, x1 = (float(np.mean(v)) for v in zip(*paired, strict=True))
+            return_ok = x10 >= x1 - 0.2 * abs(x1)
             out.append(
                 f"- x10, {env}, {ours} ({len(runs)} seeds pooled): updates in band {100 * share:.0f}% "
-                f"({status(share >= 0.9)}, goal ≥ 90%); return {x10:.1f} vs x1 {np.mean(base):.1f} "
+                f"({status(share >= 0.9)}, goal ≥ 90%); return {x10:.1f} vs x1 {x1:.1f} on the {len(paired)} seeds "
+                f"both have, {100 * (x10 - x1) / abs(x1):+.1f}% "
                 f"({status(bool(return_ok))}, goal: within 20%)"
             )
     return out
@@ -1294,9 +1348,10 @@ def goal_seeds(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> li
         if len(_evals(groups, env, a, mult)) < 5
     )
     met = None if not needed else not short
+    cells = sum(bool(_evals(groups, env, algo, mult)) for env, mult in grids for algo in ALL_ALGOS)
     return [
-        f"- 5 seeds in every close cell of the main and stress grids: {status(met)} ({len(needed)} cells; fewer than 5 "
-        f"seeds: {', '.join(short) or 'none'})"
+        f"- 5 seeds in every close cell of the main and stress grids: {status(met)} ({len(needed)} close cells of the "
+        f"grids' {cells}; fewer than 5 seeds: {', '.join(short) or 'none'})"
     ]
 
 

@@ -166,9 +166,30 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     assert "x10, Pendulum-v1, klppo (3 seeds pooled): updates in band 100% (**met**" in text
     # half of klppo_noclip's x10 updates are at 0.1 > 2 x 0.03, and its return is 37 % below x1
     assert "x10, Pendulum-v1, klppo_noclip (3 seeds pooled): updates in band 50% (**NOT met**" in text
-    assert "return -205.0 vs x1 -150.0 (**NOT met**" in text
+    assert "return -205.0 vs x1 -150.0 on the 3 seeds both have, -36.7% (**NOT met**" in text
     assert "No collapse of any sb3-kl algorithm in the grid (12 runs): **met**" in text
     assert "*unrecorded* (made before records named their machine and library versions): 14; Test CPU, torch 9.9: 1." in text
+
+
+def test_stress_return_goal_compares_the_seeds_both_learning_rates_have():
+    records = [_record("klppo", "HalfCheetah-v5", seed, 3000.0, [0.03], 0.03, lr_mult=10.0) for seed in range(4)]
+    # x1 has seeds 0-2 only; seed 3's x1 run (say, a lucky 9000) must not enter a comparison x10 has no partner for
+    records += [_record("klppo", "HalfCheetah-v5", seed, 3600.0, [0.03], 0.03) for seed in range(3)]
+    records.append(_record("klppo", "HalfCheetah-v5", 4, 9000.0, [0.03], 0.03))
+    (line,) = [g for g in learning.goal_stress(learning.group_records(records)) if "HalfCheetah-v5, klppo " in g]
+    assert "(4 seeds pooled): updates in band 100%" in line
+    assert "return 3000.0 vs x1 3600.0 on the 3 seeds both have, -16.7% (**met**, goal: within 20%)" in line
+
+
+def test_baseline_section_names_cells_where_sb3_early_stop_never_fired():
+    ppo = [_record("ppo", "Acrobot-v1", seed, -80.0, [0.005], 0.02) for seed in range(2)]
+    same = [{**r, "algo": "ppo_target_kl"} for r in ppo]
+    stopped = [_record(a, "Pendulum-v1", 0, -200.0, [k], 0.03) for a, k in (("ppo", 0.09), ("ppo_target_kl", 0.04))]
+    records = ppo + same + stopped + [_record("klppo", e, 0, -90.0, [0.02], 0.02) for e in ("Acrobot-v1", "Pendulum-v1")]
+    for r in records:
+        r["eval_returns"] = [r["eval_mean"]]
+    text = learning.baseline_comparison(learning.group_records(records), learning.MAIN_ENVS)
+    assert "SB3's early stop never fired, so there the baseline is PPO itself): Acrobot-v1 (x1, 2 seeds)." in text
 
 
 def test_collapses_are_listed_with_their_evaluation_after_training():
@@ -206,11 +227,11 @@ def test_seeds_goal_asks_five_seeds_of_close_cells_in_the_stress_grid_too():
         + cell("trpo", [9000.0, 9001.0, 9002.0, 9003.0, 9004.0], 10.0)
     )  # fmt: skip
     (line,) = learning.goal_seeds(groups)
-    assert "**NOT met** (2 cells; fewer than 5 seeds: klppo on HalfCheetah-v5 x10 (n=3), ppo on" in line
+    assert "**NOT met** (2 close cells of the grids' 3; fewer than 5 seeds: klppo on HalfCheetah-v5 x10 (n=3), ppo on" in line
     more = learning.group_records(
         cell("klppo", [3000.0, 2500.0, 3500.0, 3100.0, 2900.0], 10.0) + cell("ppo", [2800.0, 1800.0, 3600.0, 3000, 2000], 10.0)
     )
-    assert "**met** (2 cells; fewer than 5 seeds: none)" in learning.goal_seeds(more)[0]
+    assert "**met** (2 close cells of the grids' 2; fewer than 5 seeds: none)" in learning.goal_seeds(more)[0]
 
 
 def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_path, monkeypatch):
