@@ -22,7 +22,7 @@ from sb3_kl.common.validation import check_bool, check_int, check_pair, check_po
 #: smallest factor with which the callback, sustained rule included, alarms on every stress run whose KL ran away, and
 #: whose own alarms stay on at most 5 % of the normal runs and of the KL-controlled stress runs and on at most half of
 #: the seeds of any algorithm-environment cell at rl-zoo's settings; see ``benchmarks/results/alarm_spike_rule.md``)
-MAX_KL_FACTOR = 75.0
+MAX_KL_FACTOR = 50.0
 #: Target of the trust-region family (sb3-contrib ``TRPO``'s default ``target_kl``) when a model has none
 TRUST_REGION_DEFAULT_TARGET_KL = 0.01
 #: With the ``k1`` estimator, ``negative_kl`` needs the update's mean KL this many standard errors below 0: the mean
