@@ -146,15 +146,15 @@ def matched_target_kl(tier: str, env_id: str, lr_mult: float = 1.0) -> float:
     ``MATCHED_SEEDS`` of the monitor's exact joint KL(old||new), summed over action dimensions): ``kltrpo_matched``'s
     ``target_kl``, so that KLTRPO takes steps of the same size and only the constraint differs.
     """
-    kls = [
-        u["mean"]
-        for r in load_records(tier)
-        if (r["algo"], r["env"], r["lr_mult"]) == ("trpo", env_id, lr_mult) and r["seed"] in MATCHED_SEEDS
-        for u in r["kl_updates"]
-    ]
+    kls = matched_seed_kls([r for r in load_records(tier) if (r["algo"], r["env"], r["lr_mult"]) == ("trpo", env_id, lr_mult)])
     if not kls:
         raise SystemExit(f"kltrpo_matched on {env_id} needs TRPO's records of the {tier} tier first (--algos trpo).")
     return float(np.mean(kls))
+
+
+def matched_seed_kls(trpo_records: list[dict[str, Any]]) -> list[float]:
+    """The per-update joint KLs of the seeds ``MATCHED_SEEDS`` among TRPO's records of one cell."""
+    return [u["mean"] for r in trpo_records if r["seed"] in MATCHED_SEEDS for u in r["kl_updates"]]
 
 
 def record_file(record: dict[str, Any]) -> Path:
@@ -996,7 +996,7 @@ def matched_target_on_replication(
     cells = []
     for env in MAIN_ENVS:
         targets = {r["target_kl"] for r in primary.get((env, "kltrpo_matched", 1.0), [])}
-        kls = [u["mean"] for r in replica.get((env, "trpo", 1.0), []) if r["seed"] in MATCHED_SEEDS for u in r["kl_updates"]]
+        kls = matched_seed_kls(replica.get((env, "trpo", 1.0), []))
         if len(targets) == 1 and kls:
             target = targets.pop()
             cells.append(f"{env} {target:.4g} ({100 * (np.mean(kls) / target - 1):+.1f}%)")
