@@ -334,3 +334,40 @@ def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkey
     # the synthetic curve rises linearly to the eval return: AUC 0.55 x 55.0 = 30.2, against TRPO's 0.55 x 105.0
     assert "| `cg_damping=0.6` | 2 | 55.0 ± 5.0 | 30.2 ± 2.8 | -27.5 (p=" in rows[1]
     assert rows[0].split(" | ")[1] == "the grid's"
+
+
+def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    folder, env, target = learning.LOWER_TARGET_RUNS
+    grid, lowered = tmp_path / "runs" / "tiny", tmp_path / folder / "runs" / "tiny"
+    falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
+    for seed in range(3):
+        # at 0.03 seed 0 collapses, and so does stock PPO's seed 1 (not counted: not KL-penalized); at the lower
+        # target no seed does
+        curve = falling if seed == 0 else None
+        _write(grid, _record("klppo_noclip", env, seed, 900.0 + seed, [0.03, 0.03], 0.03, curve=curve))
+        _write(grid, _record("clip_klppo", env, seed, 950.0, [0.03], 0.03))
+        _write(grid, _record("ppo_target_kl", env, seed, 700.0 - 10 * seed, [0.03], 0.03, curve=falling if seed else None))
+        _write(lowered, _record("klppo_noclip", env, seed, 1000.0 + seed, [target, 3 * target], target))
+        _write(lowered, _record("ppo_target_kl", env, seed, 800.0 + 10 * seed, [target], target))
+    text = learning.report("tiny")
+    start = text.index(f"## KLPPO's target on {env}: {target:g} against the default 0.03")
+    section = text[start : text.index("\n## ", start)]
+    assert section.count(f"| {env} | x1 |") == 2  # clip_klppo has no lowered records to pair with
+    row = _row(section, f"| {env} | x1 | klppo_noclip |")
+    # +100.0 on every seed: a significant gain; in band: all at 0.03, half at the lower target (the other 3 x over)
+    assert row.startswith(f"| {env} | x1 | klppo_noclip | 3 | 901.0 ± 0.8 | 1001.0 ± 0.8 | +100.0 (p=0.00): better")
+    assert row.endswith("| 100 ± 0% | 50 ± 0% | 0 ± 0% | 50 ± 0% | 1 / 0 |")
+    assert _row(section, f"| {env} | x1 | ppo_target_kl |").endswith("| 2 / 0 |")
+    assert "The sb3-kl runs of the grid that collapse: klppo_noclip on Hopper-v5." in section
+    assert f"--algos klppo_noclip ppo_target_kl --envs {env} --seeds 0..2 --override target_kl={target:g}`" in section
+    assert (
+        "against PPO with SB3's early stop at the same target (810.0 ± 8.2; differences ours - PPO's): klppo_noclip" in section
+    )
+    assert f"Collapses of the KL-penalized runs (3 runs): 1 at 0.03, 0 at {target:g}. At {target:g} no KL-penalized" in section
+    _write(lowered, _record("clip_klppo", env, 0, 950.0, [target], target, curve=falling))
+    section = learning.lower_target_comparison(learning.group_records(learning.load_records("tiny")), "tiny")
+    assert f"(4 runs): 1 at 0.03, 1 at {target:g}. A lower target does not end the drift" in section
+    _empty(lowered)
+    assert "## KLPPO's target on" not in learning.report("tiny")
