@@ -957,6 +957,7 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
         return ""
     records = [r for runs in lowered.values() for r in runs]
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
+    grid_versions = ", ".join(f"`{v}`" for v in sorted(code_versions([r for _, old, _ in pairs for r in old])))
     label = f"{target:g}"
     collapsed = {
         (r["algo"], r["env"])
@@ -972,15 +973,15 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
         + (", ".join(f"{algo} on {where}" for algo, where in sorted(collapsed)) or "none")
         + f". On {env} their falls' updates average about the target (*The collapses*): the policy drifts from standing "
         "to falling over many updates of the size the target allows, with no single large step for a per-update "
-        f"control to catch. The {env} cells of KLPPO, ClipKLPPO and PPO with SB3's early stop were re-run with "
-        f"`target_kl={label}` "
-        f"(`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier} --algos "
+        f"control to catch. The {env} cells of KLPPO (the drop-in, with PPO's clip), KLPPO without clip, ClipKLPPO and "
+        f"PPO with SB3's early stop were re-run with `target_kl={label}` (from the repository root: "
+        f"`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier} --algos "
         f"{' '.join(sorted({r['algo'] for r in records}))} --envs {env} --seeds {seed_range(records)} "
-        f"--override target_kl={label}`, records in "
-        f"`benchmarks/results/{folder}/`, code {versions}), same seeds and settings, beside the grid's runs at 0.03 "
-        "(PPO's early stop at 0.03 is the grid's `ppo_target_kl`). In band and over 2x are measured against each run's "
-        f"own target. Difference of the evaluation returns ({label} - 0.03) with its Welch p-value: tie when "
-        f"p ≥ {SIGNIFICANCE}.",
+        f"--override target_kl={label}`, with `--force` to re-make records that exist; records in "
+        f"`benchmarks/results/{folder}/`, code {versions}), same seeds and hyperparameters, beside the grid's runs at "
+        f"0.03 (code {grid_versions}; PPO's early stop at 0.03 is the grid's `ppo_target_kl`). In band and over 2x "
+        f"are measured against each run's own target. Difference of the evaluation returns ({label} - 0.03) with its "
+        f"Welch p-value: tie when p ≥ {SIGNIFICANCE}.",
         "",
         "| env | lr | algo | n | " + PAIRED_HEADER.format(a="0.03", b=label)[2:],
         "|" + "---|" * 14,
@@ -1003,22 +1004,41 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
             against.append(
                 f"{algo} {fmt([r['eval_mean'] for r in ours])}, {eval_text}: {eval_result}; AUC {auc_text}: {auc_result}"
             )
+        auc_before = [summarize(r)["auc"] for r in grid.get((env, "ppo_target_kl", 1.0), [])]
         lines += [
             "",
             f"At `target_kl={label}` against PPO with SB3's early stop at the same target "
-            f"({fmt([r['eval_mean'] for r in baseline])}; differences ours - PPO's): " + "; ".join(against) + ".",
+            f"({fmt([r['eval_mean'] for r in baseline])}; differences ours - PPO's): "
+            + "; ".join(against)
+            + ". "
+            + (
+                f"Part of the AUC gap is PPO's early stop losing AUC itself at the lower target (mean "
+                f"{np.mean(auc_before):.1f} at 0.03, {np.mean([summarize(r)['auc'] for r in baseline]):.1f} at {label})."
+                if auc_before
+                else ""
+            ),
         ]
     penalized = [(old, new) for (_, algo, _), old, new in pairs if algo in ("klppo", "klppo_noclip", "clip_klppo")]
     runs = sum(len(new) for _, new in penalized)
-    before = sum(count_collapses(r["curve"]) for old, _ in penalized for r in old)
-    after = sum(count_collapses(r["curve"]) for _, new in penalized for r in new)
+    counts, collapsed_after = [], []
+    for side in ([r for old, _ in penalized for r in old], [r for _, new in penalized for r in new]):
+        collapsed_runs = [r for r in side if count_collapses(r["curve"]) > 0]
+        # KLPPO (with PPO's clip) and ClipKLPPO can train identically on a seed: count such a training once
+        distinct = [r for i, r in enumerate(collapsed_runs) if not any(same_run(r, q) for q in collapsed_runs[:i])]
+        counts.append(f"{len(collapsed_runs)} ({len(distinct)} distinct trainings)")
+        collapsed_after = collapsed_runs
+    falls = [
+        f"{r['algo']} s{r['seed']} " + (f"{f['mean']:.2f} x on average, at most {f['max']:.2f}" if (f := fall_kl(r)) else "-")
+        for r in collapsed_after
+    ]
     finding = (
-        "A lower target does not end the drift: it makes each update smaller, not the policy's standing less fragile. "
-        "The continuous default stays 0.03, and so do the shipped Hopper-v5 configs."
-        if after > 0
+        f"The falls' per-update KL / target at {label}: {'; '.join(falls)}. A lower target does not end the drift: "
+        "each update is smaller, and the policy still leaves its standing. The continuous default stays 0.03, and so "
+        "do the shipped Hopper-v5 configs."
+        if collapsed_after
         else f"At {label} no KL-penalized run collapses on {env}."
     )
-    lines += ["", f"Collapses of the KL-penalized runs ({runs} runs): {before} at 0.03, {after} at {label}. {finding}"]
+    lines += ["", f"Collapses of the KL-penalized runs ({runs} runs): {counts[0]} at 0.03, {counts[1]} at {label}. {finding}"]
     return "\n".join(lines)
 
 

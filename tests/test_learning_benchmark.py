@@ -365,9 +365,16 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     assert (
         "against PPO with SB3's early stop at the same target (810.0 ± 8.2; differences ours - PPO's): klppo_noclip" in section
     )
-    assert f"Collapses of the KL-penalized runs (3 runs): 1 at 0.03, 0 at {target:g}. At {target:g} no KL-penalized" in section
-    _write(lowered, _record("clip_klppo", env, 0, 950.0, [target], target, curve=falling))
+    assert (
+        f"KL-penalized runs (3 runs): 1 (1 distinct trainings) at 0.03, 0 (0 distinct trainings) at {target:g}. At" in section
+    )
+    collapsed = _record("clip_klppo", env, 0, 950.0, [target], target, curve=falling)
+    collapsed["kl_updates"] = [dict(timesteps=100 * i, mean=target, p99=target) for i in range(10)]
+    _write(lowered, collapsed)
     section = learning.lower_target_comparison(learning.group_records(learning.load_records("tiny")), "tiny")
-    assert f"(4 runs): 1 at 0.03, 1 at {target:g}. A lower target does not end the drift" in section
+    assert f"(4 runs): 1 (1 distinct trainings) at 0.03, 1 (1 distinct trainings) at {target:g}. The falls'" in section
+    assert f"at {target:g}: clip_klppo s0 1.00 x on average, at most 1.00. A lower target does not end the drift" in section
+    # PPO's early stop's own AUC at each target, beside the comparison at the lower one
+    assert "losing AUC itself at the lower target (mean " in section
     _empty(lowered)
     assert "## KLPPO's target on" not in learning.report("tiny")
