@@ -724,6 +724,14 @@ def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["eval_returns"] == b["eval_returns"] and a["kl_updates"] == b["kl_updates"]
 
 
+def distinct_trainings(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """
+    ``records`` without those that trained identically to an earlier one (:func:`same_run`): KLPPO with PPO's clip and
+    ClipKLPPO train identically wherever beta stays at the same value in both, and such a training counts once.
+    """
+    return [r for i, r in enumerate(records) if not any(same_run(r, q) for q in records[:i])]
+
+
 def seed_key(record: dict[str, Any]) -> tuple[str, str, float, int]:
     """:return: a record's cell and seed, ``(env, algo, lr_mult, seed)``"""
     return record["env"], record["algo"], record["lr_mult"], record["seed"]
@@ -1023,9 +1031,7 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
     counts, collapsed_after = [], []
     for side in ([r for old, _ in penalized for r in old], [r for _, new in penalized for r in new]):
         collapsed_runs = [r for r in side if count_collapses(r["curve"]) > 0]
-        # KLPPO (with PPO's clip) and ClipKLPPO can train identically on a seed: count such a training once
-        distinct = [r for i, r in enumerate(collapsed_runs) if not any(same_run(r, q) for q in collapsed_runs[:i])]
-        counts.append(f"{len(collapsed_runs)} ({len(distinct)} distinct trainings)")
+        counts.append(f"{len(collapsed_runs)} ({len(distinct_trainings(collapsed_runs))} distinct trainings)")
         collapsed_after = collapsed_runs
     falls = [
         f"{r['algo']} s{r['seed']} " + (f"{f['mean']:.2f} x on average, at most {f['max']:.2f}" if (f := fall_kl(r)) else "-")
@@ -1427,9 +1433,10 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
         )
         or "none"
     )
+    count = f"{len(collapsed)} runs, {len(distinct_trainings(collapsed))} distinct trainings: " if collapsed else ""
     return [
         f"- No collapse of any sb3-kl algorithm in the grid ({len(runs)} runs): "
-        f"{status(not collapsed if runs else None)} (collapsed: {detail}; see *The collapses*)"
+        f"{status(not collapsed if runs else None)} (collapsed: {count}{detail}; see *The collapses*)"
     ]
 
 

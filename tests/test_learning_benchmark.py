@@ -196,6 +196,7 @@ def test_collapses_are_listed_with_their_evaluation_after_training():
     rising = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 990, 1000, 1000, 1000, 1000])]
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     collapsed = _record("klppo", "Hopper-v5", 0, 1040.0, [0.03], 0.03, curve=falling)
+    collapsed["eval_returns"] = [1040.0]
     # one update after each rollout; the one after the best rollout (400 steps) is 3 x target
     collapsed["kl_updates"] = [dict(timesteps=100 * i, mean=0.09 if i == 4 else 0.03, p99=0.1) for i in range(10)]
     groups = learning.group_records([collapsed, _record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
@@ -210,9 +211,13 @@ def test_collapses_are_listed_with_their_evaluation_after_training():
     assert "| Hopper-v5 | x1 | klppo | 1 |" not in table
     goal = learning.goal_collapses(groups)[0]
     assert (
-        "**NOT met** (collapsed: klppo Hopper-v5 x1 s0, evaluation after training 1040.0, per-update KL in its fall"
+        "**NOT met** (collapsed: 1 runs, 1 distinct trainings: klppo Hopper-v5 x1 s0, evaluation after training 1040.0,"
+        " per-update KL in its fall"
         " 2.00 x target on average, at most 3.00;" in goal
     )
+    # ClipKLPPO training identically to the collapsed KLPPO run: one more run, not one more training
+    twin = learning.group_records([collapsed, {**collapsed, "algo": "clip_klppo"}])
+    assert "(collapsed: 2 runs, 1 distinct trainings: klppo Hopper-v5 x1 s0" in learning.goal_collapses(twin)[0]
     quiet = learning.group_records([_record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
     assert "| none |" in learning.collapse_table(quiet)
 
