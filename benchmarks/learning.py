@@ -53,6 +53,8 @@ MATCHED_SEEDS = (0, 1, 2)
 ALL_ALGOS = MAIN_ALGOS + EXTRA_ALGOS
 # the algorithms of sb3-kl (the others run no sb3-kl code: only the KL monitor watches them)
 SB3_KL_ALGOS = ("klppo", "klppo_noclip", "clip_klppo", "kltrpo", "kltrpo_matched")
+#: the sb3-kl algorithms whose loss carries the adaptive KL penalty (beta)
+KL_PENALIZED_ALGOS = ("klppo", "klppo_noclip", "clip_klppo")
 STRESS_ENVS = ["Pendulum-v1", "HalfCheetah-v5"]
 STRESS_ALGOS = ["ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo"]
 # the goals judge the controller at 10x the zoo learning rate
@@ -638,7 +640,7 @@ def baseline_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]
             baseline = groups.get((env, "ppo_target_kl", lr_mult), [])
             if not baseline:
                 continue
-            for ours in ("klppo", "klppo_noclip", "clip_klppo"):
+            for ours in KL_PENALIZED_ALGOS:
                 runs = groups.get((env, ours, lr_mult), [])
                 if not runs:
                     continue
@@ -798,7 +800,7 @@ def saturation_stop_comparison(groups: dict[tuple[str, str, float], list[dict[st
     beside the same runs from before the stop existed (``results/before_saturation_stop/``).
     """
     before = load_folder("before_saturation_stop")
-    after = {key: runs for key, runs in groups.items() if key[1] in ("klppo", "klppo_noclip", "clip_klppo")}
+    after = {key: runs for key, runs in groups.items() if key[1] in KL_PENALIZED_ALGOS}
     if not before or not after:
         return ""
     versions = ", ".join(sorted(code_versions([r for runs in before.values() for r in runs])))
@@ -958,8 +960,7 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
     """
     folder, env, target = LOWER_TARGET_RUNS
     lowered = load_folder(f"{folder}/runs/{tier}")
-    family = ("ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo")
-    grid = {key: runs for key, runs in groups.items() if key[0] == env and key[1] in family}
+    grid = {key: runs for key, runs in groups.items() if key[0] == env and key[1] in ("ppo_target_kl", *KL_PENALIZED_ALGOS)}
     pairs = paired_runs(grid, lowered)
     if not pairs:
         return ""
@@ -1003,7 +1004,7 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
     baseline = lowered.get((env, "ppo_target_kl", 1.0), [])
     if baseline:
         against = []
-        for algo in ("klppo", "klppo_noclip", "clip_klppo"):
+        for algo in KL_PENALIZED_ALGOS:
             ours = lowered.get((env, algo, 1.0), [])
             if not ours:
                 continue
@@ -1026,13 +1027,11 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
                 else ""
             ),
         ]
-    penalized = [(old, new) for (_, algo, _), old, new in pairs if algo in ("klppo", "klppo_noclip", "clip_klppo")]
+    penalized = [(old, new) for (_, algo, _), old, new in pairs if algo in KL_PENALIZED_ALGOS]
     runs = sum(len(new) for _, new in penalized)
-    counts, collapsed_after = [], []
-    for side in ([r for old, _ in penalized for r in old], [r for _, new in penalized for r in new]):
-        collapsed_runs = [r for r in side if count_collapses(r["curve"]) > 0]
-        counts.append(f"{len(collapsed_runs)} ({len(distinct_trainings(collapsed_runs))} distinct trainings)")
-        collapsed_after = collapsed_runs
+    collapsed_before = [r for old, _ in penalized for r in old if count_collapses(r["curve"]) > 0]
+    collapsed_after = [r for _, new in penalized for r in new if count_collapses(r["curve"]) > 0]
+    counts = [f"{len(c)} ({len(distinct_trainings(c))} distinct trainings)" for c in (collapsed_before, collapsed_after)]
     falls = [
         f"{r['algo']} s{r['seed']} " + (f"{f['mean']:.2f} x on average, at most {f['max']:.2f}" if (f := fall_kl(r)) else "-")
         for r in collapsed_after

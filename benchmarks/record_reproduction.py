@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         rows = pool.map(rerun, chosen)
     checkout = learning.code_version("record_reproduction.py", "learning.py", "settings.py")
-    command = "python benchmarks/record_reproduction.py" + "".join(
-        f" --{name.replace('_', '-')} {value}" for name, value in (("tier", args.tier), ("per_commit", args.per_commit))
-    )
+    command = f"python benchmarks/record_reproduction.py --tier {args.tier} --per-commit {args.per_commit}"
     args.out.write_text(table(rows, checkout, environment, command))
     args.out.with_suffix(".json").write_text(
         json.dumps(dict(checkout=checkout, run_environment=environment, rows=rows), indent=1) + "\n"
