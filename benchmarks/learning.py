@@ -146,9 +146,16 @@ def matched_target_kl(tier: str, env_id: str, lr_mult: float = 1.0) -> float:
     """
     The KL sb3-contrib's TRPO actually took per update on ``env_id`` (mean over the recorded updates of its seeds
     ``MATCHED_SEEDS`` of the monitor's exact joint KL(old||new), summed over action dimensions): ``kltrpo_matched``'s
-    ``target_kl``, so that KLTRPO takes steps of the same size and only the constraint differs.
+    ``target_kl``, so that KLTRPO takes steps of the same size and only the constraint differs. Once the cell has
+    ``kltrpo_matched`` records, their target: re-made TRPO records (another machine) do not move it.
     """
-    kls = matched_seed_kls([r for r in load_records(tier) if (r["algo"], r["env"], r["lr_mult"]) == ("trpo", env_id, lr_mult)])
+    records = load_records(tier)
+    made = {r["target_kl"] for r in records if (r["algo"], r["env"], r["lr_mult"]) == ("kltrpo_matched", env_id, lr_mult)}
+    if len(made) > 1:
+        raise SystemExit(f"kltrpo_matched's records on {env_id} have different targets {sorted(made)}: re-make them.")
+    if made:
+        return made.pop()
+    kls = matched_seed_kls([r for r in records if (r["algo"], r["env"], r["lr_mult"]) == ("trpo", env_id, lr_mult)])
     if not kls:
         raise SystemExit(f"kltrpo_matched on {env_id} needs TRPO's records of the {tier} tier first (--algos trpo).")
     return float(np.mean(kls))
@@ -518,7 +525,8 @@ def report(tier: str) -> str:
         "`klppo` is that run); `ppo_target_kl` is stock PPO with SB3's KL early stop, `target_kl` set to the target "
         "KLPPO controls toward (0.02 discrete, 0.03 continuous) and PPO's clip, the baseline an SB3 user would pick "
         "instead; `kltrpo_matched` is KLTRPO with `target_kl` set to the joint KL TRPO took per update on that "
-        f"environment (from TRPO's records of seeds {', '.join(map(str, MATCHED_SEEDS))}, kept fixed as seeds are added), "
+        f"environment (from TRPO's records of seeds {', '.join(map(str, MATCHED_SEEDS))} beside which its first runs were "
+        "made, kept fixed as seeds are added and records re-made), "
         "so both take steps of the same size. Evaluation: "
         f"{N_EVAL_EPISODES[tier]} deterministic episodes after training. AUC: the time-average of the learning curve "
         "(the mean return of the last 100 training episodes after each rollout; trapezoid area over the curve's span "
@@ -1107,67 +1115,89 @@ def kltrpo_direction_comparison(tier: str) -> str:
     return "\n".join(lines)
 
 
-def matched_target_on_replication(
+def matched_target_on_machines(
     primary: dict[tuple[str, str, float], list[dict[str, Any]]],
-    replica: dict[tuple[str, str, float], list[dict[str, Any]]],
+    machines: dict[str, dict[tuple[str, str, float], list[dict[str, Any]]]],
 ) -> str:
     """
-    How far ``kltrpo_matched``'s target (one per environment, from the TRPO records above, used on both machines) lies
-    from the joint KL TRPO took on the same seeds on the replication's machine.
+    How far ``kltrpo_matched``'s target (one per environment, used on both machines) lies from the joint KL TRPO took
+    on the seeds ``MATCHED_SEEDS`` on each machine.
+
+    :param primary: the grid's records, by cell (they hold ``kltrpo_matched``'s runs)
+    :param machines: each machine's records, by cell, under a label
     """
     cells = []
     for env in MAIN_ENVS:
         targets = {r["target_kl"] for r in primary.get((env, "kltrpo_matched", 1.0), [])}
-        kls = matched_seed_kls(replica.get((env, "trpo", 1.0), []))
-        if len(targets) == 1 and kls:
-            target = targets.pop()
-            cells.append(f"{env} {target:.4g} ({100 * (np.mean(kls) / target - 1):+.1f}%)")
+        if len(targets) != 1:
+            continue
+        target = targets.pop()
+        offsets = [
+            f"{label} {100 * (np.mean(kls) / target - 1):+.1f}%"
+            for label, groups in machines.items()
+            if (kls := matched_seed_kls(groups.get((env, "trpo", 1.0), [])))
+        ]
+        if offsets:
+            cells.append(f"{env} {target:.4g} ({', '.join(offsets)})")
     if not cells:
         return ""
     return (
         "`kltrpo_matched` runs with one target per environment on both machines, TRPO's joint KL on seeds "
-        f"{', '.join(map(str, MATCHED_SEEDS))} of the records above; TRPO's joint KL on the same seeds of the "
-        "replication's machine differs from it by: " + ", ".join(cells) + "."
+        f"{', '.join(map(str, MATCHED_SEEDS))} of the records its first runs were made beside; TRPO's joint KL on the "
+        "same seeds of each machine differs from it by: " + "; ".join(cells) + "."
     )
 
 
 def replication(tier: str) -> str:
     """
-    The cells that were run again on another machine (``results/replication/runs/<tier>/``, written by the grid with
-    ``SB3_KL_BENCHMARK_RESULTS=benchmarks/results/replication``), beside the same cells and seeds of the records above
-    where those came from another machine, and the goals those cells decide, judged on that machine's records alone
-    (the replication's and those of the records above the same machine made).
+    The grid's cells and seeds run on two machines: records that do not name their machine (made before records did;
+    where the grid re-made such a record on this machine, ``--other-machines``, the earlier one is kept in
+    ``results/unrecorded_machine/runs/<tier>/``) beside the same runs on the machine the records name (the grid's own
+    record, else the replication's in ``results/replication/runs/<tier>/``, written by the grid with
+    ``SB3_KL_BENCHMARK_RESULTS=benchmarks/results/replication``), and the goals those cells decide, judged on the
+    named machine's records alone.
     """
-    replica = load_folder(f"replication/runs/{tier}")
-    if not replica:
+    replica = [r for runs in load_folder(f"replication/runs/{tier}").values() for r in runs]
+    kept = [r for runs in load_folder(f"unrecorded_machine/runs/{tier}").values() for r in runs]
+    if not replica and not kept:
         return ""
-    records = [r for runs in replica.values() for r in runs]
     primary_records = load_records(tier)
     primary = group_records(primary_records)
     by_seed = {seed_key(r): r for r in primary_records}
-    # a pair only where the records above come from another machine (re-made cells may come from this one)
-    elsewhere = group_records(
-        [r for r in records if (other := by_seed.get(seed_key(r))) is None or machine(other) != machine(r)]
-    )
-    rows = paired_rows(primary, elsewhere, identical=True)
+    # each seed's run on the machine that did not record itself, and on the one that did (the grid's record first)
+    unnamed = {seed_key(r): r for r in kept}
+    unnamed.update({key: r for key, r in by_seed.items() if machine(r) is None})
+    named = {seed_key(r): r for r in replica if machine(r) is not None}
+    named.update({key: r for key, r in by_seed.items() if machine(r) is not None})
+    both = unnamed.keys() & named.keys()
+    first = group_records([unnamed[key] for key in both])
+    second = group_records([named[key] for key in both])
+    rows = paired_rows(first, second, identical=True)
     moved = [
         f"{env} x{mult:g} {algo}"
-        for (env, algo, mult), old, new in paired_runs(primary, elsewhere)
+        for (env, algo, mult), old, new in paired_runs(first, second)
         if verdict([r["eval_mean"] for r in new], [r["eval_mean"] for r in old])[1] != "tie"
     ]
-    versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
-    machines = "; ".join(f"{described}: {n}" for described, n in sorted(run_environments(records).items()))
+    from_grid = [key for key in both if machine(by_seed[key]) is not None]
+    from_replica = [named[key] for key in both if machine(by_seed[key]) is None]
+    records = [named[key] for key in both]
+    versions = ", ".join(f"`{v}`" for v in sorted(code_versions(from_replica)))
+    machines = "; ".join(sorted(run_environments(records)))
     out = [
         "## Replication on a second machine",
         "",
-        f"The cells below were run again with the code of {versions}, the same seeds and settings, on another machine"
-        f" ({machines}); records in `benchmarks/results/replication/runs/{tier}/`. A run repeats bit for bit only on"
-        " one machine and one set of library versions, so this shows how far the figures above move when nothing but"
-        " floating-point rounding changes. `identical`: seeds that trained identically on both; difference:"
-        " replication - records above, with its Welch p-value. Cells the records above re-made on the replication's"
-        " machine are not repeated here. " + matched_target_on_replication(primary, replica),
+        "The grid's records that do not name their machine (made before records did) came from another machine than"
+        " the one the other records name. The cells below hold both machines' runs of the same seeds and settings:"
+        " *unrecorded*, that machine's (the grid's record, or, where the grid re-made it here with `--other-machines`,"
+        f" the earlier record, kept in `benchmarks/results/unrecorded_machine/runs/{tier}/`), beside *named*, the"
+        f" machine the records name ({machines}; the grid's record: {len(from_grid)} runs, else the replication's, in"
+        f" `benchmarks/results/replication/runs/{tier}/`, code {versions or 'none'}: {len(from_replica)} runs)."
+        " A run repeats bit for bit only on one machine and one set of library versions, so this shows how far the"
+        " figures move when nothing but floating-point rounding changes. `identical`: seeds that trained identically"
+        " on both; difference: named - unrecorded, with its Welch p-value. "
+        + matched_target_on_machines(primary, {"unrecorded": first, "named": second}),
         "",
-        "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="above", b="replication")[2:],
+        "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="unrecorded", b="named")[2:],
         "|---" * 15 + "|",
         *rows,
         "",
@@ -1175,14 +1205,15 @@ def replication(tier: str) -> str:
         f" {len(rows)} cells{': ' + ', '.join(moved) if moved else ''}.",
     ]
     for described in sorted({machine(r) for r in records} - {None}):
-        # that machine's records: the replication's, and those of the records above it made (which win a tie)
-        own = {seed_key(r): r for r in records if machine(r) == described}
+        # that machine's records: the replication's, and those of the grid it made (which win a tie)
+        own = {seed_key(r): r for r in replica if machine(r) == described}
         own.update({key: r for key, r in by_seed.items() if machine(r) == described})
         groups = group_records(list(own.values()))
         out += [
             "",
-            f"The goals these cells decide, on the records of that machine alone ({described}; the replication's and "
-            f"{sum(machine(r) == described for r in primary_records)} of the records above):",
+            f"The goals these cells decide, on the records of that machine alone ({described}; "
+            f"{sum(machine(r) == described for r in primary_records)} of the grid's records, and the replication's of "
+            "the seeds the grid has from the other machine):",
             "",
         ]
         out += [line for line in goal_stress(groups) if "not measured" not in line]
@@ -1591,24 +1622,30 @@ def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not (a == "klppo_noclip" and not clips(e))
     ]
     if not args.force:
+        here = run_environment() if args.other_machines else None
         specs = [
             s
             for s in specs
-            if not up_to_date(record_path(args.tier, s["algo"], s["env"], s["lr_mult"], s["seed"]), version, args.stale)
+            if not up_to_date(record_path(args.tier, s["algo"], s["env"], s["lr_mult"], s["seed"]), version, args.stale, here)
         ]
     return specs
 
 
-def up_to_date(path: Path, version: str, stale: bool) -> bool:
+def up_to_date(path: Path, version: str, stale: bool, here: dict[str, str] | None = None) -> bool:
     """
     :param path: a run's record file
     :param version: the commit this checkout would record
     :param stale: whether a record made by another commit counts as missing (re-run it)
+    :param here: this machine's :func:`run_environment`, to count a record that another machine or set of library
+        versions made, or that does not name its machine, as missing (None: the machine does not matter)
     :return: whether the run can be skipped
     """
     if not path.exists():
         return False
-    return not stale or json.loads(path.read_text()).get("code_version") == version
+    record = json.loads(path.read_text())
+    if stale and record.get("code_version") != version:
+        return False
+    return here is None or record.get("run_environment") == here
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1628,6 +1665,12 @@ def main(argv: list[str] | None = None) -> None:
         "--stale",
         action="store_true",
         help="re-run the runs whose record another commit made (resumable, unlike --force)",
+    )
+    parser.add_argument(
+        "--other-machines",
+        action="store_true",
+        help="re-run the runs whose record another machine or set of library versions made, or that does not name its "
+        "machine (resumable)",
     )
     parser.add_argument(
         "--override",

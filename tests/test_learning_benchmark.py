@@ -72,6 +72,37 @@ def test_ppo_target_kl_is_ppo_at_klppo_target_and_clip(env_id, target):
     assert learning.default_target_kl("klppo", env_id, {}) == target
 
 
+def test_other_machines_re_runs_the_records_this_machine_did_not_make(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    here = learning.run_environment()
+    # seed 0 made here, seed 1 on another CPU, seed 2 before records named their machine, seed 3 never
+    for seed, described in ((0, here), (1, {**here, "cpu": "Another CPU"}), (2, None)):
+        record = _record("klppo", "CartPole-v1", seed, 500.0, [0.02], 0.02)
+        if described is not None:
+            record["run_environment"] = described
+        _write(tmp_path / "runs" / "tiny", record)
+    args = learning.argparse.Namespace(
+        grid="main", algos=["klppo"], envs=["CartPole-v1"], lr_mults=None, seeds=["0..3"], tier="tiny", force=False,
+        stale=False, other_machines=True,
+    )  # fmt: skip
+    assert [s["seed"] for s in learning.grid_specs(args)] == [1, 2, 3]
+    args.other_machines = False
+    assert [s["seed"] for s in learning.grid_specs(args)] == [3]
+
+
+def test_matched_target_stays_that_of_the_cells_records(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    for seed in learning.MATCHED_SEEDS:
+        _write(tmp_path / "runs" / "tiny", _record("trpo", "CartPole-v1", seed, 500.0, [0.008, 0.006], 0.01))
+    assert learning.matched_target_kl("tiny", "CartPole-v1") == pytest.approx(0.007)
+    # once kltrpo_matched has records, re-made TRPO records (another machine) do not move its target
+    _write(tmp_path / "runs" / "tiny", _record("kltrpo_matched", "CartPole-v1", 0, 500.0, [0.007], 0.0071))
+    assert learning.matched_target_kl("tiny", "CartPole-v1") == 0.0071
+    _write(tmp_path / "runs" / "tiny", _record("kltrpo_matched", "CartPole-v1", 1, 500.0, [0.007], 0.0072))
+    with pytest.raises(SystemExit, match="different targets"):
+        learning.matched_target_kl("tiny", "CartPole-v1")
+
+
 def test_grid_skips_noclip_where_the_zoo_does_not_clip():
     args = learning.argparse.Namespace(
         grid="main", algos=["klppo_noclip"], envs=["Pendulum-v1", "Acrobot-v1"], lr_mults=None, seeds=["0..1"],
@@ -260,20 +291,30 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
         record = _record("kltrpo_matched", "CartPole-v1", seed, 530.0 + seed, [0.007], 0.007)
         record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
         _write(primary, record)
+        # klppo re-made in the grid on the named machine (--other-machines); the earlier record kept aside
+        earlier, record = (_record("klppo", "CartPole-v1", seed, value, [0.02], 0.02) for value in (480.0 + seed, 500.0))
+        earlier["eval_returns"], record["eval_returns"] = [earlier["eval_mean"]], [500.0]
+        record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
+        _write(tmp_path / "unrecorded_machine" / "runs" / "tiny", earlier)
+        _write(primary, record)
     text = learning.report("tiny")
     section = text[text.index("## Replication on a second machine") :]
     assert "## Goals\n\nThe cells replicated on a second machine are judged again" in text
-    assert "(Other CPU, torch 9.9: 6)" in section
+    assert "(Other CPU, torch 9.9; the grid's record: 3 runs, else the replication's" in section
     assert "| CartPole-v1 | x1 | kltrpo_matched |" not in section
-    assert "on the records of that machine alone (Other CPU, torch 9.9; the replication's and 3 of the records" in section
+    assert _row(section, "| CartPole-v1 | x1 | klppo |").startswith("| CartPole-v1 | x1 | klppo | 3 | 0 | 481.0 ± 0.8 | 500.0")
+    alone = "on the records of that machine alone (Other CPU, torch 9.9; 6 of the grid's records, and the replication's"
+    assert alone in section
     assert "- CartPole-v1: kltrpo_matched 531.0 vs TRPO 541.0 ± 0.8 (n=3/3)" in section
     row = _row(section, "| CartPole-v1 | x1 | kltrpo |")
     # 3 seeds, 1 identical; evaluation 410.0 above vs 414.7 in the replication
     assert row.startswith("| CartPole-v1 | x1 | kltrpo | 3 | 1 | 410.0 ± 8.2 | 414.7 ± 11.1 | +4.7")
     assert "- CartPole-v1: kltrpo 414.7 vs TRPO 541.0 ± 0.8 (n=3/3), within one std of TRPO or better: not measured" in section
-    assert "differ significantly between the machines (p < 0.05): 1 of 2 cells: CartPole-v1 x1 trpo." in section
-    # no replication folder: no section
+    moved = "differ significantly between the machines (p < 0.05): 2 of 3 cells: CartPole-v1 x1 klppo, CartPole-v1 x1 trpo."
+    assert moved in section
+    # neither a replication nor records kept from the other machine: no section
     _empty(replica)
+    _empty(tmp_path / "unrecorded_machine" / "runs" / "tiny")
     assert "## Replication" not in learning.report("tiny")
 
 
