@@ -180,8 +180,15 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def train_and_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train and evaluate one run; :return: its record (not written: :func:`run_one` or the distributed grid does)"""
+def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) -> dict[str, Any]:
+    """
+    Train and evaluate one run.
+
+    :param spec: the run: ``algo``, ``env``, ``seed``, ``lr_mult``, ``tier``, optional ``overrides`` and ``code_version``
+    :param probes: more callbacks to train with (they must not change the training: no random draws, no writes to
+        the model or the environment)
+    :return: its record (not written: :func:`run_one` or the distributed grid does)
+    """
     import torch as th
 
     th.set_num_threads(1)
@@ -216,7 +223,7 @@ def train_and_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
             if len(self.model.ep_info_buffer) > 0:
                 curve.append((self.num_timesteps, float(np.mean([info["r"] for info in self.model.ep_info_buffer]))))
 
-    callbacks: list[BaseCallback] = [Curve()]
+    callbacks: list[BaseCallback] = [Curve(), *(probes or [])]
     monitor = None
     try:
         from sb3_kl.callbacks import KLMonitorCallback

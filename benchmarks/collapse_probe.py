@@ -1,0 +1,220 @@
+"""
+What happens in the learning grid's collapses, and what the per-update KL does not see there.
+
+Each collapsed sb3-kl run of ``benchmarks/results/runs/<tier>/`` (``learning.count_collapses``) is trained again with
+the same settings and seed and a probe that records, after each rollout:
+
+- how the rollout's episodes end: the environment's forward velocity (``x_velocity`` in its ``info``, where it reports
+  one) and the episodes that ended by termination (a fall) rather than by the time limit;
+- the KL that the observation normalization alone causes: ``VecNormalize`` updates its running statistics during the
+  rollout, which moves the policy's actions on the same raw states without any change of its parameters. It is the
+  exact KL(pi(norm_before(s)) || pi(norm_after(s))), summed over action dimensions, on the rollout's raw states, with
+  the statistics at the start and at the end of the rollout and the parameters of the end;
+- the KL coefficient beta and whether it sits at its lower bound (the penalty then does nothing), and the mean std
+  of a Gaussian policy.
+
+The probe draws no random numbers and changes neither the model nor the environment, so the run trains as the grid's
+record did on the machine that made it (checked: same evaluation returns and per-update KLs, ``learning.same_run``).
+The rollouts from the 20 before the curve's best point to it (*before*) are compared with those of the fall (*fall*:
+from the best point to where the curve fell below 50 % of its gain, as ``learning.fall_kl`` takes them).
+
+    python benchmarks/collapse_probe.py [--tier full] [--workers 2]
+
+writes ``benchmarks/results/collapse_probe.md`` and ``.json``.
+"""
+
+import argparse
+import json
+import multiprocessing
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import learning  # noqa: E402
+
+#: Rollouts before the curve's best point that make the *before* phase
+BEFORE_ROLLOUTS = 20
+
+
+def make_probe() -> Any:
+    """:return: a fresh :class:`CollapseProbe` callback (built here so that SB3 is imported in the worker)"""
+    import torch as th
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class CollapseProbe(BaseCallback):
+        """Records, after each rollout, how its episodes ended, the normalization's own KL and beta (see the module)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[dict[str, float]] = []
+
+        def _on_rollout_start(self) -> None:
+            normalizer = self.model.get_vec_normalize_env()
+            self.stats_before = None if normalizer is None else (normalizer.obs_rms.mean.copy(), normalizer.obs_rms.var.copy())
+            self.raw: list[np.ndarray] = []
+            self.velocities: list[float] = []
+            self.terminated = self.truncated = 0
+
+        def _on_step(self) -> bool:
+            normalizer = self.model.get_vec_normalize_env()
+            if normalizer is not None:
+                self.raw.append(normalizer.get_original_obs().copy())
+            for info, done in zip(self.locals["infos"], self.locals["dones"], strict=True):
+                if "x_velocity" in info:
+                    self.velocities.append(float(info["x_velocity"]))
+                if done:
+                    if info.get("TimeLimit.truncated", False):
+                        self.truncated += 1
+                    else:
+                        self.terminated += 1
+            return True
+
+        def _on_rollout_end(self) -> None:
+            policy, model = self.model.policy, self.model
+            buffer = model.ep_info_buffer
+            row = dict(
+                timesteps=float(self.num_timesteps),
+                curve=float(np.mean([info["r"] for info in buffer])) if buffer else float("nan"),
+                velocity=float(np.mean(self.velocities)) if self.velocities else float("nan"),
+                terminated=float(self.terminated),
+                truncated=float(self.truncated),
+                normalization_kl=float("nan"),
+                kl_coef=float("nan"),
+                kl_coef_at_floor=float("nan"),
+                std=float(policy.log_std.detach().exp().mean()) if hasattr(policy, "log_std") else float("nan"),
+            )
+            normalizer = model.get_vec_normalize_env()
+            if normalizer is not None and self.stats_before is not None and self.raw:
+                raw = np.concatenate(self.raw)
+                (mean_before, var_before), after = self.stats_before, normalizer.obs_rms
+
+                def normalized(mean: np.ndarray, var: np.ndarray) -> th.Tensor:
+                    scaled = (raw - mean) / np.sqrt(var + normalizer.epsilon)
+                    clipped = np.clip(scaled, -normalizer.clip_obs, normalizer.clip_obs)
+                    return th.as_tensor(clipped, dtype=th.float32, device=policy.device)
+
+                with th.no_grad():
+                    before = policy.get_distribution(normalized(mean_before, var_before)).distribution
+                    now = policy.get_distribution(normalized(after.mean, after.var)).distribution
+                    kl = th.distributions.kl_divergence(before, now)
+                    row["normalization_kl"] = float((kl.sum(-1) if kl.dim() > 1 else kl).mean())
+            controller = getattr(model, "kl_controller", None)
+            if controller is not None:
+                row["kl_coef"] = float(model.kl_coef)
+                row["kl_coef_at_floor"] = float(model.kl_coef <= controller.kl_coef_bounds[0] * (1.0 + 1e-9))
+            self.rows.append(row)
+
+    return CollapseProbe()
+
+
+def probe_run(record: dict[str, Any]) -> dict[str, Any]:
+    """Train a record's run again with the probe; :return: the probe's rows and whether the training repeated"""
+    spec = {key: record[key] for key in ("algo", "env", "seed", "lr_mult", "tier")}
+    spec["overrides"] = record.get("overrides") or {}
+    probe = make_probe()
+    again = learning.train_and_evaluate(spec, probes=[probe])
+    return dict(
+        algo=record["algo"],
+        env=record["env"],
+        seed=record["seed"],
+        lr_mult=record["lr_mult"],
+        target_kl=record["target_kl"],
+        record_code_version=record.get("code_version"),
+        code_version=learning.code_version(),
+        run_environment=learning.run_environment(),
+        same_run=learning.same_run(again, record),
+        curve=record["curve"],
+        kl_updates=record["kl_updates"],
+        rollouts=probe.rows,
+    )
+
+
+def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """
+    :param probed: a :func:`probe_run` result
+    :return: for ``before`` and ``fall``, the mean forward velocity, falls per 1000 steps, normalization KL / target,
+        per-update KL / target (the monitor's, from the record), share of updates with beta at its floor, and rollouts
+    """
+    best, fell = learning.collapse_points(probed["curve"])[0]
+    times = [point[0] for point in probed["curve"]]
+    spans = {"before": (times[max(best - BEFORE_ROLLOUTS, 0)], times[best]), "fall": (times[best], times[fell])}
+    target = probed["target_kl"]
+    out = {}
+    for name, (low, high) in spans.items():
+        rows = [r for r in probed["rollouts"] if low <= r["timesteps"] < high]
+        updates = [u["mean"] / target for u in probed["kl_updates"] if low <= u["timesteps"] < high]
+        steps = high - low
+        out[name] = dict(
+            rollouts=float(len(rows)),
+            velocity=float(np.mean([r["velocity"] for r in rows])),
+            falls_per_1000_steps=1000.0 * sum(r["terminated"] for r in rows) / steps if steps else float("nan"),
+            normalization_kl=float(np.mean([r["normalization_kl"] for r in rows]) / target),
+            update_kl=float(np.mean(updates)) if updates else float("nan"),
+            kl_coef_at_floor=float(np.mean([r["kl_coef_at_floor"] for r in rows])),
+        )
+    return out
+
+
+def collapsed_runs(tier: str) -> list[dict[str, Any]]:
+    """The grid's sb3-kl records with a collapse, one per distinct training (``learning.distinct_trainings``)."""
+    records = [
+        r for r in learning.load_records(tier) if r["algo"] in learning.SB3_KL_ALGOS and learning.count_collapses(r["curve"])
+    ]
+    return sorted(learning.distinct_trainings(records), key=learning.seed_key)
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """The Markdown report of the probed runs."""
+    versions = ", ".join(sorted({f"`{r['code_version']}`" for r in results}))
+    lines = [
+        "# What happens in the grid's collapses",
+        "",
+        f"Generated by `python benchmarks/collapse_probe.py` (code {versions}): every collapsed sb3-kl run of the "
+        "learning grid, one per distinct training, trained again with a probe that changes nothing in the training "
+        "(`repeats`: same evaluation returns and per-update KLs as the grid's record). *before*: the "
+        f"{BEFORE_ROLLOUTS} rollouts up to the curve's best point; *fall*: from there to where the curve fell below "
+        "50 % of its gain. velocity: mean forward velocity of the rollouts' steps; falls: episodes ended by "
+        "termination per 1000 steps; normalization KL: the exact KL by which `VecNormalize`'s statistics update over "
+        "one rollout moves the policy on that rollout's raw states (parameters unchanged), / target; update KL: the "
+        "monitor's per-update KL / target; beta at floor: share of rollouts after which KLPPO's beta sat at its lower "
+        "bound, where the penalty does nothing.",
+        "",
+        "| env | algo | seed | repeats | rollouts before / fall | velocity before / fall | falls per 1000 steps "
+        "before / fall | normalization KL before / fall | update KL before / fall | beta at floor before / fall |",
+        "|---" * 10 + "|",
+    ]
+    for r in results:
+        p = phases(r)
+        b, f = p["before"], p["fall"]
+        lines.append(
+            f"| {r['env']} | {r['algo']} | {r['seed']} | {'yes' if r['same_run'] else 'no'} | "
+            f"{b['rollouts']:.0f} / {f['rollouts']:.0f} | {b['velocity']:+.3f} / {f['velocity']:+.3f} | "
+            f"{b['falls_per_1000_steps']:.2f} / {f['falls_per_1000_steps']:.2f} | "
+            f"{b['normalization_kl']:.4f} / {f['normalization_kl']:.4f} | {b['update_kl']:.2f} / {f['update_kl']:.2f} | "
+            f"{100 * b['kl_coef_at_floor']:.0f}% / {100 * f['kl_coef_at_floor']:.0f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tier", default="full", choices=list(learning.BUDGETS))
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    runs = collapsed_runs(args.tier)
+    print(f"{len(runs)} collapsed runs to probe", flush=True)
+    with multiprocessing.get_context("spawn").Pool(max(1, min(args.workers, len(runs)))) as pool:
+        results = pool.map(probe_run, runs)
+    (learning.RESULTS / "collapse_probe.json").write_text(json.dumps(results, indent=1))
+    text = report(results)
+    (learning.RESULTS / "collapse_probe.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
