@@ -809,13 +809,37 @@ PAIRED_HEADER = (
 )
 
 
+def grid_beside(
+    side: dict[tuple[str, str, float], list[dict[str, Any]]],
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]],
+    tier: str = "full",
+) -> dict[tuple[str, str, float], list[dict[str, Any]]]:
+    """
+    The grid's records, each seed of ``side`` taken from the machine its side record was made on where the grid
+    re-made it on another (``--other-machines``; the earlier record is kept in ``results/unrecorded_machine/``): a
+    comparison of two runs that should train identically wherever the change measured never acted needs both from
+    one machine.
+    """
+    kept = {seed_key(r): r for runs in load_folder(f"unrecorded_machine/runs/{tier}").values() for r in runs}
+    side_machine = {seed_key(r): machine(r) for runs in side.values() for r in runs}
+    out = {}
+    for cell, runs in groups.items():
+        out[cell] = []
+        for r in runs:
+            key = seed_key(r)
+            earlier = kept.get(key)
+            same = key in side_machine and machine(r) != side_machine[key] and earlier is not None
+            out[cell].append(earlier if same and machine(earlier) == side_machine[key] else r)
+    return out
+
+
 def saturation_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
     """
     KLPPO's stop at beta's upper bound (``kl_saturation_stop_factor``, default 1.5): every KLPPO cell of the grid
     beside the same runs from before the stop existed (``results/before_saturation_stop/``).
     """
     before = load_folder("before_saturation_stop")
-    after = {key: runs for key, runs in groups.items() if key[1] in KL_PENALIZED_ALGOS}
+    after = {key: runs for key, runs in grid_beside(before, groups).items() if key[1] in KL_PENALIZED_ALGOS}
     if not before or not after:
         return ""
     versions = ", ".join(sorted(code_versions([r for runs in before.values() for r in runs])))
@@ -825,7 +849,9 @@ def saturation_stop_comparison(groups: dict[tuple[str, str, float], list[dict[st
         "While beta sits at the top of `kl_coef_bounds` (or one adaptation step below it), the update ends before the "
         "first optimizer step whose minibatch KL exceeds 1.5 x target, and beta is held after an update the stop ended; "
         "below the bound the updates are as without it. `before`: the same cells and seeds before the stop existed "
-        f"(records in `benchmarks/results/before_saturation_stop/`, code {versions}); `after`: the grid above. "
+        f"(records in `benchmarks/results/before_saturation_stop/`, code {versions}); `after`: the grid above, from"
+        " the machine each `before` record was made on (where the grid re-made a seed on another, the record it"
+        " replaced: `benchmarks/results/unrecorded_machine/`). "
         "`identical`: seeds that trained identically (same evaluation returns and per-update KLs), i.e. where beta "
         f"never came near its bound. Difference of the evaluation returns (after - before), tie when p ≥ {SIGNIFICANCE}.",
         "",

@@ -424,3 +424,19 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     assert "losing AUC itself at the lower target (mean " in section
     _empty(lowered)
     assert "## KLPPO's target on" not in learning.report("tiny")
+
+
+def test_side_experiments_compare_with_the_grid_record_of_their_own_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    here = {"cpu": "This CPU"}
+    earlier = _record("klppo", "Hopper-v5", 0, 900.0, [0.03], 0.03)  # made before records named their machine
+    _write(tmp_path / "unrecorded_machine" / "runs" / "full", earlier)
+    remade = {**_record("klppo", "Hopper-v5", 0, 990.0, [0.03], 0.03), "run_environment": here}
+    other_seed = {**_record("klppo", "Hopper-v5", 1, 995.0, [0.03], 0.03), "run_environment": here}
+    groups = learning.group_records([remade, other_seed])
+    # a side record that does not name its machine is compared with the grid's record it was made beside
+    side = learning.group_records([_record("klppo", "Hopper-v5", 0, 905.0, [0.03], 0.03)])
+    assert [r["eval_mean"] for r in learning.grid_beside(side, groups)[("Hopper-v5", "klppo", 1.0)]] == [900.0, 995.0]
+    # one made here, with the grid's record made here
+    side = learning.group_records([{**_record("klppo", "Hopper-v5", 0, 905.0, [0.03], 0.03), "run_environment": here}])
+    assert [r["eval_mean"] for r in learning.grid_beside(side, groups)[("Hopper-v5", "klppo", 1.0)]] == [990.0, 995.0]
