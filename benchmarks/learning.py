@@ -1220,14 +1220,15 @@ def replication(tier: str) -> str:
         "## Replication on a second machine",
         "",
         "The grid's records that do not name their machine (made before records did) came from another machine than"
-        " the one the other records name. The cells below hold both machines' runs of the same seeds and settings:"
-        " *unrecorded*, that machine's (the grid's record, or, where the grid re-made it here with `--other-machines`,"
-        f" the earlier record, kept in `benchmarks/results/unrecorded_machine/runs/{tier}/`), beside *named*, the"
+        " the one the other records name, or from that one (`identical` tells: a run repeats bit for bit only on its"
+        " own machine). The cells below hold both runs of the same seeds and settings: *unrecorded*, the record that"
+        " does not name its machine (the grid's, or, where the grid re-made it with `--other-machines`, the earlier"
+        f" record, kept in `benchmarks/results/unrecorded_machine/runs/{tier}/`), beside *named*, the"
         f" machine the records name ({machines}; the grid's record: {len(from_grid)} runs, else the replication's, in"
         f" `benchmarks/results/replication/runs/{tier}/`, code {versions or 'none'}: {len(from_replica)} runs)."
-        " A run repeats bit for bit only on one machine and one set of library versions, so this shows how far the"
-        " figures move when nothing but floating-point rounding changes. `identical`: seeds that trained identically"
-        " on both; difference: named - unrecorded, with its Welch p-value. "
+        " Between two machines this shows how far the figures move with the machine's floating-point rounding (and,"
+        " where the unrecorded record is of an older commit, with the code's changes since). `identical`: seeds that"
+        " trained identically on both; difference: named - unrecorded, with its Welch p-value. "
         + matched_target_on_machines(primary, {"unrecorded": first, "named": second}),
         "",
         "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="unrecorded", b="named")[2:],
