@@ -168,6 +168,15 @@ def collapsed_runs(tier: str) -> list[dict[str, Any]]:
     return sorted(learning.distinct_trainings(records), key=learning.seed_key)
 
 
+def before_and_fall(
+    phase_values: dict[str, dict[str, float]], name: str, spec: str, scale: float = 1.0, unit: str = ""
+) -> str:
+    """One table cell: a :func:`phases` value before and in the fall (n/a where the environment reports no forward
+    velocity, the run does not normalize observations or the algorithm has no beta)."""
+    values = [phase_values[phase][name] * scale for phase in ("before", "fall")]
+    return " / ".join("n/a" if np.isnan(v) else f"{v:{spec}}{unit}" for v in values)
+
+
 def report(results: list[dict[str, Any]]) -> str:
     """The Markdown report of the probed runs."""
     versions = ", ".join(sorted({f"`{r['code_version']}`" for r in results}))
@@ -190,13 +199,16 @@ def report(results: list[dict[str, Any]]) -> str:
     ]
     for r in results:
         p = phases(r)
-        b, f = p["before"], p["fall"]
+        cells = [
+            before_and_fall(p, "rollouts", ".0f"),
+            before_and_fall(p, "velocity", "+.3f"),
+            before_and_fall(p, "falls_per_1000_steps", ".2f"),
+            before_and_fall(p, "normalization_kl", ".4f"),
+            before_and_fall(p, "update_kl", ".2f"),
+            before_and_fall(p, "kl_coef_at_floor", ".0f", scale=100.0, unit="%"),
+        ]
         lines.append(
-            f"| {r['env']} | {r['algo']} | {r['seed']} | {'yes' if r['same_run'] else 'no'} | "
-            f"{b['rollouts']:.0f} / {f['rollouts']:.0f} | {b['velocity']:+.3f} / {f['velocity']:+.3f} | "
-            f"{b['falls_per_1000_steps']:.2f} / {f['falls_per_1000_steps']:.2f} | "
-            f"{b['normalization_kl']:.4f} / {f['normalization_kl']:.4f} | {b['update_kl']:.2f} / {f['update_kl']:.2f} | "
-            f"{100 * b['kl_coef_at_floor']:.0f}% / {100 * f['kl_coef_at_floor']:.0f}% |"
+            f"| {r['env']} | {r['algo']} | {r['seed']} | {'yes' if r['same_run'] else 'no'} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines) + "\n"
 
