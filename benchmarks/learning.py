@@ -1220,11 +1220,11 @@ def replication(tier: str) -> str:
         "## Replication on a second machine",
         "",
         "The grid's records that do not name their machine (made before records did) came from another machine than"
-        " the one the other records name, or from that one (`identical` tells: a run repeats bit for bit only on its"
-        " own machine). The cells below hold both runs of the same seeds and settings: *unrecorded*, the record that"
-        " does not name its machine (the grid's, or, where the grid re-made it with `--other-machines`, the earlier"
-        f" record, kept in `benchmarks/results/unrecorded_machine/runs/{tier}/`), beside *named*, the"
-        f" machine the records name ({machines}; the grid's record: {len(from_grid)} runs, else the replication's, in"
+        " the one the other records name, or from that one. The cells below hold both runs of the same seeds and"
+        " settings: *unrecorded*, the record that does not name its machine (the grid's, or, where the grid re-made it"
+        " with `--other-machines`, the earlier record, kept in"
+        f" `benchmarks/results/unrecorded_machine/runs/{tier}/`), beside *named*, the machine the records name"
+        f" ({machines}; the grid's record: {len(from_grid)} runs, else the replication's, in"
         f" `benchmarks/results/replication/runs/{tier}/`, code {versions or 'none'}: {len(from_replica)} runs)."
         " Between two machines this shows how far the figures move with the machine's floating-point rounding (and,"
         " where the unrecorded record is of an older commit, with the code's changes since). `identical`: seeds that"
