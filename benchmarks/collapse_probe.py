@@ -171,8 +171,10 @@ def collapsed_runs(tier: str) -> list[dict[str, Any]]:
 def before_and_fall(
     phase_values: dict[str, dict[str, float]], name: str, spec: str, scale: float = 1.0, unit: str = ""
 ) -> str:
-    """One table cell: a :func:`phases` value before and in the fall (n/a where the environment reports no forward
-    velocity, the run does not normalize observations or the algorithm has no beta)."""
+    """
+    One table cell: a :func:`phases` value before and in the fall (n/a where the environment reports no forward
+    velocity, the run does not normalize observations or the algorithm has no beta).
+    """
     values = [phase_values[phase][name] * scale for phase in ("before", "fall")]
     return " / ".join("n/a" if np.isnan(v) else f"{v:{spec}}{unit}" for v in values)
 
