@@ -1353,7 +1353,9 @@ def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
         " curve's best point and the rollout where it fell below 50 % of its gain (`fall_kl`): their number, mean and"
         " maximum, and the share of them over 2 x target beside that share over the whole run. Where the fall's updates"
         " stay in the band, the policy left its best without any single update taking a large step, so a per-update KL"
-        " control has nothing to act on.",
+        " control has nothing to act on. `benchmarks/results/collapse_probe.md` trains each sb3-kl collapse again with a"
+        " probe that leaves the training unchanged: how the episodes end before and in the fall, the KL that"
+        " `VecNormalize`'s statistics alone cause, and how often beta sat at its floor, where the penalty does nothing.",
         "",
         "| env | lr | algo | seed | curve: start | best | end | eval after training | cell's mean eval"
         " | KL in the fall: updates | mean | max | over 2x (run) |",
