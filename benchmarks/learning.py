@@ -1211,8 +1211,8 @@ def replication(tier: str) -> str:
         for (env, algo, mult), old, new in paired_runs(first, second)
         if verdict([r["eval_mean"] for r in new], [r["eval_mean"] for r in old])[1] != "tie"
     ]
-    from_grid = [key for key in both if machine(by_seed[key]) is not None]
-    from_replica = [named[key] for key in both if machine(by_seed[key]) is None]
+    from_grid = [key for key in both if key in by_seed and machine(by_seed[key]) is not None]
+    from_replica = [named[key] for key in both if key not in by_seed or machine(by_seed[key]) is None]
     records = [named[key] for key in both]
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(from_replica)))
     machines = "; ".join(sorted(run_environments(records)))
@@ -1667,6 +1667,26 @@ def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     return specs
 
 
+def keep_unrecorded(specs: list[dict[str, Any]], tier: str) -> list[Path]:
+    """
+    Before ``--other-machines`` re-makes them: copy the existing records of ``specs`` that do not name their machine to
+    ``results/unrecorded_machine/runs/<tier>/`` (unless a copy is there), where the report's replication section sets
+    them beside the re-made runs. A record that names another machine is replaced (git keeps it).
+
+    :return: the copies written
+    """
+    kept = RESULTS / "unrecorded_machine" / "runs" / tier
+    written = []
+    for spec in specs:
+        path = record_path(tier, spec["algo"], spec["env"], spec["lr_mult"], spec["seed"])
+        copy = kept / path.name
+        if path.exists() and not copy.exists() and "run_environment" not in json.loads(path.read_text()):
+            kept.mkdir(parents=True, exist_ok=True)
+            copy.write_text(path.read_text())
+            written.append(copy)
+    return written
+
+
 def up_to_date(path: Path, version: str, stale: bool, here: dict[str, str] | None = None) -> bool:
     """
     :param path: a run's record file
@@ -1706,7 +1726,7 @@ def main(argv: list[str] | None = None) -> None:
         "--other-machines",
         action="store_true",
         help="re-run the runs whose record another machine or set of library versions made, or that does not name its "
-        "machine (resumable)",
+        "machine (resumable); the replaced records that do not name theirs are kept in results/unrecorded_machine/",
     )
     parser.add_argument(
         "--override",
@@ -1732,10 +1752,14 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat = distributed_grid.HeartbeatSettings(interval=args.heartbeat_interval)
         study_name = args.study_name or f"learning-grid-{args.tier}"
         specs = grid_specs(args)
+        if args.other_machines:
+            keep_unrecorded(specs, args.tier)
         written = distributed_grid.run(specs, args.storage, study_name, args.workers, heartbeat, record_file, args.force)
         print(f"{len(written)} records written from study {study_name!r}", flush=True)
     elif not args.report:
         specs = grid_specs(args)
+        if args.other_machines:
+            keep_unrecorded(specs, args.tier)
         print(f"{len(specs)} runs to do ({args.tier} tier, {args.workers} workers)", flush=True)
         if args.workers > 1 and len(specs) > 1:
             with multiprocessing.get_context("spawn").Pool(args.workers) as pool:

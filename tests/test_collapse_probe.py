@@ -58,8 +58,9 @@ def test_phases_split_a_collapse_at_its_best_point():
     returns = [10.0 + 33.0 * i for i in range(31)] + [900.0, 700.0, 400.0, 200.0] + [150.0] * 5
     curve = [[t, r] for t, r in zip(times, returns, strict=True)]
     assert learning.collapse_points(curve) == [(30, 33)]
+    # the rollouts after the best one fall; beta, recorded before each update, leaves its floor at the best point
     rollouts = [
-        dict(timesteps=t, velocity=0.0 if i < 30 else -0.5, terminated=0.0 if i < 30 else 2.0, normalization_kl=0.0003,
+        dict(timesteps=t, velocity=0.0 if i <= 30 else -0.5, terminated=0.0 if i <= 30 else 2.0, normalization_kl=0.0003,
              kl_coef_at_floor=1.0 if i < 30 else 0.0)
         for i, t in enumerate(times)
     ]  # fmt: skip

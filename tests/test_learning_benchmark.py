@@ -86,8 +86,14 @@ def test_other_machines_re_runs_the_records_this_machine_did_not_make(tmp_path, 
         stale=False, other_machines=True,
     )  # fmt: skip
     assert [s["seed"] for s in learning.grid_specs(args)] == [1, 2, 3]
+    # the records they replace that do not name their machine are kept for the replication section, once
+    specs = learning.grid_specs(args)
     args.other_machines = False
     assert [s["seed"] for s in learning.grid_specs(args)] == [3]
+    (copy,) = learning.keep_unrecorded(specs, "tiny")
+    assert copy == tmp_path / "unrecorded_machine" / "runs" / "tiny" / "klppo__CartPole-v1__lr1__s2.json"
+    assert json.loads(copy.read_text())["seed"] == 2 and "run_environment" not in json.loads(copy.read_text())
+    assert learning.keep_unrecorded(specs, "tiny") == []
 
 
 def test_matched_target_stays_that_of_the_cells_records(tmp_path, monkeypatch):
