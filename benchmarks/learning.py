@@ -822,15 +822,15 @@ def grid_beside(
     """
     kept = {seed_key(r): r for runs in load_folder(f"unrecorded_machine/runs/{tier}").values() for r in runs}
     side_machine = {seed_key(r): machine(r) for runs in side.values() for r in runs}
-    out = {}
-    for cell, runs in groups.items():
-        out[cell] = []
-        for r in runs:
-            key = seed_key(r)
-            earlier = kept.get(key)
-            same = key in side_machine and machine(r) != side_machine[key] and earlier is not None
-            out[cell].append(earlier if same and machine(earlier) == side_machine[key] else r)
-    return out
+
+    def from_side_machine(record: dict[str, Any]) -> dict[str, Any]:
+        key = seed_key(record)
+        earlier = kept.get(key)
+        if key not in side_machine or earlier is None or machine(record) == side_machine[key]:
+            return record
+        return earlier if machine(earlier) == side_machine[key] else record
+
+    return {cell: [from_side_machine(r) for r in runs] for cell, runs in groups.items()}
 
 
 def saturation_stop_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
