@@ -116,10 +116,8 @@ def make_probe() -> Any:
 
 def probe_run(record: dict[str, Any]) -> dict[str, Any]:
     """Train a record's run again with the probe; :return: the probe's rows and whether the training repeated"""
-    spec = {key: record[key] for key in ("algo", "env", "seed", "lr_mult", "tier")}
-    spec["overrides"] = record.get("overrides") or {}
     probe = make_probe()
-    again = learning.train_and_evaluate(spec, probes=[probe])
+    again = learning.train_and_evaluate(learning.rerun_spec(record), probes=[probe])
     return dict(
         algo=record["algo"],
         env=record["env"],

@@ -166,6 +166,13 @@ def matched_seed_kls(trpo_records: list[dict[str, Any]]) -> list[float]:
     return [u["mean"] for r in trpo_records if r["seed"] in MATCHED_SEEDS for u in r["kl_updates"]]
 
 
+def rerun_spec(record: dict[str, Any]) -> dict[str, Any]:
+    """:return: the spec of a record's run (cell, seed, tier and overrides), for :func:`train_and_evaluate` to repeat it"""
+    spec = {key: record[key] for key in ("algo", "env", "seed", "lr_mult", "tier")}
+    spec["overrides"] = record.get("overrides") or {}
+    return spec
+
+
 def record_file(record: dict[str, Any]) -> Path:
     """:return: the path of a record's file"""
     return record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"])

@@ -52,8 +52,7 @@ def reproducible_records(records: list[dict[str, Any]], environment: dict[str, s
 
 def rerun(record: dict[str, Any]) -> dict[str, Any]:
     """Re-run a record's cell and seed with the current checkout; :return: the comparison's row"""
-    spec = dict(algo=record["algo"], env=record["env"], seed=record["seed"], lr_mult=record["lr_mult"], tier=record["tier"])
-    new = learning.train_and_evaluate(spec)
+    new = learning.train_and_evaluate(learning.rerun_spec(record))
     return dict(
         algo=record["algo"],
         env=record["env"],
