@@ -165,9 +165,7 @@ def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def collapsed_runs(tier: str) -> list[dict[str, Any]]:
     """The grid's sb3-kl records with a collapse, one per distinct training (``learning.distinct_trainings``)."""
-    records = [
-        r for r in learning.load_records(tier) if r["algo"] in learning.SB3_KL_ALGOS and learning.count_collapses(r["curve"])
-    ]
+    records = learning.sb3_kl_collapses(learning.group_records(learning.load_records(tier)))
     return sorted(learning.distinct_trainings(records), key=learning.seed_key)
 
 

@@ -748,6 +748,11 @@ def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["eval_returns"] == b["eval_returns"] and a["kl_updates"] == b["kl_updates"]
 
 
+def sb3_kl_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The runs of sb3-kl algorithms among ``groups`` with a collapse (:func:`count_collapses`), in the groups' order."""
+    return [r for (_, algo, _), runs in groups.items() if algo in SB3_KL_ALGOS for r in runs if count_collapses(r["curve"])]
+
+
 def distinct_trainings(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     ``records`` without those that trained identically to an earlier one (:func:`same_run`): KLPPO with PPO's clip and
@@ -1016,13 +1021,7 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
     grid_versions = ", ".join(f"`{v}`" for v in sorted(code_versions([r for _, old, _ in pairs for r in old])))
     label = f"{target:g}"
-    collapsed = {
-        (r["algo"], r["env"])
-        for key, runs in groups.items()
-        if key[1] in SB3_KL_ALGOS
-        for r in runs
-        if count_collapses(r["curve"]) > 0
-    }
+    collapsed = {(r["algo"], r["env"]) for r in sb3_kl_collapses(groups)}
     lines = [
         f"## KLPPO's target on {env}: {label} against the default 0.03",
         "",
@@ -1493,7 +1492,7 @@ def goal_stress(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> l
 def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
     """No collapse of any sb3-kl algorithm anywhere in the grid."""
     runs = [r for (_, algo, _), rs in groups.items() if algo in SB3_KL_ALGOS for r in rs]
-    collapsed = [r for r in runs if count_collapses(r["curve"]) > 0]
+    collapsed = sb3_kl_collapses(groups)
     detail = (
         ", ".join(
             f"{r['algo']} {r['env']} x{r['lr_mult']:g} s{r['seed']}, evaluation after training {r['eval_mean']:.1f}"
