@@ -8,8 +8,9 @@ the same settings and seed and a probe that records, after each rollout:
   one) and the episodes that ended by termination (a fall) rather than by the time limit;
 - the KL that the observation normalization alone causes: ``VecNormalize`` updates its running statistics during the
   rollout, which moves the policy's actions on the same raw states without any change of its parameters. It is the
-  exact KL(pi(norm_before(s)) || pi(norm_after(s))), summed over action dimensions, on the raw states it reached, with
-  the statistics at the start and at the end of the rollout and the parameters of the end;
+  monitor's ``kl/normalization_shift``: the exact KL(pi(norm_start(s)) || pi(norm_end(s))), summed over action
+  dimensions, on the rollout's states, with the statistics at the start and at the end of the rollout and the
+  parameters that acted in it;
 - the KL coefficient beta and whether it sits at its lower bound (the penalty then does nothing), and the mean std
   of a Gaussian policy.
 
@@ -45,27 +46,20 @@ BEFORE_ROLLOUTS = 20
 
 def make_probe() -> Any:
     """:return: a fresh :class:`CollapseProbe` callback (built here so that SB3 is imported in the worker)"""
-    import torch as th
     from stable_baselines3.common.callbacks import BaseCallback
 
     class CollapseProbe(BaseCallback):
-        """Records, after each rollout, how its episodes ended, the normalization's own KL and beta (see the module)."""
+        """Records, after each rollout, how its episodes ended and beta (see the module)."""
 
         def __init__(self) -> None:
             super().__init__()
             self.rows: list[dict[str, float]] = []
 
         def _on_rollout_start(self) -> None:
-            normalizer = self.model.get_vec_normalize_env()
-            self.stats_before = None if normalizer is None else (normalizer.obs_rms.mean.copy(), normalizer.obs_rms.var.copy())
-            self.raw: list[np.ndarray] = []
             self.velocities: list[float] = []
             self.terminated = self.truncated = 0
 
         def _on_step(self) -> bool:
-            normalizer = self.model.get_vec_normalize_env()
-            if normalizer is not None:
-                self.raw.append(normalizer.get_original_obs().copy())
             for info, done in zip(self.locals["infos"], self.locals["dones"], strict=True):
                 if "x_velocity" in info:
                     self.velocities.append(float(info["x_velocity"]))
@@ -85,26 +79,10 @@ def make_probe() -> Any:
                 velocity=float(np.mean(self.velocities)) if self.velocities else float("nan"),
                 terminated=float(self.terminated),
                 truncated=float(self.truncated),
-                normalization_kl=float("nan"),
                 kl_coef=float("nan"),
                 kl_coef_at_floor=float("nan"),
                 std=float(policy.log_std.detach().exp().mean()) if hasattr(policy, "log_std") else float("nan"),
             )
-            normalizer = model.get_vec_normalize_env()
-            if normalizer is not None and self.stats_before is not None and self.raw:
-                raw = np.concatenate(self.raw)
-                (mean_before, var_before), after = self.stats_before, normalizer.obs_rms
-
-                def normalized(mean: np.ndarray, var: np.ndarray) -> th.Tensor:
-                    scaled = (raw - mean) / np.sqrt(var + normalizer.epsilon)
-                    clipped = np.clip(scaled, -normalizer.clip_obs, normalizer.clip_obs)
-                    return th.as_tensor(clipped, dtype=th.float32, device=policy.device)
-
-                with th.no_grad():
-                    before = policy.get_distribution(normalized(mean_before, var_before)).distribution
-                    now = policy.get_distribution(normalized(after.mean, after.var)).distribution
-                    kl = th.distributions.kl_divergence(before, now)
-                    row["normalization_kl"] = float((kl.sum(-1) if kl.dim() > 1 else kl).mean())
             controller = getattr(model, "kl_controller", None)
             if controller is not None:
                 row["kl_coef"] = float(model.kl_coef)
@@ -118,6 +96,10 @@ def probe_run(record: dict[str, Any]) -> dict[str, Any]:
     """Train a record's run again with the probe; :return: the probe's rows and whether the training repeated"""
     probe = make_probe()
     again = learning.train_and_evaluate(learning.rerun_spec(record), probes=[probe])
+    # the monitor measured each rollout's normalization shift with the update that trained on it (same step count)
+    shifts = {u["timesteps"]: u.get("normalization_shift", float("nan")) for u in again["kl_updates"]}
+    for row in probe.rows:
+        row["normalization_kl"] = shifts.get(int(row["timesteps"]), float("nan"))
     return dict(
         algo=record["algo"],
         env=record["env"],
@@ -193,7 +175,8 @@ def report(results: list[dict[str, Any]]) -> str:
         "which the curve fell below 50 % of its gain (update KL and beta: the updates that made their policies). "
         "velocity: mean forward velocity of the rollouts' steps; falls: episodes ended by termination per 1000 steps; "
         "normalization KL: the exact KL by which `VecNormalize`'s statistics update over one rollout moves the policy "
-        "on the states it reached (parameters unchanged), / target; update KL: the monitor's per-update KL / target; "
+        "on its states (parameters unchanged; the monitor's `kl/normalization_shift`), / target; "
+        "update KL: the monitor's per-update KL / target; "
         "beta at floor: share of those updates that KLPPO's beta entered at its lower "
         "bound, where the penalty does nothing.",
         "",

@@ -258,9 +258,10 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
     if monitor is not None:
         for entry in monitor.history:
             stats = entry.get("stats", entry)
-            kl_updates.append(
-                dict(timesteps=int(entry.get("num_timesteps", 0)), mean=float(stats["mean"]), p99=float(stats["p99"]))
-            )
+            update = dict(timesteps=int(entry.get("num_timesteps", 0)), mean=float(stats["mean"]), p99=float(stats["p99"]))
+            if "normalization_shift" in entry:  # the KL that VecNormalize's statistics alone made in the rollout
+                update["normalization_shift"] = float(entry["normalization_shift"])
+            kl_updates.append(update)
     record = dict(
         algo=algo,
         env=env_id,
@@ -744,8 +745,15 @@ def update_share(record: dict[str, Any], low: float, high: float) -> float:
 
 
 def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two records of one cell and seed trained identically (same evaluation returns and per-update KLs)."""
-    return a["eval_returns"] == b["eval_returns"] and a["kl_updates"] == b["kl_updates"]
+    """
+    Whether two records of one cell and seed trained identically: same evaluation returns and per-update KLs (the
+    update's mean and p99; records made before the monitor measured the normalization's shift do not hold it).
+    """
+
+    def updates(record: dict[str, Any]) -> list[tuple[int, float, float]]:
+        return [(u["timesteps"], u["mean"], u["p99"]) for u in record["kl_updates"]]
+
+    return a["eval_returns"] == b["eval_returns"] and updates(a) == updates(b)
 
 
 def sb3_kl_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@ KLMonitorCallback: the exact per-state KL of every update of an SB3 on-policy ag
 that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its docstring for the timing).
 """
 
+import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,7 @@ from sb3_kl.common.kl import (
     sb3_contrib_kl_reduction,
 )
 from sb3_kl.common.modes import acting_mode
+from sb3_kl.common.normalization import RolloutNormalization, rollout_normalization
 from sb3_kl.common.recurrent import RolloutSequences, evaluate_sequences, is_recurrent_policy, step_major
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_quantiles
 
@@ -164,6 +167,12 @@ class KLMonitorCallback(BaseCallback):
       number of action dimensions with ``reduction="mean"``: how far the policy is from uniform exploration;
     - ``kl/hist``: a TensorBoard histogram of the per-state KL (only when a TensorBoard output is configured);
     - ``kl/convention``: e.g. ``forward/analytic/sum`` (not sent to TensorBoard);
+    - ``kl/normalization_shift``: when the model's environment normalizes observations with ``VecNormalize``
+      (``normalization_shift=True``), the mean exact KL over the rollout's states between the acting policy at the
+      rollout's start and at its end with the same parameters: the change that ``VecNormalize``'s statistics update
+      alone makes in the policy during the rollout, which no per-update KL sees. Always exact, in the monitor's
+      ``direction`` (forward: KL(pi_start || pi_end)) and ``reduction``, whatever ``estimator``. Not measured (a
+      warning says so) when a wrapper after ``VecNormalize`` changes the observations;
     - with an sb3_kl algorithm: ``kl/coef`` (beta; not with KLTRPO, which has none), ``kl/target`` and
       ``kl/grad_ratio`` (from ``train/kl_grad_ratio``);
       with a stock algorithm whose ``target_kl`` is set: ``kl/target``;
@@ -180,7 +189,8 @@ class KLMonitorCallback(BaseCallback):
     callback), ``num_timesteps``, ``n_updates`` (the model's counter), ``mean``, the quantiles (``p50``...),
     ``max``, ``min``, ``tail_ratio``, ``entropy``, ``target_convention`` and ``mean_in_target_convention`` (see above;
     also without a target: then the convention of the family default the alarms use), ``to_uniform`` (discrete),
-    ``coef``/``target``/``grad_ratio`` (when available) and ``env_means`` (a list, with ``per_env``).
+    ``coef``/``target``/``grad_ratio``/``normalization_shift`` (when available) and ``env_means`` (a list, with
+    ``per_env``).
     :attr:`last_per_state` holds the per-state KL of the last measured update (numpy array, states ordered
     step-major: ``index = step * n_envs + env``).
 
@@ -205,6 +215,8 @@ class KLMonitorCallback(BaseCallback):
     :param quantiles: Quantiles of the per-state KL to log, strictly between 0 and 1
     :param every: Measure every ``every``-th update only (the others cost nothing)
     :param per_env: Log the mean KL of each environment of the VecEnv as ``kl/env_<i>``
+    :param normalization_shift: Measure ``kl/normalization_shift`` when the environment normalizes observations with
+        ``VecNormalize`` (two more forward passes over the rollout per measured update)
     :param top_k: Number of highest-KL states kept per measured update (0: none)
     :param top_k_path: Where to save the kept states (``.npz``) at the end of training; None: keep them in memory only
     :param background_size: Number of other states sampled per measured update for comparison (default: ``4 * top_k``)
@@ -221,6 +233,7 @@ class KLMonitorCallback(BaseCallback):
         quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
         every: int = 1,
         per_env: bool = False,
+        normalization_shift: bool = True,
         top_k: int = 0,
         top_k_path: str | None = None,
         background_size: int | None = None,
@@ -241,6 +254,7 @@ class KLMonitorCallback(BaseCallback):
             except ValueError as error:
                 raise ValueError(f"{error} (The same option as the algorithms' `kl_{name}`.)") from None
         check_bool("per_env", per_env)
+        check_bool("normalization_shift", normalization_shift)
         if seed is not None:
             check_int("seed", seed, 0)
         self.settings = KLSettings(estimator=estimator, direction=direction, reduction=reduction)
@@ -256,6 +270,7 @@ class KLMonitorCallback(BaseCallback):
         self.quantiles = quantiles
         self.every = every
         self.per_env = per_env
+        self.normalization_shift = normalization_shift
         self.top_k = top_k
         self.top_k_path = top_k_path
         self.background_size = background_size
@@ -271,6 +286,7 @@ class KLMonitorCallback(BaseCallback):
         self._masked = False
         self._recurrent = False
         self._has_tensorboard = False
+        self._normalization: RolloutNormalization | None = None
 
     # ----------------------------------------------------------------------------------------------------------
     # Public helpers
@@ -315,6 +331,7 @@ class KLMonitorCallback(BaseCallback):
                 "none: use sb3-contrib's MaskableRolloutBuffer (MaskablePPO's default)."
             )
         self._has_tensorboard = any(isinstance(f, TensorBoardOutputFormat) for f in self.logger.output_formats)
+        self._normalization = rollout_normalization(self.model, type(self).__name__) if self.normalization_shift else None
 
     def _on_training_start(self) -> None:
         # A snapshot from a previous learn() call does not belong to this run
@@ -323,13 +340,26 @@ class KLMonitorCallback(BaseCallback):
     def _on_rollout_end(self) -> None:
         if self._updates_seen % self.every == 0:
             self._snapshot = self._take_snapshot()
+            self._snapshot["normalization_shift"] = self._normalization_shift(self._snapshot)
         else:
             self._snapshot = None
+        if self._normalization is not None:
+            self._normalization.stop()
         self._updates_seen += 1
 
     def _on_rollout_start(self) -> None:
         # First hook after train(): the buffer was reset but the snapshot holds its states
         self._measure_pending()
+        normalization = self._normalization
+        if normalization is not None and self._updates_seen % self.every == 0:  # the rollout about to be measured
+            if not normalization.start(self.model._last_obs):
+                warnings.warn(
+                    f"{type(self).__name__}: the model's observations are not VecNormalize's normalized ones (another "
+                    "wrapper changes them), so `kl/normalization_shift` is not measured. Put VecNormalize last, or "
+                    "pass normalization_shift=False.",
+                    stacklevel=2,
+                )
+                self._normalization = None
 
     def _on_training_end(self) -> None:
         self._measure_pending()
@@ -337,6 +367,8 @@ class KLMonitorCallback(BaseCallback):
             self.save_top_states(self.top_k_path)
 
     def _on_step(self) -> bool:
+        if self._normalization is not None:
+            self._normalization.step()
         return True
 
     # ----------------------------------------------------------------------------------------------------------
@@ -460,6 +492,42 @@ class KLMonitorCallback(BaseCallback):
         snapshot["old_params"], snapshot["old_log_prob"] = self._evaluate(snapshot)
         return snapshot
 
+    def _normalization_shift(self, snapshot: dict[str, Any]) -> float | None:
+        """
+        The mean exact KL between the acting policy at the rollout's start and at its end (same parameters, the
+        ``VecNormalize`` statistics of the start and of the end) on the snapshot's states; None when not measured.
+        """
+        normalization = self._normalization
+        if normalization is None:
+            return None
+        normalized = normalization.normalized(snapshot["n"] // snapshot["n_envs"])
+        if normalized is None:
+            return None
+        sequences = snapshot.get("sequences")
+        stored = snapshot["observations"] if sequences is None else sequences.observations
+
+        def as_stored(observations: Any) -> Any:
+            def convert(array: np.ndarray, like: th.Tensor) -> th.Tensor:
+                if sequences is not None:  # step-major (n_steps, n_envs, ...) -> env-major like the sequences
+                    array = array.swapaxes(0, 1)
+                return th.as_tensor(np.ascontiguousarray(array), dtype=like.dtype, device=like.device).reshape(like.shape)
+
+            if isinstance(stored, dict):
+                keys = normalization.normalizer.norm_obs_keys or []
+                return {key: convert(observations[key], value) if key in keys else value for key, value in stored.items()}
+            return convert(observations, stored)
+
+        params = []
+        for observations in normalized:
+            if sequences is None:
+                evaluated = {**snapshot, "observations": as_stored(observations)}
+            else:
+                evaluated = {**snapshot, "sequences": dataclasses.replace(sequences, observations=as_stored(observations))}
+            params.append(self._evaluate(evaluated)[0].double())
+        assert self._dist_params is not None
+        exact = KLSettings(estimator="analytic", direction=self.settings.direction, reduction=self.settings.reduction)
+        return float(per_state_kl(exact, self._dist_params, params[0], params[1], None).mean())
+
     def _measure_pending(self) -> None:
         if self._snapshot is None:
             return
@@ -529,6 +597,8 @@ class KLMonitorCallback(BaseCallback):
         grad_ratio = model.logger.name_to_value.get("train/kl_grad_ratio")
         if grad_ratio is not None:
             record["grad_ratio"] = float(grad_ratio)
+        if snapshot.get("normalization_shift") is not None:
+            record["normalization_shift"] = snapshot["normalization_shift"]
         return record
 
     def _tail_ratio(self, per_state: np.ndarray, record: dict[str, Any]) -> float:
@@ -583,7 +653,7 @@ class KLMonitorCallback(BaseCallback):
         for q in self.quantiles:
             name = quantile_name(q)
             logger.record(f"kl/{name}", record[name])
-        for key in ("max", "tail_ratio", "entropy", "to_uniform", "coef", "target", "grad_ratio"):
+        for key in ("max", "tail_ratio", "entropy", "to_uniform", "coef", "target", "grad_ratio", "normalization_shift"):
             if key in record:
                 logger.record(f"kl/{key}", record[key])
         if "target" in record:
