@@ -504,6 +504,15 @@ def t_two_sided_p(t: float, dof: float) -> float:
     return regularized_incomplete_beta(dof / 2.0, 0.5, dof / (dof + t * t))
 
 
+def p_text(p: float) -> str:
+    """A p-value as the report prints it: two decimals, three below 0.01, and ``p<0.001`` below that."""
+    if math.isnan(p):
+        return "p n/a"
+    if p < 0.001:
+        return "p<0.001"
+    return f"p={p:.3f}" if p < 0.01 else f"p={p:.2f}"
+
+
 def verdict(ours: list[float], theirs: list[float], higher_is_better: bool = True) -> tuple[str, str]:
     """
     :return: ``("+12.3 (p=0.04)", "better" | "worse" | "tie")``: the difference of the means (ours - theirs), its
@@ -512,7 +521,7 @@ def verdict(ours: list[float], theirs: list[float], higher_is_better: bool = Tru
     difference = float(np.mean(ours) - np.mean(theirs))
     p = welch_p_value(ours, theirs)
     digits = 4 if max(abs(np.mean(ours)), abs(np.mean(theirs))) < 1 else 1
-    text = f"{difference:+.{digits}f} (p={p:.2f})" if not math.isnan(p) else f"{difference:+.{digits}f} (p n/a)"
+    text = f"{difference:+.{digits}f} ({p_text(p)})"
     if math.isnan(p) or p >= SIGNIFICANCE:
         return text, "tie"
     return text, "better" if (difference > 0) == higher_is_better else "worse"
@@ -599,8 +608,8 @@ def report(tier: str) -> str:
     lines += collapse_table(groups), ""
     replicated = replication(tier)
     note = (
-        "The cells replicated on a second machine are judged again on that machine's records alone under"
-        " *Replication on a second machine* below."
+        "The cells whose earlier records do not name their machine are judged again on this machine's records alone"
+        " under *Records that do not name their machine, beside this machine's* below."
     )
     lines += goals(groups, note if replicated else None), ""
     if replicated:
@@ -1231,7 +1240,7 @@ def replication(tier: str) -> str:
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(from_replica)))
     machines = "; ".join(sorted(run_environments(records)))
     out = [
-        "## Replication on a second machine",
+        "## Records that do not name their machine, beside this machine's",
         "",
         "The grid's records that do not name their machine (made before records did) came from another machine than"
         " the one the other records name, or from that one. The cells below hold both runs of the same seeds and"
@@ -1240,16 +1249,19 @@ def replication(tier: str) -> str:
         f" `benchmarks/results/unrecorded_machine/runs/{tier}/`), beside *named*, the machine the records name"
         f" ({machines}; the grid's record: {len(from_grid)} runs, else the replication's, in"
         f" `benchmarks/results/replication/runs/{tier}/`, code {versions or 'none'}: {len(from_replica)} runs)."
-        " Between two machines this shows how far the figures move with the machine's floating-point rounding (and,"
-        " where the unrecorded record is of an older commit, with the code's changes since). `identical`: seeds that"
-        " trained identically on both; difference: named - unrecorded, with its Welch p-value. "
+        " Where the unrecorded record came from another machine, this shows how far the figures move with the"
+        " machine's floating-point rounding (and, where it is of an older commit, with the code's changes since);"
+        " where it came from this one, the training repeats. `identical`: seeds that trained identically on both"
+        " (same evaluation returns and per-update KLs; a monitor whose arithmetic changed since can make a repeated"
+        " training's KLs differ in their last digits, so a seed counted as different may still be the same training);"
+        " difference: named - unrecorded, with its Welch p-value. "
         + matched_target_on_machines(primary, {"unrecorded": first, "named": second}),
         "",
         "| env | lr | algo | n | identical | " + PAIRED_HEADER.format(a="unrecorded", b="named")[2:],
         "|---" * 15 + "|",
         *rows,
         "",
-        f"Evaluation returns that differ significantly between the machines (p < {SIGNIFICANCE}): {len(moved)} of"
+        f"Evaluation returns that differ significantly between the two records (p < {SIGNIFICANCE}): {len(moved)} of"
         f" {len(rows)} cells{': ' + ', '.join(moved) if moved else ''}.",
     ]
     for described in sorted({machine(r) for r in records} - {None}):

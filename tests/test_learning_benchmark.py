@@ -304,8 +304,8 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
         _write(tmp_path / "unrecorded_machine" / "runs" / "tiny", earlier)
         _write(primary, record)
     text = learning.report("tiny")
-    section = text[text.index("## Replication on a second machine") :]
-    assert "## Goals\n\nThe cells replicated on a second machine are judged again" in text
+    section = text[text.index("## Records that do not name their machine") :]
+    assert "## Goals\n\nThe cells whose earlier records do not name their machine are judged again" in text
     assert "(Other CPU, torch 9.9; the grid's record: 3 runs, else the replication's" in section
     assert "| CartPole-v1 | x1 | kltrpo_matched |" not in section
     assert _row(section, "| CartPole-v1 | x1 | klppo |").startswith("| CartPole-v1 | x1 | klppo | 3 | 0 | 481.0 ± 0.8 | 500.0")
@@ -316,7 +316,7 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
     # 3 seeds, 1 identical; evaluation 410.0 above vs 414.7 in the replication
     assert row.startswith("| CartPole-v1 | x1 | kltrpo | 3 | 1 | 410.0 ± 8.2 | 414.7 ± 11.1 | +4.7")
     assert "- CartPole-v1: kltrpo 414.7 vs TRPO 541.0 ± 0.8 (n=3/3), within one std of TRPO or better: not measured" in section
-    moved = "differ significantly between the machines (p < 0.05): 2 of 3 cells: CartPole-v1 x1 klppo, CartPole-v1 x1 trpo."
+    moved = "differ significantly between the two records (p < 0.05): 2 of 3 cells: CartPole-v1 x1 klppo, CartPole-v1 x1 trpo."
     assert moved in section
     # neither a replication nor records kept from the other machine: no section
     _empty(replica)
@@ -409,7 +409,7 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     assert section.count(f"| {env} | x1 |") == 2  # clip_klppo has no lowered records to pair with
     row = _row(section, f"| {env} | x1 | klppo_noclip |")
     # +100.0 on every seed: a significant gain; in band: all at 0.03, half at the lower target (the other 3 x over)
-    assert row.startswith(f"| {env} | x1 | klppo_noclip | 3 | 901.0 ± 0.8 | 1001.0 ± 0.8 | +100.0 (p=0.00): better")
+    assert row.startswith(f"| {env} | x1 | klppo_noclip | 3 | 901.0 ± 0.8 | 1001.0 ± 0.8 | +100.0 (p<0.001): better")
     assert row.endswith("| 100 ± 0% | 50 ± 0% | 0 ± 0% | 50 ± 0% | 1 / 0 |")
     assert _row(section, f"| {env} | x1 | ppo_target_kl |").endswith("| 2 / 0 |")
     assert "The sb3-kl runs of the grid that collapse: klppo_noclip on Hopper-v5." in section
