@@ -156,3 +156,29 @@ def test_states_errors(tmp_path, capsys):
         assert main(["states", str(tmp_path / name)]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_report_shows_the_normalizations_own_shift_beside_the_update_kl(tmp_path, capsys):
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from sb3_kl.callbacks import KLMonitorCallback
+
+    th.set_num_threads(1)
+    env = VecNormalize(make_vec_env("Pendulum-v1", n_envs=2, seed=0))
+    model = PPO("MlpPolicy", env, n_steps=64, batch_size=64, n_epochs=2, policy_kwargs=dict(ortho_init=False), seed=0)
+    model.set_logger(configure(str(tmp_path / "run"), ["csv"]))
+    monitor = KLMonitorCallback()
+    model.learn(64 * 2 * 8, callback=monitor)
+    report = summarize_run(load_run(*find_runs(str(tmp_path))[0]), target_kl=0.03)
+    # the values of update u reach the log at the next dump: the last update's stay in memory (as SB3's train/ keys)
+    logged = [record["normalization_shift"] for record in monitor.history[:-1]]
+    logged_kl = [record["mean"] for record in monitor.history[:-1]]
+    assert report.normalization["n"] == len(logged) == 7
+    assert report.normalization["mean"] == pytest.approx(np.mean(logged), rel=1e-6)
+    assert report.normalization["max"] == pytest.approx(max(logged), rel=1e-6)
+    assert report.normalization["above_update"] == sum(s > k for s, k in zip(logged, logged_kl, strict=True))
+    assert main(["report", str(tmp_path / "run"), "--target", "0.03"]) == 0
+    out = capsys.readouterr().out
+    assert "observation normalization alone (kl/normalization_shift, exact, per rollout): mean" in out
+    assert f"/{len(logged)} rollouts" in out

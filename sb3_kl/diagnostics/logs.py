@@ -32,6 +32,9 @@ KL_KEYS: dict[str, tuple[str, ...]] = {
     "kl_band_low": ("train/kl_band_low",),
     "kl_band_high": ("train/kl_band_high",),
     "ep_rew_mean": ("rollout/ep_rew_mean",),
+    # the monitor's own figures, in its convention: what observation normalization alone moved, beside the update's KL
+    "normalization_shift": ("kl/normalization_shift",),
+    "monitor_kl_mean": ("kl/mean",),
 }
 
 #: The canonical names read from the run's one KL source (the algorithm's ``train/`` keys or the monitor's ``kl/``)

@@ -64,6 +64,9 @@ class RunReport:
     :param alarm_steps: Steps at which the alarm count increased
     :param n_alarms: Number of alarms
     :param lead: Lead-lag result (None without ``rollout/ep_rew_mean``)
+    :param normalization: Summary of ``kl/normalization_shift`` (empty if not logged): ``mean``, ``max``, the
+        ``step_of_max``, ``n`` rollouts, and ``above_update``: the rollouts whose shift exceeds the KL of the update
+        that trained on them (``kl/mean``, the same monitor's convention)
     :param notes: Remarks on missing keys
     """
 
@@ -78,6 +81,7 @@ class RunReport:
     alarm_steps: list[int] = field(default_factory=list)
     n_alarms: int | None = None
     lead: LeadLagResult | None = None
+    normalization: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -203,6 +207,8 @@ def summarize_run(
         steps, count = alarm_events(alarms)
         report.alarm_steps, report.n_alarms = [int(s) for s in steps], count
 
+    report.normalization = _normalization_summary(run)
+
     returns = run.get("ep_rew_mean")
     if returns is None:
         notes.append("no rollout/ep_rew_mean logged: lead-lag skipped")
@@ -210,6 +216,40 @@ def summarize_run(
         steps, (kl_r, returns_r) = align(kl, returns)
         report.lead = lead_lag(kl_r, returns_r, steps=steps, max_lag=max_lag, seed=seed)
     return report
+
+
+def _normalization_summary(run: RunLog) -> dict[str, float]:
+    """The summary of the monitor's ``kl/normalization_shift`` (:attr:`RunReport.normalization`), empty without it."""
+    shift = run.get("normalization_shift")
+    if shift is None or not np.any(np.isfinite(shift.values)):
+        return {}
+    finite = np.isfinite(shift.values)
+    values, steps = shift.values[finite], shift.steps[finite]
+    summary = {
+        "mean": float(values.mean()),
+        "max": float(values.max()),
+        "step_of_max": float(steps[np.argmax(values)]),
+        "n": float(len(values)),
+    }
+    update_kl = run.get("monitor_kl_mean")
+    if update_kl is not None:
+        _, (shift_aligned, update_aligned) = align(Series(steps, values), update_kl)
+        summary["above_update"] = float(np.sum(shift_aligned > update_aligned))
+        summary["n_compared"] = float(len(shift_aligned))
+    return summary
+
+
+def _normalization_line(report: RunReport) -> list[str]:
+    c = report.normalization
+    if not c:
+        return []
+    line = (
+        f"observation normalization alone (kl/normalization_shift, exact, per rollout): mean {c['mean']:.3g}, "
+        f"max {c['max']:.3g} at step {int(c['step_of_max'])}"
+    )
+    if "above_update" in c:
+        line += f"; larger than the update's KL (kl/mean) in {int(c['above_update'])}/{int(c['n_compared'])} rollouts"
+    return [line]
 
 
 def _convention_notes(run: RunLog) -> list[str]:
@@ -298,6 +338,7 @@ def format_text(report: RunReport, coef_bounds: tuple[float, float] = DEFAULT_CO
         f"(above {_pct(report.above)}, below {_pct(report.below)})"
     )
     lines += _coef_lines(report, coef_bounds)
+    lines += _normalization_line(report)
     lines.append(_alarm_line(report))
     if report.lead is not None:
         lines.append("lead-lag: " + report.lead.summary())
@@ -333,7 +374,7 @@ def format_markdown(reports: list[RunReport], coef_bounds: tuple[float, float] =
             f"- Outside the band [{lo:g}, {hi:g}] x target ({report.band_source}): {_pct(report.above + report.below)} "
             "of updates",
         ]
-        out += [f"- {line}" for line in _coef_lines(report, coef_bounds)]
+        out += [f"- {line}" for line in _coef_lines(report, coef_bounds) + _normalization_line(report)]
         out.append(f"- {_alarm_line(report)}")
         if report.lead is not None:
             out.append(f"- Lead-lag: {report.lead.summary()}")
