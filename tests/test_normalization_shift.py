@@ -301,3 +301,15 @@ def test_normalization_shift_option_is_checked():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         KLMonitorCallback(normalization_shift=False)
+
+
+def test_callbacks_that_measure_privately_do_not_measure_the_shift_but_a_shared_monitor_does():
+    from sb3_kl.callbacks import KLAlarmCallback
+
+    model = PPO("MlpPolicy", _pendulum(), n_steps=64, batch_size=64, policy_kwargs=_POLICY, seed=0)
+    alarm = KLAlarmCallback(target_kl=0.03)
+    model.learn(256, callback=alarm)
+    assert all("normalization_shift" not in record for record in alarm.monitor.history)
+    monitor = KLMonitorCallback()
+    model.learn(256, callback=[monitor, KLAlarmCallback(target_kl=0.03, monitor=monitor)])
+    assert all(record["normalization_shift"] >= 0.0 for record in monitor.history)

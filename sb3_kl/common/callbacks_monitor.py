@@ -747,7 +747,8 @@ class MonitorUser(BaseCallback):
         if monitor is not None and not isinstance(monitor, KLMonitorCallback):
             raise TypeError(f"`monitor` must be a KLMonitorCallback or None, got {type(monitor).__name__}.")
         self._own_monitor = monitor is None
-        self.monitor = monitor if monitor is not None else KLMonitorCallback()
+        # a private monitor measures only what the callback acts on (it is not driven step by step)
+        self.monitor = monitor if monitor is not None else KLMonitorCallback(normalization_shift=False)
         self.monitor.add_listener(self._on_kl_measured)
         self._active = False
 
