@@ -10,7 +10,9 @@ on CartPole-v1 and Pendulum-v1; sb3-contrib RecurrentPPO + KLMonitorCallback vs 
 their velocity-masked variants with rl-zoo's ``ppo_lstm`` settings. Writes ``benchmarks/results/overhead.md``
 (median ratio, min-max, per-pair ratios).
 For the monitor, a third figure that other load on the machine does not disturb: the share of ``learn()``'s wall-clock
-time spent inside the monitor's own hooks (snapshot and measurement), whose complement is the steps/s ratio it implies.
+time spent inside the monitor's own hooks (snapshot and measurement, and on the recurrent tasks, which ``VecNormalize``
+wraps, the raw observations kept at each step and the normalization shift), whose complement is the steps/s ratio it
+implies.
 
     python benchmarks/overhead.py [--pairs 5] [--steps-scale 1.0] [--comparisons klppo clip_klppo kltrpo monitor]
 """
@@ -65,6 +67,13 @@ def timed_monitor() -> Any:
 
         def _on_rollout_end(self) -> None:
             self._timed(super()._on_rollout_end)
+
+        def _on_step(self) -> bool:
+            # keeps the raw observations when VecNormalize wraps the env (kl/normalization_shift)
+            start = time.perf_counter()
+            result = super()._on_step()
+            self.hook_time += time.perf_counter() - start
+            return result
 
         def _on_training_end(self) -> None:
             self._timed(super()._on_training_end)
@@ -229,7 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         lines += [
             "",
             "KLMonitorCallback's own cost, insensitive to other load: the share of `learn()`'s wall-clock time spent"
-            " inside its hooks (snapshot of the rollout policy and the KL measurement) in the monitored runs above, and"
+            " inside its hooks (snapshot of the rollout policy and the KL measurement; where VecNormalize wraps the env,"
+            " as on the recurrent tasks, also the raw observations kept at each step and the normalization's own KL,"
+            " `kl/normalization_shift`) in the monitored runs above, and"
             " the steps/s ratio it implies (1 - share).",
             "",
             "| monitored | env | runs | hook share median | implied ratio median | implied ratio min-max | goal | met |",

@@ -36,7 +36,7 @@ class RolloutRecorder(BaseCallback):
 
     def __init__(self, key: str | None = None):
         super().__init__()
-        self.key = key
+        self.key = key  # the normalized key of Dict observations (the others are kept as the model saw them)
         self.rollouts: list[dict] = []
 
     def _stats(self):
@@ -48,12 +48,17 @@ class RolloutRecorder(BaseCallback):
         raw = self.model.get_vec_normalize_env().get_original_obs()
         return (raw[self.key] if self.key is not None else raw).copy()
 
+    def _others(self, observation):
+        return {k: v.copy() for k, v in observation.items() if k != self.key} if self.key is not None else {}
+
     def _on_rollout_start(self) -> None:
         self.start = self._stats()
         self.raw = [self._raw()]
+        self.others = [self._others(self.model._last_obs)]
 
     def _on_step(self) -> bool:
         self.raw.append(self._raw())
+        self.others.append(self._others(self.locals["new_obs"]))
         return True
 
     def _on_rollout_end(self) -> None:
@@ -62,6 +67,8 @@ class RolloutRecorder(BaseCallback):
             start=self.start,
             end=self._stats(),
             raw=np.stack(self.raw[: buffer.buffer_size]),
+            others={k: np.stack([o[k] for o in self.others[: buffer.buffer_size]]) for k in self.others[0]},
+            key=self.key,
             policy=copy.deepcopy(self.model.policy),
         )
         if hasattr(buffer, "hidden_states_pi"):
@@ -77,18 +84,23 @@ def _torch_distributions(rollout: dict, normalizer: VecNormalize, stats: tuple) 
     policy = rollout["policy"]
     policy.set_training_mode(False)
     observations = th.as_tensor(_normalize(rollout["raw"], *stats, normalizer))  # (n_steps, n_envs, *shape)
+    if rollout["key"] is not None:  # Dict observations: the normalized key beside the others
+        observations = [
+            {rollout["key"]: observations[step], **{k: th.as_tensor(v[step]) for k, v in rollout["others"].items()}}
+            for step in range(len(observations))
+        ]
     distributions = []
     with th.no_grad():
         if "lstm" in rollout:  # one step at a time, the LSTM state carried and reset at episode starts
             lstm = tuple(th.as_tensor(state) for state in rollout["lstm"])
-            for step in range(observations.shape[0]):
+            for step in range(len(observations)):
                 starts = th.as_tensor(rollout["episode_starts"][step]).float()
                 features = policy.extract_features(observations[step], policy.pi_features_extractor)
                 latent, lstm = policy._process_sequence(features, lstm, starts, policy.lstm_actor)
                 latent = policy.mlp_extractor.forward_actor(latent)
                 distributions.append(policy._get_action_dist_from_latent(latent).distribution)
         else:
-            for step in range(observations.shape[0]):
+            for step in range(len(observations)):
                 distribution = policy.get_distribution(observations[step])
                 if "masks" in rollout:
                     logits = distribution.distribution.logits
@@ -254,33 +266,10 @@ def test_normalization_shift_with_dict_observations_normalizes_only_the_normaliz
     )
     model = PPO("MultiInputPolicy", env, n_steps=64, batch_size=64, learning_rate=3e-3, policy_kwargs=_POLICY, seed=0)
     recorder = RolloutRecorder(key="state")
-    phases = []
-
-    class PhaseRecorder(BaseCallback):
-        def _on_rollout_start(self) -> None:
-            self.phase = [self.model._last_obs["phase"].copy()]
-
-        def _on_step(self) -> bool:
-            self.phase.append(self.locals["new_obs"]["phase"].copy())
-            return True
-
-        def _on_rollout_end(self) -> None:
-            phases.append(np.stack(self.phase[:-1]))
-
     monitor = KLMonitorCallback()
-    model.learn(3 * 128, callback=CallbackList([recorder, PhaseRecorder(), monitor]))
-    expected = []
-    for rollout, phase in zip(recorder.rollouts, phases, strict=True):
-        policy = rollout["policy"]
-        policy.set_training_mode(False)
-        distributions = []
-        for stats in (rollout["start"], rollout["end"]):
-            state = th.as_tensor(_normalize(rollout["raw"], *stats, env)).reshape(-1, 3)
-            with th.no_grad():  # (SB3 returns the policy's one distribution object: take its torch one at once)
-                distribution = policy.get_distribution({"state": state, "phase": th.as_tensor(phase).reshape(-1, 1)})
-            distributions.append(_double(distribution.distribution))
-        expected.append(float(kl_divergence(*distributions).mean()))
+    model.learn(3 * 128, callback=CallbackList([recorder, monitor]))
     measured = [record["normalization_shift"] for record in monitor.history]
+    expected = [independent_shift(r, env) for r in recorder.rollouts]
     assert min(expected) > 1e-6
     np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)
 
@@ -313,3 +302,28 @@ def test_callbacks_that_measure_privately_do_not_measure_the_shift_but_a_shared_
     monitor = KLMonitorCallback()
     model.learn(256, callback=[monitor, KLAlarmCallback(target_kl=0.03, monitor=monitor)])
     assert all(record["normalization_shift"] >= 0.0 for record in monitor.history)
+
+
+def test_normalization_shift_of_a_recurrent_policy_on_dict_observations():
+    env = VecNormalize(
+        make_vec_env(MaskedDriftEnv, n_envs=2, seed=0, env_kwargs=dict(dict_observations=True)),
+        norm_obs_keys=["state"],
+        norm_reward=False,
+    )
+    model = RecurrentPPO(
+        "MultiInputLstmPolicy",
+        env,
+        n_steps=64,
+        batch_size=64,
+        n_epochs=2,
+        learning_rate=3e-3,
+        policy_kwargs=dict(ortho_init=False, lstm_hidden_size=16),
+        seed=0,
+    )
+    recorder = RolloutRecorder(key="state")
+    monitor = KLMonitorCallback(chunk_size=64)  # several chunks of envs
+    model.learn(3 * 128, callback=CallbackList([recorder, monitor]))
+    measured = [record["normalization_shift"] for record in monitor.history]
+    expected = [independent_shift(r, env) for r in recorder.rollouts]
+    assert min(expected) > 1e-7
+    np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)

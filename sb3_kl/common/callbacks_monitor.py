@@ -3,7 +3,6 @@ KLMonitorCallback: the exact per-state KL of every update of an SB3 on-policy ag
 that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its docstring for the timing).
 """
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -517,16 +516,26 @@ class KLMonitorCallback(BaseCallback):
                 return {key: convert(observations[key], value) if key in keys else value for key, value in stored.items()}
             return convert(observations, stored)
 
-        params = []
-        for observations in normalized:
-            if sequences is None:
-                evaluated = {**snapshot, "observations": as_stored(observations)}
-            else:
-                evaluated = {**snapshot, "sequences": dataclasses.replace(sequences, observations=as_stored(observations))}
-            params.append(self._evaluate(evaluated)[0].double())
         assert self._dist_params is not None
+        at_start, at_end = (as_stored(observations) for observations in normalized)
+        if sequences is None:
+            params = [self._evaluate({**snapshot, "observations": obs})[0] for obs in (at_start, at_end)]
+        else:
+            # both inputs in one pass over twice the envs: the LSTM's steps run once, not twice
+            if isinstance(at_start, dict):
+                observations: Any = {key: th.cat([at_start[key], at_end[key]]) for key in at_start}
+            else:
+                observations = th.cat([at_start, at_end])
+            both = RolloutSequences(
+                observations,
+                sequences.episode_starts.repeat(2, 1),
+                (sequences.lstm_states[0].repeat(1, 2, 1), sequences.lstm_states[1].repeat(1, 2, 1)),
+            )
+            evaluation = evaluate_sequences(self.model.policy, both, self._dist_params, chunk_size=2 * self.chunk_size)
+            n_envs = sequences.n_envs
+            params = [step_major(evaluation.params[:n_envs]), step_major(evaluation.params[n_envs:])]
         exact = KLSettings(estimator="analytic", direction=self.settings.direction, reduction=self.settings.reduction)
-        return float(per_state_kl(exact, self._dist_params, params[0], params[1], None).mean())
+        return float(per_state_kl(exact, self._dist_params, params[0].double(), params[1].double(), None).mean())
 
     def _measure_pending(self) -> None:
         if self._snapshot is None:
