@@ -57,10 +57,11 @@ def timed_monitor() -> Any:
     class TimedKLMonitor(KLMonitorCallback):
         hook_time = 0.0
 
-        def _timed(self, hook: Any) -> None:
+        def _timed(self, hook: Any) -> Any:
             start = time.perf_counter()
-            hook()
+            result = hook()
             self.hook_time += time.perf_counter() - start
+            return result
 
         def _on_rollout_start(self) -> None:
             self._timed(super()._on_rollout_start)
@@ -70,10 +71,7 @@ def timed_monitor() -> Any:
 
         def _on_step(self) -> bool:
             # keeps the raw observations when VecNormalize wraps the env (kl/normalization_shift)
-            start = time.perf_counter()
-            result = super()._on_step()
-            self.hook_time += time.perf_counter() - start
-            return result
+            return self._timed(super()._on_step)
 
         def _on_training_end(self) -> None:
             self._timed(super()._on_training_end)
