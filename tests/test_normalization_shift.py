@@ -131,6 +131,15 @@ def independent_shift(rollout: dict, normalizer: VecNormalize, direction: str = 
     return float(th.cat(values).mean())
 
 
+def _measured_and_expected(model, env, steps: int, monitor: KLMonitorCallback, key: str | None = None, every: int = 1, **kw):
+    """Train with the monitor beside an independent recorder; :return: the monitor's shifts and the independent ones
+    of the rollouts it measured (every ``every``-th; ``kw`` go to :func:`independent_shift`)."""
+    recorder = RolloutRecorder(key=key)
+    model.learn(steps, callback=CallbackList([recorder, monitor]))
+    measured = [record["normalization_shift"] for record in monitor.history]
+    return measured, [independent_shift(r, env, **kw) for r in recorder.rollouts[::every]]
+
+
 def _pendulum(n_envs: int = 2) -> VecNormalize:
     return VecNormalize(make_vec_env("Pendulum-v1", n_envs=n_envs, seed=0))
 
@@ -147,11 +156,8 @@ _POLICY = dict(ortho_init=False)
 def test_normalization_shift_matches_independent_kl(algo, direction, reduction):
     env = _pendulum()
     model = algo("MlpPolicy", env, n_steps=64, batch_size=64, n_epochs=2, learning_rate=3e-3, policy_kwargs=_POLICY, seed=0)
-    recorder = RolloutRecorder()
     monitor = KLMonitorCallback(direction=direction, reduction=reduction)
-    model.learn(5 * 128, callback=CallbackList([recorder, monitor]))
-    measured = [record["normalization_shift"] for record in monitor.history]
-    expected = [independent_shift(r, env, direction, per_dim=reduction == "mean") for r in recorder.rollouts]
+    measured, expected = _measured_and_expected(model, env, 5 * 128, monitor, direction=direction, per_dim=reduction == "mean")
     assert len(measured) == len(expected) == 5
     assert min(expected) > 1e-6  # the statistics move the policy: the comparison is not of zeros
     np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)
@@ -179,11 +185,7 @@ def test_normalization_shift_is_zero_when_the_statistics_are_frozen_and_absent_w
 def test_normalization_shift_every_other_update():
     env = _pendulum()
     model = PPO("MlpPolicy", env, n_steps=64, batch_size=64, learning_rate=3e-3, policy_kwargs=_POLICY, seed=1)
-    recorder = RolloutRecorder()
-    monitor = KLMonitorCallback(every=2)
-    model.learn(5 * 128, callback=CallbackList([recorder, monitor]))
-    measured = [record["normalization_shift"] for record in monitor.history]
-    expected = [independent_shift(r, env) for r in recorder.rollouts[::2]]
+    measured, expected = _measured_and_expected(model, env, 5 * 128, KLMonitorCallback(every=2), every=2)
     np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)
 
 
@@ -199,11 +201,7 @@ def test_normalization_shift_of_a_recurrent_policy():
         policy_kwargs=dict(ortho_init=False, lstm_hidden_size=16),
         seed=0,
     )
-    recorder = RolloutRecorder()
-    monitor = KLMonitorCallback()
-    model.learn(3 * 128, callback=CallbackList([recorder, monitor]))
-    measured = [record["normalization_shift"] for record in monitor.history]
-    expected = [independent_shift(r, env) for r in recorder.rollouts]
+    measured, expected = _measured_and_expected(model, env, 3 * 128, KLMonitorCallback())
     assert min(expected) > 1e-7
     np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)
 
@@ -249,11 +247,7 @@ class MaskedDriftEnv(gym.Env):
 def test_normalization_shift_with_action_masks():
     env = VecNormalize(make_vec_env(MaskedDriftEnv, n_envs=2, seed=0), norm_reward=False)
     model = MaskablePPO("MlpPolicy", env, n_steps=64, batch_size=64, learning_rate=3e-3, policy_kwargs=_POLICY, seed=0)
-    recorder = RolloutRecorder()
-    monitor = KLMonitorCallback()
-    model.learn(3 * 128, callback=CallbackList([recorder, monitor]))
-    measured = [record["normalization_shift"] for record in monitor.history]
-    expected = [independent_shift(r, env) for r in recorder.rollouts]
+    measured, expected = _measured_and_expected(model, env, 3 * 128, KLMonitorCallback())
     assert min(expected) > 1e-6
     np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)
 
@@ -265,11 +259,7 @@ def test_normalization_shift_with_dict_observations_normalizes_only_the_normaliz
         norm_reward=False,
     )
     model = PPO("MultiInputPolicy", env, n_steps=64, batch_size=64, learning_rate=3e-3, policy_kwargs=_POLICY, seed=0)
-    recorder = RolloutRecorder(key="state")
-    monitor = KLMonitorCallback()
-    model.learn(3 * 128, callback=CallbackList([recorder, monitor]))
-    measured = [record["normalization_shift"] for record in monitor.history]
-    expected = [independent_shift(r, env) for r in recorder.rollouts]
+    measured, expected = _measured_and_expected(model, env, 3 * 128, KLMonitorCallback(), key="state")
     assert min(expected) > 1e-6
     np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)
 
@@ -320,10 +310,7 @@ def test_normalization_shift_of_a_recurrent_policy_on_dict_observations():
         policy_kwargs=dict(ortho_init=False, lstm_hidden_size=16),
         seed=0,
     )
-    recorder = RolloutRecorder(key="state")
-    monitor = KLMonitorCallback(chunk_size=64)  # several chunks of envs
-    model.learn(3 * 128, callback=CallbackList([recorder, monitor]))
-    measured = [record["normalization_shift"] for record in monitor.history]
-    expected = [independent_shift(r, env) for r in recorder.rollouts]
+    # chunk_size=64: several chunks of envs
+    measured, expected = _measured_and_expected(model, env, 3 * 128, KLMonitorCallback(chunk_size=64), key="state")
     assert min(expected) > 1e-7
     np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-9)
