@@ -119,12 +119,17 @@ def probe_run(record: dict[str, Any]) -> dict[str, Any]:
 def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
     """
     :param probed: a :func:`probe_run` result
-    :return: for ``before`` and ``fall``, the mean forward velocity, falls per 1000 steps, normalization KL / target,
-        per-update KL / target (the monitor's, from the record), share of updates with beta at its floor, and rollouts
+    :return: for ``before``, ``fall`` and ``after`` (the rollouts after the fall, to the end of the run), the mean
+        forward velocity, falls per 1000 steps, normalization KL / target, per-update KL / target (the monitor's,
+        from the record), share of updates with beta at its floor, and rollouts
     """
     best, fell = learning.collapse_points(probed["curve"])[0]
     times = [point[0] for point in probed["curve"]]
-    spans = {"before": (times[max(best - BEFORE_ROLLOUTS, 0)], times[best]), "fall": (times[best], times[fell])}
+    spans = {
+        "before": (times[max(best - BEFORE_ROLLOUTS, 0)], times[best]),
+        "fall": (times[best], times[fell]),
+        "after": (times[fell], times[-1]),
+    }
     target = probed["target_kl"]
     out = {}
     for name, (low, high) in spans.items():
@@ -134,8 +139,11 @@ def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
         at_updates = [r for r in probed["rollouts"] if low <= r["timesteps"] < high]
         updates = [u["mean"] / target for u in probed["kl_updates"] if low <= u["timesteps"] < high]
         steps = high - low
+        falls = sorted((r["terminated"] for r in rows), reverse=True)
         out[name] = dict(
             rollouts=float(len(rows)),
+            # how concentrated the falls are: the fewest rollouts that hold half of them
+            rollouts_with_half_the_falls=float(np.searchsorted(np.cumsum(falls), sum(falls) / 2) + 1) if sum(falls) else 0.0,
             velocity=float(np.mean([r["velocity"] for r in rows])),
             falls_per_1000_steps=1000.0 * sum(r["terminated"] for r in rows) / steps if steps else float("nan"),
             normalization_kl=float(np.mean([r["normalization_kl"] for r in rows]) / target),
@@ -152,13 +160,18 @@ def collapsed_runs(tier: str) -> list[dict[str, Any]]:
 
 
 def before_and_fall(
-    phase_values: dict[str, dict[str, float]], name: str, spec: str, scale: float = 1.0, unit: str = ""
+    phase_values: dict[str, dict[str, float]],
+    name: str,
+    spec: str,
+    scale: float = 1.0,
+    unit: str = "",
+    shown: tuple[str, ...] = ("before", "fall"),
 ) -> str:
     """
-    One table cell: a :func:`phases` value before and in the fall (n/a where the environment reports no forward
-    velocity, the run does not normalize observations or the algorithm has no beta).
+    One table cell: a :func:`phases` value before and in the fall, or in the ``shown`` phases (n/a where the
+    environment reports no forward velocity, the run does not normalize observations or the algorithm has no beta).
     """
-    values = [phase_values[phase][name] * scale for phase in ("before", "fall")]
+    values = [phase_values[phase][name] * scale for phase in shown]
     return " / ".join("n/a" if np.isnan(v) else f"{v:{spec}}{unit}" for v in values)
 
 
@@ -173,23 +186,28 @@ def report(results: list[dict[str, Any]]) -> str:
         "(`repeats`: same evaluation returns and per-update KLs as the grid's record). *before*: the "
         f"{BEFORE_ROLLOUTS} rollouts up to the curve's best point; *fall*: the rollouts after it up to the one after "
         "which the curve fell below 50 % of its gain (update KL and beta: the updates that made their policies). "
+        "*after*: the rest of the run, from the end of the fall. "
         "velocity: mean forward velocity of the rollouts' steps; falls: episodes ended by termination per 1000 steps; "
+        "rollouts with half the falls: the fewest rollouts of the fall that hold half of its falls (a burst of falls "
+        "in a few rollouts, or falls spread over the fall); "
         "normalization KL: the exact KL by which `VecNormalize`'s statistics update over one rollout moves the policy "
         "on its states (parameters unchanged; the monitor's `kl/normalization_shift`), / target; "
         "update KL: the monitor's per-update KL / target; "
         "beta at floor: share of those updates that KLPPO's beta entered at its lower "
         "bound, where the penalty does nothing.",
         "",
-        "| env | algo | seed | repeats | rollouts before / fall | velocity before / fall | falls per 1000 steps "
-        "before / fall | normalization KL before / fall | update KL before / fall | beta at floor before / fall |",
-        "|---" * 10 + "|",
+        "| env | algo | seed | repeats | rollouts before / fall / after | velocity before / fall | falls per 1000 steps "
+        "before / fall / after | rollouts with half the falls of the fall | normalization KL before / fall | update KL "
+        "before / fall | beta at floor before / fall |",
+        "|---" * 11 + "|",
     ]
     for r in results:
         p = phases(r)
         cells = [
-            before_and_fall(p, "rollouts", ".0f"),
+            before_and_fall(p, "rollouts", ".0f", shown=("before", "fall", "after")),
             before_and_fall(p, "velocity", "+.3f"),
-            before_and_fall(p, "falls_per_1000_steps", ".2f"),
+            before_and_fall(p, "falls_per_1000_steps", ".2f", shown=("before", "fall", "after")),
+            f"{p['fall']['rollouts_with_half_the_falls']:.0f}",
             before_and_fall(p, "normalization_kl", ".4f"),
             before_and_fall(p, "update_kl", ".2f"),
             before_and_fall(p, "kl_coef_at_floor", ".0f", scale=100.0, unit="%"),

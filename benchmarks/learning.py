@@ -1044,9 +1044,11 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
         "",
         "The sb3-kl runs of the grid that collapse: "
         + (", ".join(f"{algo} on {where}" for algo, where in sorted(collapsed)) or "none")
-        + f". On {env} their falls' updates average about the target (*The collapses*): the policy drifts from standing "
-        "to falling over many updates of the size the target allows, with no single large step for a per-update "
-        f"control to catch. The {env} cells of KLPPO (the drop-in, with PPO's clip), KLPPO without clip, ClipKLPPO and "
+        + f". On {env} their falls' updates average about the target (*The collapses*), with no single large step for a "
+        "per-update control to catch, and a policy that had learned to stand starts to fall (`collapse_probe.md`: in "
+        "some runs in a burst of a few rollouts, after which it stands again while the curve's window of 100 episodes "
+        "refills one 1000-step episode at a time; in others over many rollouts). "
+        f"The {env} cells of KLPPO (the drop-in, with PPO's clip), KLPPO without clip, ClipKLPPO and "
         f"PPO with SB3's early stop were re-run with `target_kl={label}` (from the repository root: "
         f"`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier} --algos "
         f"{' '.join(sorted({r['algo'] for r in records}))} --envs {env} --seeds {seed_range(records)} "
@@ -1101,7 +1103,7 @@ def lower_target_comparison(groups: dict[tuple[str, str, float], list[dict[str, 
         for r in collapsed_after
     ]
     finding = (
-        f"The falls' per-update KL / target at {label}: {'; '.join(falls)}. A lower target does not end the drift: "
+        f"The falls' per-update KL / target at {label}: {'; '.join(falls)}. A lower target does not end the falls: "
         "each update is smaller, and the policy still leaves its standing. The continuous default stays 0.03, and so "
         "do the shipped Hopper-v5 configs."
         if collapsed_after
