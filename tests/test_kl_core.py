@@ -13,6 +13,7 @@ from sb3_kl.common.kl import (
     KLSettings,
     MultiCategoricalParams,
     distribution_params_for_space,
+    importance_sampled_kl,
     kl_quantiles,
     make_distribution_params,
     per_state_kl,
@@ -118,6 +119,24 @@ def test_log_ratio_is_clipped():
     log_ratio = th.tensor([1000.0, -1000.0])
     kl = sample_kl(log_ratio, "k3", "reverse", log_ratio_clip=20.0)
     assert th.all(th.isfinite(kl))
+
+
+def test_log_ratio_clip_only_clamps_what_is_exponentiated():
+    # forward k1 is -log r: nothing is exponentiated, so log_ratio_clip leaves it the k1 estimate it is logged as
+    log_ratio = th.tensor([0.7, -0.3, 3.0, -2.5], dtype=th.float64)
+    assert th.equal(sample_kl(log_ratio, "k1", "forward", log_ratio_clip=0.05), -log_ratio)
+    # k3 and the reverse forms exponentiate log r: each sample is the estimate at the clamped log-ratio (k3 stays >= 0)
+    clamped = log_ratio.clamp(-0.05, 0.05)
+    ratio = clamped.exp()
+    assert th.allclose(sample_kl(log_ratio, "k3", "forward", log_ratio_clip=0.05), (ratio - 1) - clamped)
+    assert th.allclose(sample_kl(log_ratio, "k1", "reverse", log_ratio_clip=0.05), ratio * clamped)
+    assert th.allclose(sample_kl(log_ratio, "k3", "reverse", log_ratio_clip=0.05), ratio * clamped - (ratio - 1))
+    assert th.all(sample_kl(log_ratio, "k3", "forward", log_ratio_clip=0.05) >= 0)
+    # importance-weighted (reference) k1: the weight is clamped before exp, -log rho is not
+    log_prob, ref_log_prob, sampler = log_ratio, th.zeros(4, dtype=th.float64), th.zeros(4, dtype=th.float64)
+    weight = (log_prob - sampler).clamp(-0.05, 0.05).exp()
+    expected = -weight * (ref_log_prob - log_prob)
+    assert th.allclose(importance_sampled_kl(log_prob, ref_log_prob, sampler, "k1", "reverse", log_ratio_clip=0.05), expected)
 
 
 @pytest.mark.parametrize(

@@ -129,6 +129,26 @@ def test_sample_estimators_run_and_are_labelled(estimator):
     assert model.logger.name_to_value["train/kl_convention"] == f"forward/{estimator}/sum"
 
 
+def test_logged_forward_k1_is_not_clamped_by_log_ratio_clip():
+    # a small log_ratio_clip and a large step: log-ratios well past the clamp, and train/kl still the k1 estimate,
+    # -log r averaged over the rollout's stored actions, from independent copies of the old and new policy
+    snapshots = SnapshotCallback()
+    model = KLPPO(
+        "MlpPolicy", "CartPole-v1", kl_estimator="k1", log_ratio_clip=0.05, learning_rate=3e-2,
+        kl_coef=1e-3, kl_coef_bounds=(1e-4, 1e-3), kl_hinge_coef=0.0, **{**SMALL, "n_epochs": 10},
+    )  # fmt: skip
+    model.learn(2 * SMALL["n_steps"], callback=snapshots)
+    old_policy, obs = snapshots.snapshots[-1]
+    actions = th.as_tensor(model.rollout_buffer.actions.reshape(-1)).long()
+    with th.no_grad():
+        old_log_prob = old_policy.get_distribution(th.as_tensor(obs)).log_prob(actions)
+        new_log_prob = model.policy.get_distribution(th.as_tensor(obs)).log_prob(actions)
+    log_ratio = (new_log_prob - old_log_prob).numpy()
+    assert np.abs(log_ratio).max() > 0.05  # the clamp would have bound
+    assert model.logger.name_to_value["train/kl"] == pytest.approx(float(np.mean(-log_ratio)), rel=1e-4, abs=1e-7)
+    assert model.logger.name_to_value["train/kl_convention"] == "forward/k1/sum"
+
+
 @pytest.mark.parametrize(
     "policy,env_fn",
     [

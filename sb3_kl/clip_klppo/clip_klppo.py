@@ -69,7 +69,8 @@ class ClipKLPPO(KLPPO):
     :param kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (sample estimators)
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
-    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
     :param kl_stop_factor: The remaining epochs are skipped once the KL of an epoch (mean of its minibatches'
         per-state KLs, each taken before that minibatch's step) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
         None disables the early stop

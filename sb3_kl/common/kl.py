@@ -397,7 +397,8 @@ class KLSettings:
     :param estimator: ``"analytic"`` (exact), ``"k1"`` or ``"k3"`` (sample estimators from the stored old log-probs)
     :param direction: ``"forward"`` = KL(pi_old || pi_new) or ``"reverse"`` = KL(pi_new || pi_old)
     :param reduction: ``"sum"`` (joint KL) or ``"mean"`` (per action dimension) over action dimensions
-    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
     """
 
     estimator: str = "analytic"
@@ -435,13 +436,15 @@ def sample_kl(log_ratio: th.Tensor, estimator: str, direction: str, log_ratio_cl
     :param log_ratio: ``(batch,)`` joint log-ratio of the taken actions
     :param estimator: ``"k1"`` or ``"k3"``
     :param direction: ``"forward"`` or ``"reverse"``
-    :param log_ratio_clip: clamp for ``log r`` before exponentiation
+    :param log_ratio_clip: clamp for ``log r`` before exponentiation: the estimates that exponentiate it (``k3``, and
+        both of the reverse direction) are evaluated at the clamped ``log r`` (so ``k3`` stays >= 0); the forward ``k1``
+        estimate, ``-log r``, exponentiates nothing and is never clamped
     :return: ``(batch,)``
     """
+    if direction == "forward" and estimator == "k1":
+        return -log_ratio
     log_ratio = th.clamp(log_ratio, -log_ratio_clip, log_ratio_clip)
     if direction == "forward":
-        if estimator == "k1":
-            return -log_ratio
         return th.expm1(log_ratio) - log_ratio
     ratio = th.exp(log_ratio)
     if estimator == "k1":
@@ -475,7 +478,8 @@ def importance_sampled_kl(
     :param sampler_log_prob: ``log mu(a|s)`` of the policy that drew the actions, ``(batch,)``
     :param estimator: ``"k1"`` or ``"k3"``
     :param direction: ``"reverse"`` = KL(pi || pi_ref) or ``"forward"`` = KL(pi_ref || pi)
-    :param log_ratio_clip: clamp of every log-ratio before exponentiation
+    :param log_ratio_clip: clamp of every log-ratio before exponentiation: the weight's always, ``log rho`` for ``k3``
+        (which exponentiates it, and is evaluated at the clamped value); ``k1``'s ``-log rho`` is not clamped
     :return: ``(batch,)``
     """
     check_choice("estimator", estimator, ("k1", "k3"))
@@ -485,9 +489,9 @@ def importance_sampled_kl(
     else:
         weight_log, log_rho = ref_log_prob - sampler_log_prob, log_prob - ref_log_prob
     weight = th.exp(th.clamp(weight_log, -log_ratio_clip, log_ratio_clip))
-    log_rho = th.clamp(log_rho, -log_ratio_clip, log_ratio_clip)
     if estimator == "k1":
         return -weight * log_rho
+    log_rho = th.clamp(log_rho, -log_ratio_clip, log_ratio_clip)
     return weight * (th.expm1(log_rho) - log_rho)
 
 

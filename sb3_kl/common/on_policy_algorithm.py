@@ -262,7 +262,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     :param kl_estimator: ``"analytic"``, ``"k1"`` or ``"k3"``
     :param kl_direction: ``"forward"`` = KL(old||new) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL) or ``"mean"`` over action dimensions
-    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
     :param min_std: Variance floor for Gaussian policies: std >= min_std after every optimizer step
     :param kl_quantiles: Quantiles of the per-state KL that are logged after each update (with a sample
         ``kl_estimator``, quantiles of the one-action estimates, of which only the mean estimates the KL)

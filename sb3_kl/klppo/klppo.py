@@ -81,7 +81,8 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (sample estimators)
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
-    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
     :param kl_stop_factor: When set, the remaining epochs are skipped once the epoch's KL exceeds
         ``kl_stop_factor * target_kl``, judged after each epoch on the mean over its minibatches' states of the
         per-state KL to the rollout policy, each taken before that minibatch's step (so it lags: the first minibatch

@@ -82,7 +82,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (sample estimators)
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
-    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation
+    :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
     :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
         exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
     :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds`` (an adapting controller
