@@ -11,6 +11,9 @@ the same settings and seed and a probe that records, after each rollout:
   monitor's ``kl/normalization_shift``: the exact KL(pi(norm_start(s)) || pi(norm_end(s))), summed over action
   dimensions, on the rollout's states, with the statistics at the start and at the end of the rollout and the
   parameters that acted in it;
+- the last update's KL on the states of this rollout, which the updated policy chose, beside the monitor's KL of the
+  same update on the states it trained on: the exact KL(before || after), summed over action dimensions, both
+  policies evaluated on the rollout's stored observations;
 - the KL coefficient beta and whether it sits at its lower bound (the penalty then does nothing), and the mean std
   of a Gaussian policy.
 
@@ -18,7 +21,7 @@ The probe draws no random numbers and changes neither the model nor the environm
 record did on the machine that made it (checked: same evaluation returns and per-update KLs, ``learning.same_run``).
 The 20 rollouts up to the curve's best point (*before*) are compared with those of the fall (*fall*: the rollouts
 after the best point up to the one after which the curve fell below 50 % of its gain), and the updates that made their
-policies (as ``learning.fall_kl`` takes them).
+policies (as ``learning.fall_kl`` takes them); the falls also with the rest of the run (*after*).
 
     python benchmarks/collapse_probe.py [--tier full] [--workers 2]
     python benchmarks/collapse_probe.py --report    # only rewrite the table from collapse_probe.json
@@ -27,6 +30,7 @@ writes ``benchmarks/results/collapse_probe.md`` and ``.json``.
 """
 
 import argparse
+import copy
 import json
 import multiprocessing
 import sys
@@ -58,6 +62,9 @@ def make_probe() -> Any:
         def _on_rollout_start(self) -> None:
             self.velocities: list[float] = []
             self.terminated = self.truncated = 0
+            # the policy that acts in this rollout, and the one that acted in the last (before the update between)
+            self.previous_policy = getattr(self, "acting_policy", None)
+            self.acting_policy = copy.deepcopy(self.model.policy)
 
         def _on_step(self) -> bool:
             for info, done in zip(self.locals["infos"], self.locals["dones"], strict=True):
@@ -83,11 +90,33 @@ def make_probe() -> Any:
                 kl_coef_at_floor=float("nan"),
                 std=float(policy.log_std.detach().exp().mean()) if hasattr(policy, "log_std") else float("nan"),
             )
+            if self.previous_policy is not None:
+                row["last_update_kl_here"] = self._last_update_kl_here()
             controller = getattr(model, "kl_controller", None)
             if controller is not None:
                 row["kl_coef"] = float(model.kl_coef)
                 row["kl_coef_at_floor"] = float(model.kl_coef <= controller.kl_coef_bounds[0] * (1.0 + 1e-9))
             self.rows.append(row)
+
+        def _last_update_kl_here(self) -> float:
+            """
+            The exact KL(before || after) of the last update (forward, summed over action dimensions, as the
+            monitor's), on the states of the rollout its result acted in, rather than on those it trained on: both
+            policies evaluated on the same stored (normalized) observations, so only the parameters differ.
+            """
+            import torch as th
+            from stable_baselines3.common.utils import obs_as_tensor
+
+            buffer = self.model.rollout_buffer
+            obs = buffer.observations.reshape((-1, *buffer.obs_shape))
+            with th.no_grad():
+                tensor = obs_as_tensor(obs, self.model.device)
+                before = self.previous_policy.get_distribution(tensor).distribution
+                after = self.acting_policy.get_distribution(tensor).distribution
+                kl = th.distributions.kl_divergence(before, after)
+                if kl.dim() > 1:
+                    kl = kl.sum(dim=-1)
+            return float(kl.mean())
 
     return CollapseProbe()
 
@@ -148,6 +177,8 @@ def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
             falls_per_1000_steps=1000.0 * sum(r["terminated"] for r in rows) / steps if steps else float("nan"),
             normalization_kl=float(np.mean([r["normalization_kl"] for r in rows]) / target),
             update_kl=float(np.mean(updates)) if updates else float("nan"),
+            # the same updates' KL on the states of the rollouts their results acted in (probes made before it: nan)
+            update_kl_where_it_acted=float(np.mean([r.get("last_update_kl_here", np.nan) for r in rows]) / target),
             kl_coef_at_floor=float(np.mean([r["kl_coef_at_floor"] for r in at_updates])),
         )
     return out
@@ -192,14 +223,17 @@ def report(results: list[dict[str, Any]]) -> str:
         "in a few rollouts, or falls spread over the fall); "
         "normalization KL: the exact KL by which `VecNormalize`'s statistics update over one rollout moves the policy "
         "on its states (parameters unchanged; the monitor's `kl/normalization_shift`), / target; "
-        "update KL: the monitor's per-update KL / target; "
+        "update KL: the monitor's per-update KL / target, on the states of the rollout the update trained on; "
+        "where it acted: the same updates' exact KL (forward, summed over action dimensions, as the monitor's) on the "
+        "states of the rollout that their result then acted in, / target (an update that moves the policy more on the "
+        "states it leads to than on those it was measured on reads higher here); "
         "beta at floor: share of those updates that KLPPO's beta entered at its lower "
         "bound, where the penalty does nothing.",
         "",
         "| env | algo | seed | repeats | rollouts before / fall / after | velocity before / fall | falls per 1000 steps "
         "before / fall / after | rollouts with half the falls of the fall | normalization KL before / fall | update KL "
-        "before / fall | beta at floor before / fall |",
-        "|---" * 11 + "|",
+        "before / fall | update KL where it acted before / fall | beta at floor before / fall |",
+        "|---" * 12 + "|",
     ]
     for r in results:
         p = phases(r)
@@ -210,6 +244,7 @@ def report(results: list[dict[str, Any]]) -> str:
             f"{p['fall']['rollouts_with_half_the_falls']:.0f}",
             before_and_fall(p, "normalization_kl", ".4f"),
             before_and_fall(p, "update_kl", ".2f"),
+            before_and_fall(p, "update_kl_where_it_acted", ".2f"),
             before_and_fall(p, "kl_coef_at_floor", ".0f", scale=100.0, unit="%"),
         ]
         lines.append(
