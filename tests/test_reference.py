@@ -1,5 +1,6 @@
 import os
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
@@ -292,3 +293,52 @@ def test_ref_kl_coef_override_at_load_keeps_its_bounds(saved_reference, tmp_path
     with pytest.raises(ValueError, match="ref_kl_coef_bounds"):
         KLPPO.load(tmp_path / "model.zip", device="cpu", custom_objects={"ref_kl_coef": 1e-6})
     assert KLPPO.load(tmp_path / "model.zip", device="cpu", custom_objects={"ref_kl_coef": 0.5}).ref_kl_coef == 0.5
+
+
+def test_ref_target_kl_at_load_is_applied_or_refused(saved_reference, tmp_path):
+    adaptive = make_model(KLPPO, ref_policy=saved_reference, ref_target_kl=0.01)
+    adaptive.save(tmp_path / "adaptive.zip")
+    # a new target for an adapting controller: checked as in the constructor, then beta_ref adapts toward it
+    loaded = KLPPO.load(tmp_path / "adaptive.zip", env=gym.make("Pendulum-v1"), device="cpu", ref_target_kl=1e-6)
+    assert loaded.ref_target_kl == 1e-6
+    coef = loaded.ref_kl_coef
+    loaded.learn(64, reset_num_timesteps=False)
+    assert loaded.logger.name_to_value["train/ref_target_kl"] == 1e-6
+    assert loaded.ref_kl_coef > coef  # the KL to the reference is far above 1e-6
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="ref_target_kl"):
+            KLPPO.load(tmp_path / "adaptive.zip", device="cpu", ref_target_kl=bad)
+    with pytest.raises(ValueError, match="ref_target_kl"):
+        KLPPO.load(tmp_path / "adaptive.zip", device="cpu", custom_objects={"ref_target_kl": -1.0})
+
+    fixed = make_model(KLPPO, ref_policy=saved_reference, ref_kl_coef=0.5)
+    fixed.save(tmp_path / "fixed.zip")
+    # a fixed coefficient: no target adapts it, so a target alone is refused, and accepted with an adapting controller
+    with pytest.raises(ValueError, match="ref_target_kl.*ref_kl_controller"):
+        KLPPO.load(tmp_path / "fixed.zip", device="cpu", ref_target_kl=1e-4)
+    assert KLPPO.load(tmp_path / "fixed.zip", device="cpu", ref_target_kl=None).ref_target_kl is None
+    controller = AdaptiveKLController(0.5)
+    loaded = KLPPO.load(
+        tmp_path / "fixed.zip", env=gym.make("Pendulum-v1"), device="cpu", ref_target_kl=1e-6, ref_kl_controller=controller
+    )
+    loaded.learn(64, reset_num_timesteps=False)
+    assert loaded.ref_kl_controller is controller and loaded.ref_kl_coef > 0.5
+
+
+def test_ref_policy_at_load_must_be_the_saved_one(saved_reference, tmp_path):
+    model = make_model(KLPPO, ref_policy=saved_reference)
+    model.save(tmp_path / "model.zip")
+    # the same reference again (an rl-zoo config passed with its trained agent) is accepted
+    loaded = KLPPO.load(tmp_path / "model.zip", device="cpu", ref_policy=saved_reference)
+    assert all(th.equal(t, loaded.ref_policy.state_dict()[k]) for k, t in model.ref_policy.state_dict().items())
+    # another one would be overwritten by the saved weights: refused
+    other = shifted_reference(model)
+    with pytest.raises(ValueError, match="ref_policy.*set_parameters"):
+        KLPPO.load(tmp_path / "model.zip", device="cpu", ref_policy=other)
+    with pytest.raises(ValueError, match="ref_policy"):
+        KLPPO.load(tmp_path / "model.zip", device="cpu", ref_policy=None)
+    plain = make_model(KLPPO)
+    plain.save(tmp_path / "plain.zip")
+    assert KLPPO.load(tmp_path / "plain.zip", device="cpu", ref_policy=None).ref_policy is None
+    with pytest.raises(ValueError, match="ref_policy"):
+        KLPPO.load(tmp_path / "plain.zip", device="cpu", ref_policy=saved_reference)

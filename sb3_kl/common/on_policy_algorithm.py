@@ -28,7 +28,7 @@ from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutB
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
 from sb3_kl.common.modes import acting_mode
-from sb3_kl.common.reference import ReferenceKLMixin, ReferenceSource
+from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
 from sb3_kl.common.threads import warn_if_many_threads
 from sb3_kl.common.validation import (
@@ -475,6 +475,12 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         stock = saved_without_kl_state(data)
         custom_objects = dict(custom_objects or {})
         fixed_options = take_fixed_kl_options(kwargs, custom_objects)
+        reference_options = {
+            name: source.pop(name)
+            for source in (custom_objects, kwargs)
+            for name in LOADED_REFERENCE_OPTIONS
+            if name in source
+        }
         for name in ("kl_coef", "ref_kl_coef"):
             if name in custom_objects:
                 kwargs.setdefault(name, custom_objects.pop(name))
@@ -490,6 +496,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             **kwargs,
         )
         model._check_fixed_kl_options(fixed_options)
+        model._apply_loaded_reference_options(reference_options)
         if stock:
             model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
         return model

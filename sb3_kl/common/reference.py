@@ -46,6 +46,10 @@ from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.recurrent import is_recurrent_policy, lstm_constructor_parameters
 from sb3_kl.common.validation import check_existing_file, check_pair
 
+#: Reference options that ``load()`` takes out of its arguments and applies or refuses once the model is loaded
+#: (:meth:`ReferenceKLMixin._apply_loaded_reference_options`)
+LOADED_REFERENCE_OPTIONS = ("ref_policy", "ref_target_kl")
+
 #: Attribute set on the frozen copies built here (so ``_setup_model`` does not copy them again)
 _FROZEN_MARK = "_sb3_kl_frozen_reference"
 
@@ -166,6 +170,25 @@ def load_reference_policy(source: ReferenceSource, device: th.device | str = "cp
     return frozen
 
 
+def check_ref_target_kl(value: Any) -> float | None:
+    """
+    :param value: A ``ref_target_kl`` argument
+    :return: it as a float (None stays None: a fixed coefficient)
+    :raises ValueError: unless it is None or a positive finite number
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`ref_target_kl` must be a positive finite number (None: fixed coefficient), got {value!r}.")
+    return float(value)
+
+
+def same_weights(first: th.nn.Module, second: th.nn.Module) -> bool:
+    """Whether two modules hold the same parameters and buffers (same names, shapes and values)."""
+    a, b = first.state_dict(), second.state_dict()
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and th.equal(a[k].cpu(), b[k].cpu()) for k in a)
+
+
 def check_reference_spaces(reference: ActorCriticPolicy, observation_space: spaces.Space, action_space: spaces.Space) -> None:
     """
     :raises ValueError: when the reference was trained on another action or observation space
@@ -226,13 +249,7 @@ class ReferenceKLMixin:
         self.ref_kl_settings = KLSettings(ref_kl_estimator, ref_kl_direction, kl_reduction, log_ratio_clip)
         if isinstance(ref_kl_coef, bool) or not isinstance(ref_kl_coef, (int, float)) or not math.isfinite(ref_kl_coef):
             raise ValueError(f"`ref_kl_coef` must be a finite number >= 0, got {ref_kl_coef!r}.")
-        if ref_target_kl is not None:
-            number = not isinstance(ref_target_kl, bool) and isinstance(ref_target_kl, (int, float))
-            if not number or not math.isfinite(ref_target_kl) or ref_target_kl <= 0:
-                raise ValueError(
-                    f"`ref_target_kl` must be a positive finite number (None: fixed coefficient), got {ref_target_kl!r}."
-                )
-            ref_target_kl = float(ref_target_kl)
+        ref_target_kl = check_ref_target_kl(ref_target_kl)
         if ref_kl_coef < 0:
             raise ValueError(
                 f"`ref_kl_coef` must be >= 0 (0 with ref_target_kl=None only measures the KL), got {ref_kl_coef!r}."
@@ -262,6 +279,54 @@ class ReferenceKLMixin:
         self.ref_policy_class = None
         self.ref_policy_kwargs = None
         self.ref_dist_params = None
+
+    def _apply_loaded_reference_options(self, options: dict[str, Any]) -> None:
+        """
+        Apply, or refuse, the reference options given to ``load()`` (:data:`LOADED_REFERENCE_OPTIONS`), once the
+        model is loaded: SB3's ``load`` would set them as plain attributes, where the saved reference (restored from
+        the zip's ``ref_policy.pth``) and controller would silently override or ignore them.
+
+        - ``ref_target_kl``: checked as in the constructor and applied; a target for a model built with a fixed
+          coefficient (``ref_target_kl=None``) needs an adapting controller passed as well (``ref_kl_controller=``
+          a controller object, which replaces the saved one).
+        - ``ref_policy``: the reference is the saved one; the same policy (same weights) is accepted, another refused.
+
+        :param options: The options taken from ``load()``'s arguments
+        :raises ValueError: for an option ``load()`` cannot apply, naming it and the fix
+        """
+        if "ref_target_kl" in options:
+            target = check_ref_target_kl(options["ref_target_kl"])
+            controller = self.ref_kl_controller
+            if target is not None and target != self.ref_target_kl:
+                if controller is None or isinstance(controller, FixedKLController):
+                    built = (
+                        "ref_kl_coef=0 (the KL to the reference only measured)"
+                        if controller is None
+                        else "ref_target_kl=None (a fixed reference coefficient)"
+                    )
+                    raise ValueError(
+                        f"`ref_target_kl`={target!r} cannot be applied by load(): the model was built with {built}, "
+                        "which no target adapts; pass an adapting controller as well (ref_kl_controller="
+                        "AdaptiveKLController(...) from sb3_kl.common.controllers, which replaces the saved one), or "
+                        "build a new model with ref_target_kl."
+                    )
+            self.ref_target_kl = target
+        if "ref_policy" in options:
+            source, restored = options["ref_policy"], self.ref_policy
+            if source is None and restored is None:
+                return
+            same = (
+                source is not None
+                and restored is not None
+                and same_weights(load_reference_policy(source, self.device), restored)  # type: ignore[attr-defined]
+            )
+            if not same:
+                saved = "no reference" if restored is None else "its reference, restored from the saved zip"
+                raise ValueError(
+                    f"`ref_policy` cannot be replaced by load(): the model was saved with {saved}. To anchor a trained "
+                    "model to another reference, build a new model with ref_policy=... and load the trained weights "
+                    "into it with set_parameters(path)."
+                )
 
     @property
     def ref_kl_coef(self) -> float:
