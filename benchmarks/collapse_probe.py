@@ -25,6 +25,7 @@ policies (as ``learning.fall_kl`` takes them); the falls also with the rest of t
 
     python benchmarks/collapse_probe.py [--tier full] [--workers 2]
     python benchmarks/collapse_probe.py --report    # only rewrite the table from collapse_probe.json
+    python benchmarks/collapse_probe.py --healthy-cells klppo_noclip:Hopper-v5   # and the cell's other runs
 
 writes ``benchmarks/results/collapse_probe.md`` and ``.json``.
 """
@@ -190,6 +191,68 @@ def collapsed_runs(tier: str) -> list[dict[str, Any]]:
     return sorted(learning.distinct_trainings(records), key=learning.seed_key)
 
 
+def healthy_runs(tier: str, cells: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The grid's runs at the zoo's learning rate of the ``(algo, env)`` cells that did not collapse."""
+    groups = learning.group_records(learning.load_records(tier))
+    runs = [r for algo, env in cells for r in groups.get((env, algo, 1.0), []) if not learning.count_collapses(r["curve"])]
+    return sorted(runs, key=learning.seed_key)
+
+
+#: A rollout whose last update's KL where it acted exceeds this multiple of the target counts as flagged
+FLAG_FACTOR = 10.0
+#: A rollout with at least this many falls (episodes ended by termination) counts as a falling one
+FALLING_ROLLOUT = 5
+
+
+def where_it_acted(probed: dict[str, Any]) -> dict[str, float]:
+    """
+    Over a whole run: each update's KL on the states its result acted in, / target (median, 95th percentile, max),
+    the rollouts where it exceeds :data:`FLAG_FACTOR` x target (flagged), how many of those had at least
+    :data:`FALLING_ROLLOUT` falls, and how many falling rollouts there were.
+    """
+    rows = [r for r in probed["rollouts"] if "last_update_kl_here" in r]
+    ratios = np.array([r["last_update_kl_here"] for r in rows]) / probed["target_kl"]
+    falling = np.array([r["terminated"] >= FALLING_ROLLOUT for r in rows])
+    flagged = ratios > FLAG_FACTOR
+    return dict(
+        median=float(np.median(ratios)),
+        p95=float(np.percentile(ratios, 95)),
+        max=float(ratios.max()),
+        flagged=float(flagged.sum()),
+        flagged_falling=float((flagged & falling).sum()),
+        falling=float(falling.sum()),
+    )
+
+
+def detection_report(results: list[dict[str, Any]], healthy: list[dict[str, Any]]) -> list[str]:
+    """The section comparing the KL where the updates acted in the collapsed runs and in their cells' other runs."""
+    cells = sorted({(r["env"], r["algo"]) for r in healthy})
+    lines = [
+        "",
+        "## The KL where each update acted, in the runs that collapse and in those that do not",
+        "",
+        f"Every run of the cells {', '.join(f'{algo} on {env}' for env, algo in cells)} (the collapsed runs above and "
+        "their cells' other seeds, probed the same way: `python benchmarks/collapse_probe.py --healthy-cells "
+        + " ".join(f"{algo}:{env}" for env, algo in cells)
+        + "`), over all its rollouts: each update's exact KL on the states of the rollout its result acted in, / "
+        f"target; flagged: rollouts where it exceeds {FLAG_FACTOR:g} x target, and how many of them had at least "
+        f"{FALLING_ROLLOUT} falls; falling rollouts: all rollouts with at least {FALLING_ROLLOUT} falls. Whether such a "
+        "KL could tell a control that an update went wrong, one rollout after it acted, and how often it would fire "
+        "on runs that do not collapse.",
+        "",
+        "| env | algo | seed | collapses | median | p95 | max | flagged (with falls) | falling rollouts |",
+        "|" + "---|" * 9,
+    ]
+    runs = [r for r in results if (r["env"], r["algo"]) in cells] + healthy
+    for r in sorted(runs, key=lambda r: (r["env"], r["algo"], r["seed"])):
+        w = where_it_acted(r)
+        lines.append(
+            f"| {r['env']} | {r['algo']} | {r['seed']} | {learning.count_collapses(r['curve'])} | {w['median']:.2f} | "
+            f"{w['p95']:.2f} | {w['max']:.1f} | {w['flagged']:.0f} ({w['flagged_falling']:.0f}) | {w['falling']:.0f} |"
+        )
+    return lines
+
+
 def before_and_fall(
     phase_values: dict[str, dict[str, float]],
     name: str,
@@ -206,9 +269,9 @@ def before_and_fall(
     return " / ".join("n/a" if np.isnan(v) else f"{v:{spec}}{unit}" for v in values)
 
 
-def report(results: list[dict[str, Any]]) -> str:
-    """The Markdown report of the probed runs."""
-    versions = ", ".join(sorted({f"`{r['code_version']}`" for r in results}))
+def report(results: list[dict[str, Any]], healthy: list[dict[str, Any]] | None = None) -> str:
+    """The Markdown report of the probed runs (and of the ``healthy`` runs of their cells, when probed)."""
+    versions = ", ".join(sorted({f"`{r['code_version']}`" for r in results + (healthy or [])}))
     lines = [
         "# What happens in the grid's collapses",
         "",
@@ -250,6 +313,8 @@ def report(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['env']} | {r['algo']} | {r['seed']} | {'yes' if r['same_run'] else 'no'} | " + " | ".join(cells) + " |"
         )
+    if healthy:
+        lines += detection_report(results, healthy)
     return "\n".join(lines) + "\n"
 
 
@@ -258,9 +323,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tier", default="full", choices=list(learning.BUDGETS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only rewrite the table from collapse_probe.json")
+    parser.add_argument(
+        "--healthy-cells",
+        nargs="+",
+        default=[],
+        metavar="ALGO:ENV",
+        help="also probe the runs of these cells that did not collapse (only them: the collapsed runs' probes are read "
+        "from collapse_probe.json), written to collapse_probe_healthy.json",
+    )
     args = parser.parse_args(argv)
-    if args.report:
-        text = report(json.loads((learning.RESULTS / "collapse_probe.json").read_text()))
+    healthy_path = learning.RESULTS / "collapse_probe_healthy.json"
+    if args.report or args.healthy_cells:
+        results = json.loads((learning.RESULTS / "collapse_probe.json").read_text())
+        healthy = json.loads(healthy_path.read_text()) if healthy_path.exists() else None
+        if args.healthy_cells:
+            cells = [tuple(cell.split(":", 1)) for cell in args.healthy_cells]
+            runs = healthy_runs(args.tier, cells)  # type: ignore[arg-type]
+            print(f"{len(runs)} runs that did not collapse to probe", flush=True)
+            with multiprocessing.get_context("spawn").Pool(max(1, min(args.workers, len(runs)))) as pool:
+                healthy = pool.map(probe_run, runs)
+            healthy_path.write_text(json.dumps(healthy, indent=1))
+        text = report(results, healthy)
         (learning.RESULTS / "collapse_probe.md").write_text(text)
         print(text)
         return
@@ -269,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     with multiprocessing.get_context("spawn").Pool(max(1, min(args.workers, len(runs)))) as pool:
         results = pool.map(probe_run, runs)
     (learning.RESULTS / "collapse_probe.json").write_text(json.dumps(results, indent=1))
-    text = report(results)
+    text = report(results, json.loads(healthy_path.read_text()) if healthy_path.exists() else None)
     (learning.RESULTS / "collapse_probe.md").write_text(text)
     print(text)
 
