@@ -45,17 +45,30 @@ def test_phases_split_a_collapse_at_its_best_point():
     curve = [[t, r] for t, r in zip(times, returns, strict=True)]
     assert learning.collapse_points(curve) == [(30, 33)]
     # the rollouts after the best one fall; beta, recorded before each update, leaves its floor at the best point
+    # the fall's falls: 4, 1, 1 (half of them in one rollout); after it, one fall per rollout
+    falls = {31: 4.0, 32: 1.0, 33: 1.0}
     rollouts = [
-        dict(timesteps=t, velocity=0.0 if i <= 30 else -0.5, terminated=0.0 if i <= 30 else 2.0, normalization_kl=0.0003,
-             kl_coef_at_floor=1.0 if i < 30 else 0.0)
+        dict(timesteps=t, velocity=0.0 if i <= 30 else -0.5, terminated=falls.get(i, 0.0 if i <= 30 else 1.0),
+             normalization_kl=0.0003, kl_coef_at_floor=1.0 if i < 30 else 0.0,
+             last_update_kl_here=0.03 if i <= 30 else 0.6)
         for i, t in enumerate(times)
     ]  # fmt: skip
     kl_updates = [dict(timesteps=t, mean=0.015 if i < 30 else 0.06) for i, t in enumerate(times)]
     probed = dict(curve=curve, rollouts=rollouts, kl_updates=kl_updates, target_kl=0.03)
-    before, fall = collapse_probe.phases(probed).values()
-    assert before["rollouts"] == 20 and fall["rollouts"] == 3
+    before, fall, after = collapse_probe.phases(probed).values()
+    assert before["rollouts"] == 20 and fall["rollouts"] == 3 and after["rollouts"] == 6
     assert before["velocity"] == 0.0 and fall["velocity"] == -0.5
     assert before["falls_per_1000_steps"] == 0.0 and fall["falls_per_1000_steps"] == pytest.approx(20.0)
+    assert after["falls_per_1000_steps"] == pytest.approx(10.0)
+    assert fall["rollouts_with_half_the_falls"] == 1 and before["rollouts_with_half_the_falls"] == 0
     assert before["update_kl"] == pytest.approx(0.5) and fall["update_kl"] == pytest.approx(2.0)
+    assert before["update_kl_where_it_acted"] == pytest.approx(1.0) and fall["update_kl_where_it_acted"] == pytest.approx(20.0)
     assert before["normalization_kl"] == pytest.approx(0.01)
     assert before["kl_coef_at_floor"] == 1.0 and fall["kl_coef_at_floor"] == 0.0
+    # over the whole run: the first rollout has no update before it; 9 rollouts at 20 x target, none with 5 falls
+    del rollouts[0]["last_update_kl_here"]
+    acted = collapse_probe.where_it_acted(probed)
+    assert acted["flagged"] == 9 and acted["flagged_falling"] == 0 and acted["falling"] == 0
+    assert acted["max"] == pytest.approx(20.0) and acted["median"] == pytest.approx(1.0)
+    rollouts[31]["terminated"] = 5.0
+    assert collapse_probe.where_it_acted(probed)["flagged_falling"] == 1
