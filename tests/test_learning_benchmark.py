@@ -425,7 +425,7 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     _write(lowered, collapsed)
     section = learning.lower_target_comparison(learning.group_records(learning.load_records("tiny")), "tiny")
     assert f"(4 runs): 1 (1 distinct trainings) at 0.03, 1 (1 distinct trainings) at {target:g}. The falls'" in section
-    assert f"at {target:g}: clip_klppo s0 1.00 x on average, at most 1.00. A lower target does not end the drift" in section
+    assert f"at {target:g}: clip_klppo s0 1.00 x on average, at most 1.00. A lower target does not end the falls" in section
     # PPO's early stop's own AUC at each target, beside the comparison at the lower one
     assert "losing AUC itself at the lower target (mean " in section
     _empty(lowered)
