@@ -314,7 +314,7 @@ def test_ref_target_kl_at_load_is_applied_or_refused(saved_reference, tmp_path):
     fixed = make_model(KLPPO, ref_policy=saved_reference, ref_kl_coef=0.5)
     fixed.save(tmp_path / "fixed.zip")
     # a fixed coefficient: no target adapts it, so a target alone is refused, and accepted with an adapting controller
-    with pytest.raises(ValueError, match="ref_target_kl.*ref_kl_controller"):
+    with pytest.raises(ValueError, match=r"ref_target_kl.*ref_kl_controller"):
         KLPPO.load(tmp_path / "fixed.zip", device="cpu", ref_target_kl=1e-4)
     assert KLPPO.load(tmp_path / "fixed.zip", device="cpu", ref_target_kl=None).ref_target_kl is None
     controller = AdaptiveKLController(0.5)
@@ -333,7 +333,7 @@ def test_ref_policy_at_load_must_be_the_saved_one(saved_reference, tmp_path):
     assert all(th.equal(t, loaded.ref_policy.state_dict()[k]) for k, t in model.ref_policy.state_dict().items())
     # another one would be overwritten by the saved weights: refused
     other = shifted_reference(model)
-    with pytest.raises(ValueError, match="ref_policy.*set_parameters"):
+    with pytest.raises(ValueError, match=r"ref_policy.*set_parameters"):
         KLPPO.load(tmp_path / "model.zip", device="cpu", ref_policy=other)
     with pytest.raises(ValueError, match="ref_policy"):
         KLPPO.load(tmp_path / "model.zip", device="cpu", ref_policy=None)
