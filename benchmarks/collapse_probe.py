@@ -175,7 +175,7 @@ def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
             # how concentrated the falls are: the fewest rollouts that hold half of them
             rollouts_with_half_the_falls=float(np.searchsorted(np.cumsum(falls), sum(falls) / 2) + 1) if sum(falls) else 0.0,
             velocity=float(np.mean([r["velocity"] for r in rows])),
-            falls_per_1000_steps=1000.0 * sum(r["terminated"] for r in rows) / steps if steps else float("nan"),
+            falls_per_1000_steps=1000.0 * sum(falls) / steps if steps else float("nan"),
             normalization_kl=float(np.mean([r["normalization_kl"] for r in rows]) / target),
             update_kl=float(np.mean(updates)) if updates else float("nan"),
             # the same updates' KL on the states of the rollouts their results acted in (probes made before it: nan)
@@ -332,29 +332,28 @@ def main(argv: list[str] | None = None) -> None:
         "from collapse_probe.json), written to collapse_probe_healthy.json",
     )
     args = parser.parse_args(argv)
+    collapsed_path = learning.RESULTS / "collapse_probe.json"
     healthy_path = learning.RESULTS / "collapse_probe_healthy.json"
+    healthy = json.loads(healthy_path.read_text()) if healthy_path.exists() else None
     if args.report or args.healthy_cells:
-        results = json.loads((learning.RESULTS / "collapse_probe.json").read_text())
-        healthy = json.loads(healthy_path.read_text()) if healthy_path.exists() else None
-        if args.healthy_cells:
-            cells = [tuple(cell.split(":", 1)) for cell in args.healthy_cells]
-            runs = healthy_runs(args.tier, cells)  # type: ignore[arg-type]
-            print(f"{len(runs)} runs that did not collapse to probe", flush=True)
-            with multiprocessing.get_context("spawn").Pool(max(1, min(args.workers, len(runs)))) as pool:
-                healthy = pool.map(probe_run, runs)
-            healthy_path.write_text(json.dumps(healthy, indent=1))
-        text = report(results, healthy)
-        (learning.RESULTS / "collapse_probe.md").write_text(text)
-        print(text)
-        return
-    runs = collapsed_runs(args.tier)
-    print(f"{len(runs)} collapsed runs to probe", flush=True)
-    with multiprocessing.get_context("spawn").Pool(max(1, min(args.workers, len(runs)))) as pool:
-        results = pool.map(probe_run, runs)
-    (learning.RESULTS / "collapse_probe.json").write_text(json.dumps(results, indent=1))
-    text = report(results, json.loads(healthy_path.read_text()) if healthy_path.exists() else None)
+        results = json.loads(collapsed_path.read_text())
+    else:
+        results = probe_all(collapsed_runs(args.tier), args.workers, "collapsed runs")
+        collapsed_path.write_text(json.dumps(results, indent=1))
+    if args.healthy_cells:
+        cells = [tuple(cell.split(":", 1)) for cell in args.healthy_cells]
+        healthy = probe_all(healthy_runs(args.tier, cells), args.workers, "runs that did not collapse")  # type: ignore[arg-type]
+        healthy_path.write_text(json.dumps(healthy, indent=1))
+    text = report(results, healthy)
     (learning.RESULTS / "collapse_probe.md").write_text(text)
     print(text)
+
+
+def probe_all(runs: list[dict[str, Any]], workers: int, what: str) -> list[dict[str, Any]]:
+    """:return: :func:`probe_run` of each record, in ``workers`` processes"""
+    print(f"{len(runs)} {what} to probe", flush=True)
+    with multiprocessing.get_context("spawn").Pool(max(1, min(workers, len(runs)))) as pool:
+        return pool.map(probe_run, runs)
 
 
 if __name__ == "__main__":
