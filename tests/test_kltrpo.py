@@ -6,6 +6,7 @@ import pytest
 import torch as th
 from sb3_contrib import TRPO
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.envs import IdentityEnvBox, IdentityEnvMultiBinary, IdentityEnvMultiDiscrete
 
 from sb3_kl import KLTRPO
@@ -506,3 +507,32 @@ def test_sub_sampled_step_holds_on_the_whole_buffer(make_env, n_steps):
     assert np.all(tails <= tail_kl * (1 + REL_TOL)), tails
     assert np.median([budget_used(kl, target_kl, tail_kl) for kl in callback.updates]) > 0.8
     assert model.logger.name_to_value["train/kl_divergence_loss"] == pytest.approx(means[-1], rel=1e-3)
+
+
+def test_line_search_takes_a_negative_rounded_kl_as_zero():
+    """
+    Near ``target_kl``'s 1e-8 floor (the last update of a schedule that decays to 0) a small step's float32 mean KL
+    can come out below 0. The search counts it as 0 budget used: it goes on to the growth candidates (here one over
+    the bound, so the secant between the two) instead of taking the square root of a negative number.
+    """
+    target_kl = 1e-8
+    model = KLTRPO("MlpPolicy", TargetReachEnv(dim=2), n_steps=64, target_kl=target_kl, seed=0, **TINY)
+    measured = {1.0: -5.9e-10, 4.0: 8.6 * target_kl}  # the model's step, then its 4x growth over the bound
+
+    def evaluate(step_size: float) -> tuple[float, float, None]:
+        kl = measured.get(step_size, 0.5 * target_kl * step_size**2 / 4.0)
+        return 1.0, kl, None
+
+    step_size, objective, mean_kl, n_tried = model._search_step_size(evaluate, 1.0, 0.0, target_kl)
+    assert n_tried >= 3, "the growth went on past the rejected candidate"
+    assert 1.0 < step_size < 4.0
+    assert mean_kl <= target_kl and objective == 1.0
+
+
+def test_target_kl_decaying_to_zero_trains_to_the_end():
+    """rl-zoo's ``lin_0.01`` for ``target_kl``: the last update runs at the 1e-8 floor (docs/zoo.md)."""
+    env = make_vec_env(lambda: TargetReachEnv(dim=2, ep_length=50), n_envs=2, seed=0)
+    model = KLTRPO("MlpPolicy", env, n_steps=64, target_kl=lambda progress: 0.01 * progress, seed=0, **TINY)
+    model.learn(1280)
+    assert model._n_updates == 10
+    assert model.logger.name_to_value["train/target_kl"] == pytest.approx(1e-8)

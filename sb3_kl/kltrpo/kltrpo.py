@@ -464,10 +464,12 @@ class KLTRPO(KLOnPolicyAlgorithm):
         """
         The fraction of the trust region a candidate uses: its measured mean KL over ``target_kl`` or, with
         ``tail_kl``, its ``tail_quantile`` over ``tail_kl`` when that is larger. The constraints hold iff it is <= 1.
+        A KL is never negative: a measured one below 0 (float32 rounding of a KL of about 0, e.g. a tiny step under
+        ``target_kl`` near its 1e-8 floor) counts as 0, so the search's square roots stay defined.
         """
-        used = mean_kl / target_kl
+        used = max(mean_kl, 0.0) / target_kl
         if tail is not None and self.tail_kl is not None:
-            used = max(used, tail / self.tail_kl)
+            used = max(used, max(tail, 0.0) / self.tail_kl)
         return used if math.isfinite(used) else math.inf
 
     def _search_step_size(
