@@ -262,3 +262,85 @@ def test_recurrent_stop_at_beta_bound_judges_the_exact_kl_of_the_acting_policy()
     assert len(judged) == len(expected) > 0
     np.testing.assert_allclose(judged, expected, rtol=1e-4, atol=1e-7)
     assert judged[0] == pytest.approx(0.0, abs=1e-7) and max(judged) > 1.5 * 0.002
+
+
+@pytest.mark.parametrize("algo", ["KLPPO", "ClipKLPPO"])
+def test_epoch_stop_judges_the_kl_of_the_acting_policy_with_dropout(algo):
+    """
+    ``kl_stop_factor``'s per-epoch rule adds up each minibatch's KL to the rollout policy before its step. With dropout
+    the loss's train-mode KL is noisy (above 2 x target for an unchanged policy, so the stop ended every update at its
+    first epoch): the rule takes it with the policy as it acts, which the eval-mode snapshots check here.
+    """
+    import sb3_kl
+
+    cls = getattr(sb3_kl, algo)
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    policy_kwargs = dict(_policy_kwargs("dropout"), log_std_init=-2.0, ortho_init=False)
+    kwargs = dict(n_steps=128, batch_size=64, n_epochs=4, target_kl=0.01, kl_stop_factor=2.0, seed=0, device="cpu")
+
+    # An unchanged policy (learning rate ~0): the judged KL is 0 and no update stops early
+    model = cls("MlpPolicy", env, learning_rate=1e-30, policy_kwargs=policy_kwargs, **kwargs)
+    judged: list[float] = []
+    original_ran_away = model._kl_ran_away
+
+    def ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+        judged.append(float(epoch_kl_sum) / epoch_states)
+        return original_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
+
+    model._kl_ran_away = ran_away
+    model.learn(128 * 2 * 2)
+    assert len(judged) == 2 * 4 and max(judged) == pytest.approx(0.0, abs=1e-7)
+    assert model.logger.name_to_value["train/early_stop_epoch"] == 4
+
+    # A learning policy: each epoch's judged KL is the mean over its minibatches of the exact KL between the acting
+    # policy before the update and the acting policy before the minibatch's step
+    model = cls("MlpPolicy", env, learning_rate=3e-3, policy_kwargs=policy_kwargs, **kwargs)
+    snapshots, judged, expected, minibatches = Snapshots(model.policy), [], [], []
+    before: list[dict[str, th.Tensor]] = []
+    original_train, original_stop_kl, original_ran_away = model.train, model._epoch_stop_kl, model._kl_ran_away
+
+    def train() -> None:
+        before[:] = [snapshots.take(model.policy)]
+        original_train()
+
+    def epoch_stop_kl(kl, rollout_data, acting_mode_differs):
+        observations = rollout_data.observations.clone()
+        minibatches.append((len(observations), snapshots.exact_kl(before[0], snapshots.take(model.policy), observations)))
+        return original_stop_kl(kl, rollout_data, acting_mode_differs)
+
+    def ran_away_learning(epoch_kl_sum, epoch_states, target_kl, epoch):
+        judged.append(float(epoch_kl_sum) / epoch_states)
+        sizes, kls = np.array(minibatches).T
+        expected.append(float(np.sum(sizes * kls) / np.sum(sizes)))
+        minibatches.clear()
+        return original_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
+
+    model.train, model._epoch_stop_kl, model._kl_ran_away = train, epoch_stop_kl, ran_away_learning
+    model.learn(128 * 2 * 3)
+    assert len(judged) >= 3 and max(expected) > 0
+    np.testing.assert_allclose(judged, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_recurrent_epoch_stop_judges_the_acting_policy_with_dropout():
+    """The same rule in RecurrentKLPPO, with dropout between two LSTM layers: an unchanged policy is never stopped."""
+    from sb3_kl import RecurrentKLPPO
+
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = RecurrentKLPPO(
+        "MlpLstmPolicy", env, n_steps=64, batch_size=64, n_epochs=4, learning_rate=1e-30, target_kl=0.01,
+        kl_stop_factor=2.0, seed=0, device="cpu",
+        policy_kwargs=dict(
+            lstm_hidden_size=8, n_lstm_layers=2, lstm_kwargs=dict(dropout=0.9), net_arch=dict(pi=[8], vf=[8]),
+            log_std_init=-2.0, ortho_init=False,
+        ),
+    )  # fmt: skip
+    judged: list[float] = []
+    original_ran_away = model._kl_ran_away
+
+    def ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+        judged.append(float(epoch_kl_sum) / epoch_states)
+        return original_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
+
+    model._kl_ran_away = ran_away
+    model.learn(64 * 2 * 2)
+    assert len(judged) == 2 * 4 and max(judged) == pytest.approx(0.0, abs=1e-7)

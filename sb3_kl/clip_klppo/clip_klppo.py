@@ -72,8 +72,8 @@ class ClipKLPPO(KLPPO):
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
         exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
     :param kl_stop_factor: The remaining epochs are skipped once the KL of an epoch (mean of its minibatches'
-        per-state KLs, each taken before that minibatch's step) exceeds ``kl_stop_factor * target_kl`` (default 2.0);
-        None disables the early stop
+        per-state KLs, each taken before that minibatch's step, as the policy acts when it has dropout or batch norm)
+        exceeds ``kl_stop_factor * target_kl`` (default 2.0); None disables the early stop
     :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds``, the update ends before
         the first optimizer step whose minibatch KL (exact, of the policy as it acts, before the step) exceeds
         ``kl_saturation_stop_factor * target_kl`` (default 1.5, as in KLPPO; None: never)

@@ -86,7 +86,8 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_stop_factor: When set, the remaining epochs are skipped once the epoch's KL exceeds
         ``kl_stop_factor * target_kl``, judged after each epoch on the mean over its minibatches' states of the
         per-state KL to the rollout policy, each taken before that minibatch's step (so it lags: the first minibatch
-        of an update contributes 0, and the epoch's last step is seen by the next epoch only). None (default): no
+        of an update contributes 0, and the epoch's last step is seen by the next epoch only); with dropout or batch
+        norm in the policy that KL is taken as the policy acts (eval mode). None (default): no
         early stop. 1.5 holds the KL far better when the learning rate is too high (HalfCheetah at 10x the zoo rate)
         but was not made the default: at the zoo's rate it changed no return significantly and the drop-in (with
         PPO's clip) collapsed on 3 of 5 Hopper seeds (``benchmarks/results/learning.md``, early-stop section)
@@ -350,6 +351,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         # Beta pinned at its upper bound: the per-minibatch stop takes over (kl_saturation_stop_factor)
         saturation_stop_kl = self._saturation_stop_kl(target_kl)
         stopped_at_bound = False
+        stop_in_acting_mode = has_mode_dependent_modules(self.policy)
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
@@ -394,7 +396,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                     approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
                     if self.kl_stop_factor is not None and self._kl_stop_judge == "minibatch_mean":
                         # summed as a tensor: one synchronisation per epoch, not per minibatch
-                        epoch_kl_sum += kl.detach() * len(advantages)
+                        epoch_kl_sum += self._epoch_stop_kl(kl, rollout_data, stop_in_acting_mode) * len(advantages)
                         epoch_states += len(advantages)
                 pg_losses.append(policy_loss.item())
                 value_losses.append(value_loss.item())
@@ -542,6 +544,29 @@ class KLPPO(KLOnPolicyAlgorithm):
             return kl
         exact = dataclasses.replace(self.kl_settings, estimator="analytic")
         per_state = per_state_kl_to(exact, self.dist_params, rollout_data.old_dist_params, distribution)
+        valid = self._valid_states(rollout_data)
+        return (per_state if valid is None else per_state[valid]).mean()
+
+    @th.no_grad()
+    def _epoch_stop_kl(self, kl: th.Tensor, rollout_data: Any, acting_mode_differs: bool) -> th.Tensor:
+        """
+        A minibatch's KL as ``kl_stop_factor``'s per-epoch rule adds it up: the loss's own ``kl`` (the estimator's
+        convention, before the minibatch's step), unless the policy has a mode-dependent module (dropout, batch norm,
+        :func:`~sb3_kl.common.modes.has_mode_dependent_modules`). The loss's train-mode KL then carries that module's
+        noise (dropout at p=0.5 put an unchanged policy above 2 x target and stopped ClipKLPPO at its first epoch), so
+        the same KL is taken again with the policy as it acts (eval mode): one more forward pass, no gradient.
+
+        :param kl: The loss's minibatch KL (mean over the valid states)
+        :param rollout_data: The minibatch
+        :param acting_mode_differs: Whether the policy has a mode-dependent module (judged once per update)
+        :return: the KL to add up (a scalar tensor, no gradient)
+        """
+        if not acting_mode_differs:
+            return kl.detach()
+        with acting_mode(self.policy):
+            distribution = self._acting_samples_distribution(rollout_data)
+        log_ratio = distribution.log_prob(self._actions_for_log_prob(rollout_data.actions)) - rollout_data.old_log_prob
+        per_state = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio)
         valid = self._valid_states(rollout_data)
         return (per_state if valid is None else per_state[valid]).mean()
 

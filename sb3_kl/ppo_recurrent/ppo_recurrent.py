@@ -13,6 +13,7 @@ from stable_baselines3.common.utils import explained_variance
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import attach_sde_features, per_state_kl
+from sb3_kl.common.modes import has_mode_dependent_modules
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.recurrent import SequenceEvaluation, evaluate_sequences, is_recurrent_policy, zero_lstm_states
 from sb3_kl.common.recurrent_buffers import (
@@ -136,6 +137,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     _saturation_stop_kl = KLPPO._saturation_stop_kl
     _minibatch_kl_ran_away = KLPPO._minibatch_kl_ran_away
     _judged_minibatch_kl = KLPPO._judged_minibatch_kl
+    _epoch_stop_kl = KLPPO._epoch_stop_kl
     _stops_at_bound = KLPPO._stops_at_bound
     #: The early stop judges KLPPO's documented rule: the mean of the epoch's minibatch KLs (see ``KLPPO._kl_ran_away``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
@@ -451,6 +453,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         loss = th.zeros(())
         saturation_stop_kl = self._saturation_stop_kl(target_kl)
         stopped_at_bound = False
+        stop_in_acting_mode = has_mode_dependent_modules(self.policy)
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
@@ -463,7 +466,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                     log_ratio = out["log_ratio"]
                     approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
                     if self.kl_stop_factor is not None:
-                        epoch_kl_sum += out["kl"].detach() * len(log_ratio)
+                        epoch_kl_sum += self._epoch_stop_kl(out["kl"], rollout_data, stop_in_acting_mode) * len(log_ratio)
                         epoch_states += len(log_ratio)
                 pg_losses.append(out["policy_loss"].item())
                 value_losses.append(out["value_loss"].item())
