@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import learning  # noqa: E402
-from learning import BAND, default_target_kl, describe, fmt, scale_learning_rate, summarize  # noqa: E402
+from learning import BAND, default_target_kl, describe, fmt, scale_learning_rate, summarize, verdict  # noqa: E402
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "recurrent_runs"
@@ -254,7 +254,7 @@ def report_tier(budget_tier: str) -> list[str]:
         "the controller's `kl_band`). Return: "
         f"deterministic evaluation after training, {N_EVAL_EPISODES} episodes; AUC: mean training return over the "
         "run; collapses as `learning.py` counts them. "
-        "Mean ± std over seeds; a difference inside the seed spread is a tie.",
+        "Mean ± std over seeds; the comparison below the table marks the differences inside the seed noise.",
         "",
         "| task | lr | algorithm | seeds | eval return | AUC | collapses | KL mean | KL p99 | KL in band | env-steps/s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -272,9 +272,40 @@ def report_tier(budget_tier: str) -> list[str]:
                 f"{fmt([s['in_band'] for s in summaries], 0, percent=True)} | "
                 f"{fmt([s['steps_per_s'] for s in summaries], 0)} |"
             )
-    lines += ["", f"![returns and KL per update]({figure_name(budget_tier)})", ""]
+    lines += ["", *baseline_comparison(groups), "", f"![returns and KL per update]({figure_name(budget_tier)})", ""]
     plot(groups, figure_name(budget_tier))
     return lines
+
+
+def baseline_comparison(groups: dict[tuple[str, float, str], list[dict[str, Any]]]) -> list[str]:
+    """
+    Each RecurrentKLPPO variant against RecurrentPPO in its cell, on the seeds both have: the differences of the
+    evaluation return, the AUC and the share of updates in the KL band, each with its Welch p-value (a tie when
+    p >= 0.05: inside the seed noise).
+    """
+    rows = []
+    for env_id, lr_mult in CELLS:
+        stock = {r["seed"]: summarize(r) for r in groups.get((env_id, lr_mult, "recurrent_ppo"), [])}
+        for algo in ALGOS[1:] + VARIANTS:
+            ours = {r["seed"]: summarize(r) for r in groups.get((env_id, lr_mult, algo), [])}
+            seeds = sorted(set(ours) & set(stock))
+            if len(seeds) < 2:
+                continue
+            cells = []
+            for key, scale in (("eval_mean", 1.0), ("auc", 1.0), ("in_band", 100.0)):  # band share in points
+                text, outcome = verdict([scale * ours[s][key] for s in seeds], [scale * stock[s][key] for s in seeds])
+                cells.append(f"{text}: {outcome}")
+            rows.append(f"| {env_id} | x{lr_mult:g} | {algo} | {len(seeds)} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "Against RecurrentPPO, on the seeds both have (difference of the means, RecurrentKLPPO - RecurrentPPO, with its "
+        "two-sided Welch p-value; a tie when p >= 0.05, a difference inside the seed noise):",
+        "",
+        "| task | lr | algorithm | seeds | eval return | AUC | KL in band (points) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
 
 
 def plot(groups: dict[tuple[str, float, str], list[dict[str, Any]]], name: str) -> None:
@@ -323,13 +354,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--envs", nargs="+", default=None, help="only the cells of these tasks")
     parser.add_argument("--lr-mults", nargs="+", type=float, default=None, help="only the cells of these multipliers")
     parser.add_argument("--budget", choices=list(BUDGETS), default="zoo", help="environment steps per run (BUDGETS)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS, help="the seeds to run (default: 0 1 2)")
     args = parser.parse_args(argv)
     if not args.report:
         # cell by cell (CELLS' order), each seed's comparison (both algorithms) completed before the next seed
         specs = [
             dict(algo=algo, env=env_id, lr_mult=lr_mult, seed=seed, budget=args.budget)
             for env_id, lr_mult in CELLS
-            for seed in SEEDS
+            for seed in args.seeds
             for algo in args.algos
             if (args.envs is None or env_id in args.envs)
             and (args.lr_mults is None or lr_mult in args.lr_mults)

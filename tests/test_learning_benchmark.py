@@ -446,3 +446,24 @@ def test_side_experiments_compare_with_the_grid_record_of_their_own_machine(tmp_
     # one made here, with the grid's record made here
     side = learning.group_records([{**_record("klppo", "Hopper-v5", 0, 905.0, [0.03], 0.03), "run_environment": here}])
     assert [r["eval_mean"] for r in learning.grid_beside(side, groups)[("Hopper-v5", "klppo", 1.0)]] == [990.0, 995.0]
+
+
+def test_recurrent_report_compares_each_variant_with_recurrent_ppo_on_shared_seeds():
+    import recurrent_learning
+
+    kls = [0.03] * 4
+    groups = {
+        ("PendulumNoVel-v1", 1.0, "recurrent_ppo"): [
+            _record("recurrent_ppo", "PendulumNoVel-v1", seed, -200.0 - seed, [0.3] * 4, 0.03) for seed in range(4)
+        ],
+        # seed 3 has no RecurrentPPO twin here: left out of the comparison
+        ("PendulumNoVel-v1", 1.0, "recurrent_klppo"): [
+            _record("recurrent_klppo", "PendulumNoVel-v1", seed, -150.0 - seed, kls, 0.03) for seed in (0, 1, 2, 5)
+        ],
+    }
+    lines = recurrent_learning.baseline_comparison(groups)
+    row = _row("\n".join(lines), "| PendulumNoVel-v1 | x1 | recurrent_klppo |")
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[3] == "3"
+    assert cells[4].startswith("+50.0 ") and cells[4].endswith(": better")
+    assert cells[6].startswith("+100.0 ") and cells[6].endswith(": better")  # every update in band against none
