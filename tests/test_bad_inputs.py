@@ -149,7 +149,7 @@ ROWS: list[Row] = [
     *ok(ALGOS, "ref_policy", 5),
     *ok(ALGOS, "ref_policy", "/nonexistent/model.zip"),
     *ok(ALGOS, "ref_kl_coef", -1.0, NAN),
-    *ok(ALGOS, "ref_target_kl", 0.0),
+    *ok(ALGOS, "ref_target_kl", 0.0, "0.01"),
     *ok(ALGOS, "ref_kl_controller", "pid"),
     *ok(ALGOS, "ref_kl_coef_bounds", (10.0, 1e-4)),
     *ok(ALGOS, "ref_kl_direction", "sideways"),

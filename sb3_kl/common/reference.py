@@ -44,11 +44,13 @@ from sb3_kl.common.kl import (
 )
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.recurrent import is_recurrent_policy, lstm_constructor_parameters
-from sb3_kl.common.validation import check_existing_file, check_pair
+from sb3_kl.common.validation import check_existing_file, check_pair, check_positive
 
 #: Reference options that ``load()`` takes out of its arguments and applies or refuses once the model is loaded
 #: (:meth:`ReferenceKLMixin._apply_loaded_reference_options`)
 LOADED_REFERENCE_OPTIONS = ("ref_policy", "ref_target_kl")
+#: How ``ref_target_kl``'s errors say what None means
+REF_TARGET_KL_HINT = " (None: a fixed coefficient)"
 
 #: Attribute set on the frozen copies built here (so ``_setup_model`` does not copy them again)
 _FROZEN_MARK = "_sb3_kl_frozen_reference"
@@ -170,19 +172,6 @@ def load_reference_policy(source: ReferenceSource, device: th.device | str = "cp
     return frozen
 
 
-def check_ref_target_kl(value: Any) -> float | None:
-    """
-    :param value: A ``ref_target_kl`` argument
-    :return: it as a float (None stays None: a fixed coefficient)
-    :raises ValueError: unless it is None or a positive finite number
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`ref_target_kl` must be a positive finite number (None: fixed coefficient), got {value!r}.")
-    return float(value)
-
-
 def same_weights(first: th.nn.Module, second: th.nn.Module) -> bool:
     """Whether two modules hold the same parameters and buffers (same names, shapes and values)."""
     a, b = first.state_dict(), second.state_dict()
@@ -249,7 +238,7 @@ class ReferenceKLMixin:
         self.ref_kl_settings = KLSettings(ref_kl_estimator, ref_kl_direction, kl_reduction, log_ratio_clip)
         if isinstance(ref_kl_coef, bool) or not isinstance(ref_kl_coef, (int, float)) or not math.isfinite(ref_kl_coef):
             raise ValueError(f"`ref_kl_coef` must be a finite number >= 0, got {ref_kl_coef!r}.")
-        ref_target_kl = check_ref_target_kl(ref_target_kl)
+        ref_target_kl = check_positive("ref_target_kl", ref_target_kl, allow_none=True, hint=REF_TARGET_KL_HINT)
         if ref_kl_coef < 0:
             raise ValueError(
                 f"`ref_kl_coef` must be >= 0 (0 with ref_target_kl=None only measures the KL), got {ref_kl_coef!r}."
@@ -295,7 +284,7 @@ class ReferenceKLMixin:
         :raises ValueError: for an option ``load()`` cannot apply, naming it and the fix
         """
         if "ref_target_kl" in options:
-            target = check_ref_target_kl(options["ref_target_kl"])
+            target = check_positive("ref_target_kl", options["ref_target_kl"], allow_none=True, hint=REF_TARGET_KL_HINT)
             controller = self.ref_kl_controller
             if target is not None and target != self.ref_target_kl:
                 if controller is None or isinstance(controller, FixedKLController):
