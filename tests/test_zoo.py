@@ -289,3 +289,61 @@ def test_every_shipped_config_entry_was_run():
         for env_id, config in configs.items():
             runs = [json.loads(path.read_text()) for path in runs_dir.glob(f"{algo}_{env_id}_seed*.json")]
             assert any(run["returncode"] == 0 and run["config"] == config for run in runs), f"{algo} {env_id}: no run"
+
+
+@pytest.mark.parametrize("algo", ["klppo_lstm", "klppo_mask"])
+def test_export_writes_the_network_the_trial_trained(zoo, algo, tmp_path):
+    """
+    The zoo's objective and ``--trial-id`` replace the config's ``policy_kwargs`` with the trial's sampled network, so
+    the exported entry carries the trial's ``policy_kwargs`` alone, not merged into the config's (whose other keys, e.g.
+    the LSTM's size, the trial did not train with). Every tunable algorithm can be exported.
+    """
+    import optuna
+    import yaml
+
+    from sb3_kl.zoo.export import trial_config
+    from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), direction="maximize")
+    trial = study.ask()
+    sampled = HYPERPARAMS_SAMPLER[algo](trial, 1, 2, {})
+    study.tell(trial, 1.0)
+    base = tmp_path / "base.yml"
+    env_id = "CartPole-v1"
+    base.write_text(yaml.safe_dump({env_id: {"n_envs": 4, "policy_kwargs": "dict(lstm_hidden_size=8, ortho_init=False)"}}))
+    entry = trial_config(study, algo, env_id, conf_file=str(base))
+    assert entry["n_envs"] == 4  # not sampled: from the config
+    from torch import nn
+
+    assert eval(entry["policy_kwargs"], {"nn": nn, "dict": dict}) == sampled["policy_kwargs"]
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    optuna.copy_study(from_study_name=study.study_name, from_storage=study._storage, to_storage=storage, to_study_name="s")
+    output = tmp_path / "best.yml"
+    zoo_main("export", "--algo", algo, "--env", env_id, "--storage", storage, "--study-name", "s", "-conf", str(base),
+             "-o", str(output))  # fmt: skip
+    assert yaml.safe_load(output.read_text())[env_id]["policy_kwargs"] == entry["policy_kwargs"]
+
+
+def test_continue_training_keeps_the_saved_kl_coef(zoo, tmp_path):
+    """``-i`` with a config that sets ``kl_coef``: the run goes on from the saved beta, not the config's initial one."""
+    common = ["--env", "CartPole-v1", "--seed", "0", "--eval-freq", "-1", "--verbose", "0", "-f", str(tmp_path)]
+    fixed = [*FAST_PARAMS, "kl_controller:'fixed'"]
+    zoo_main("train", "--algo", "klppo", *common, "-n", "512", *fixed, "kl_coef:0.5")
+    first = tmp_path / "klppo" / "CartPole-v1_1" / "CartPole-v1.zip"
+    assert zoo.SB3_KL_ALGOS["klppo"].load(first).kl_coef == pytest.approx(0.5)
+    # a fixed beta shows what load() was given: 0.9 if the config's value reached it
+    zoo_main("train", "--algo", "klppo", *common, "-n", "512", *fixed, "kl_coef:0.9", "-i", str(first))
+    resumed = zoo.SB3_KL_ALGOS["klppo"].load(tmp_path / "klppo" / "CartPole-v1_2" / "CartPole-v1.zip")
+    assert resumed.kl_coef == pytest.approx(0.5)
+
+
+def test_record_video_through_module(zoo, tmp_path):
+    pytest.importorskip("moviepy")
+    zoo_main(
+        "train", "--algo", "klppo", "--env", "CartPole-v1", "-n", "256", "--seed", "0", "-f", str(tmp_path),
+        "--eval-freq", "-1", "--verbose", "0", *FAST_PARAMS,
+    )  # fmt: skip
+    videos = tmp_path / "videos"
+    zoo_main("record_video", "--algo", "klppo", "--env", "CartPole-v1", "-f", str(tmp_path), "-n", "30", "-o", str(videos))
+    assert list(videos.rglob("*.mp4"))

@@ -4,7 +4,9 @@ so that it can be trained and evaluated on fresh seeds with ``python -m sb3_kl.z
 
 The entry is the base config's entry for the environment (the shipped ``sb3_kl/hyperparams/{algo}.yml``, or
 ``-conf``) with the trial's hyperparameters on top, converted by the algorithm's converter (the one ``--trial-id``
-uses), and ``policy_kwargs`` written as the string the zoo evaluates.
+uses), and ``policy_kwargs`` written as the string the zoo evaluates. As in the trial and in ``--trial-id``, the
+trial's ``policy_kwargs`` (the sampled network) replaces the base config's whole ``policy_kwargs``: the entry trains
+the network the trial trained.
 """
 
 import argparse
@@ -18,7 +20,7 @@ from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
 from torch import nn
 
 from sb3_kl.zoo import distributed
-from sb3_kl.zoo.registry import default_config, register
+from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
 
 
 def _python_literal(value: Any) -> str:
@@ -60,7 +62,7 @@ def trial_config(
 ) -> dict[str, Any]:
     """
     :param study: Study of an sb3_kl zoo search
-    :param algo: Zoo name of the algorithm the study tuned (``klppo``, ``clip_klppo``, ``kltrpo``)
+    :param algo: Zoo name of the algorithm the study tuned (a key of :data:`~sb3_kl.zoo.registry.SB3_KL_ALGOS`)
     :param env_id: Environment id (the key of the entry)
     :param trial_number: Trial to export (default: the best complete trial)
     :param conf_file: Base config (default: the shipped one for ``algo``)
@@ -78,13 +80,10 @@ def trial_config(
     base = (yaml.safe_load(base_path.read_text()) or {}).get(env_id, {})
     entry = dict(base)
     hyperparams = dict(HYPERPARAMS_CONVERTER[algo](trial.params))
-    policy_kwargs = hyperparams.pop("policy_kwargs", {})
-    if isinstance(entry.get("policy_kwargs"), str):
-        base_kwargs = eval(entry["policy_kwargs"], {"nn": nn, "dict": dict})
-        policy_kwargs = {**base_kwargs, **policy_kwargs}
+    # the zoo's objective and --trial-id replace the config's policy_kwargs with the trial's (dict.update)
+    if "policy_kwargs" in hyperparams:
+        hyperparams["policy_kwargs"] = _python_literal(hyperparams["policy_kwargs"])
     entry.update(hyperparams)
-    if policy_kwargs:
-        entry["policy_kwargs"] = _python_literal(policy_kwargs)
     entry.setdefault("policy", "MlpPolicy")
     return entry
 
@@ -98,7 +97,7 @@ def export(argv: Sequence[str] | None = None) -> Path:
     :return: Path of the written config
     """
     parser = argparse.ArgumentParser(prog="python -m sb3_kl.zoo export", description=__doc__)
-    parser.add_argument("--algo", required=True, choices=["klppo", "clip_klppo", "kltrpo"])
+    parser.add_argument("--algo", required=True, choices=list(SB3_KL_ALGOS))
     parser.add_argument("--env", required=True, help="environment id (key of the written entry)")
     parser.add_argument("--storage", required=True, help="the study's storage (database URL or journal .log file)")
     parser.add_argument("--study-name", required=True)

@@ -141,7 +141,8 @@ HYPERPARAMS_SAMPLER = {
     "clip_klppo": sample_clip_klppo_params,
     "kltrpo": sample_kltrpo_params,
     "klppo_mask": sample_klppo_params,  # MaskableKLPPO takes KLPPO's options
-    # as the zoo's ppo_lstm, which samples PPO's space: KLPPO's, the LSTM left at its configured size
+    # as the zoo's ppo_lstm, which samples PPO's space: KLPPO's (the LSTM's size is not sampled; the trial's
+    # policy_kwargs replace the config's, as in the zoo)
     "klppo_lstm": sample_klppo_params,
 }
 

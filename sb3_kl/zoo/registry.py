@@ -264,6 +264,34 @@ def _patch_objective() -> None:
     ExperimentManager.objective = objective  # type: ignore[method-assign]
 
 
+#: Config keys that set the initial state of a KL coefficient's controller: continuing training (``-i``) keeps the
+#: saved coefficient, so the zoo does not pass them to ``load`` (where they would override it)
+INITIAL_STATE_KEYS = ("kl_coef", "ref_kl_coef")
+
+
+def _patch_load_pretrained_agent() -> None:
+    """
+    Make ``ExperimentManager._load_pretrained_agent`` (``-i``/``--trained-agent``: continue training) keep the saved
+    KL coefficients of an sb3_kl algorithm. The zoo passes every config key to ``load``, and ``load(path, kl_coef=x)``
+    sets beta to ``x``: the config's initial beta (and ``export`` always writes one) would restart the controller in the
+    middle of its run. Idempotent.
+    """
+    original = ExperimentManager._load_pretrained_agent
+    if getattr(original, "_sb3_kl_patched", False):
+        return
+
+    def _load_pretrained_agent(self: ExperimentManager, hyperparams: dict[str, Any], env: Any) -> Any:
+        if self.algo in SB3_KL_ALGOS:
+            dropped = [key for key in INITIAL_STATE_KEYS if hyperparams.pop(key, None) is not None]
+            if dropped and self.verbose > 0:
+                print(f"Continuing training: the saved {' and '.join(dropped)} kept, the config's initial value ignored")
+        return original(self, hyperparams, env)
+
+    _load_pretrained_agent._sb3_kl_patched = True  # type: ignore[attr-defined]
+    _load_pretrained_agent.__doc__ = original.__doc__
+    ExperimentManager._load_pretrained_agent = _load_pretrained_agent  # type: ignore[method-assign]
+
+
 def register() -> None:
     """
     Register the sb3_kl algorithms, their Optuna samplers and converters in the zoo's registries (in place), and the
@@ -281,3 +309,4 @@ def register() -> None:
     patch_experiment_manager()  # -optimize on database storages: heartbeat, safe schema creation, exact cap
     _patch_create_callbacks()
     _patch_objective()
+    _patch_load_pretrained_agent()
