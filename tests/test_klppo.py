@@ -775,3 +775,15 @@ def test_gsde_kl_gradient_reaches_the_features():
     for name in ("mlp_extractor.policy_net.0.weight", "log_std", "action_net.weight"):
         assert want[name].abs().max() > 1e-6, name
         assert th.allclose(got[name], want[name], rtol=1e-4, atol=1e-7), name
+
+
+@pytest.mark.parametrize("algo", ["KLPPO", "ClipKLPPO", "KLTRPO", "RecurrentKLPPO"])
+def test_kl_quantiles_come_back_as_the_constructor_stores_them(algo, tmp_path):
+    import sb3_kl
+
+    cls = getattr(sb3_kl, algo)
+    policy = "MlpLstmPolicy" if algo == "RecurrentKLPPO" else "MlpPolicy"
+    model = cls(policy, "CartPole-v1", n_steps=64, batch_size=64, kl_quantiles=(0.25, 0.75), device="cpu")
+    model.save(tmp_path / "model")
+    loaded = cls.load(tmp_path / "model", device="cpu")
+    assert loaded.kl_quantiles == (0.25, 0.75) and isinstance(loaded.kl_quantiles, tuple)

@@ -378,6 +378,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.target_kl = FloatSchedule(self.target_kl)
         if self.min_std is not None and not isinstance(self.dist_params, GaussianParams):
             raise ValueError("`min_std` is set but the policy's action distribution is not Gaussian: pass min_std=None.")
+        # Saved as a JSON list: ``load`` gives back the tuple the constructor stores
+        self.kl_quantiles = tuple(self.kl_quantiles)
         # ``Algo.load(path, kl_coef=x)`` puts ``kl_coef`` in ``__dict__`` before calling ``_setup_model``: apply it
         if "kl_coef" in self.__dict__:
             self.kl_coef = self.__dict__.pop("kl_coef")
