@@ -659,7 +659,8 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     def _gradient_ratio(self, kl_loss: th.Tensor, policy_loss: th.Tensor) -> float:
         """
-        ``||grad beta*KL|| / ||grad surrogate||`` over the policy's parameters (graph kept for the optimizer step).
+        ``||grad (beta*KL + hinge)|| / ||grad surrogate||`` over the policy's parameters: ``kl_loss`` is the loss's whole
+        KL term (:meth:`_kl_penalty`). The graph is kept for the optimizer step.
         """
         params = [p for p in self.policy.parameters() if p.requires_grad]
         norms = []
