@@ -290,3 +290,34 @@ def test_a_tensorboard_run_takes_its_conventions_from_the_csv_beside_it(tmp_path
     run = load_run(name, path, source)
     assert source == "tensorboard" and run.convention_of("train/kl") == "forward/analytic/mean"
     assert "mean=train/kl (forward/analytic/mean)" in format_text(summarize_run(run))
+
+
+def test_k1_alarm_takes_gsde_noise_blocks_as_the_samples():
+    """
+    With gSDE the states of one env share an exploration matrix until it is resampled, so their k1 samples move
+    together: the standard error of the mean comes from the blocks' means. Counted per state, small updates on
+    Pendulum with 4 envs and one matrix per rollout read as 'many standard errors below 0' in 3 of 8 updates.
+    """
+    env = make_vec_env("Pendulum-v1", n_envs=4, seed=0)
+    model = KLPPO(
+        "MlpPolicy", env, use_sde=True, n_steps=64, batch_size=64, seed=0, policy_kwargs=dict(net_arch=[16]), device="cpu"
+    )
+    monitor = KLMonitorCallback(estimator="k1")
+    alarm = KLAlarmCallback(monitor=monitor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.learn(256 * 8, callback=[monitor, alarm])
+    assert [a for a in alarm.alarms if a.kind == "negative_kl"] == []
+
+    # blocks of 16 steps x 4 envs: a shift shared within each block counts once per block, not once per state
+    rng = np.random.default_rng(0)
+    model.sde_sample_freq = 16
+    block_shift = np.repeat(rng.normal(size=(4, 4)), 16, axis=0)  # (64 steps, 4 envs)
+    per_state = (block_shift + 0.01 * rng.normal(size=(64, 4))).reshape(-1)
+    block_means = per_state.reshape(64, 4).reshape(4, 16, 4).mean(axis=1).reshape(-1)
+    expected = block_means.std(ddof=1) / np.sqrt(16)
+    assert alarm._k1_standard_error(per_state) == pytest.approx(expected)
+    model.sde_sample_freq, model.n_envs = -1, 1
+    assert alarm._k1_standard_error(per_state) == float("inf")  # one env, one matrix: untestable
+    model.use_sde = False
+    assert alarm._k1_standard_error(per_state) == pytest.approx(per_state.std(ddof=1) / 16)

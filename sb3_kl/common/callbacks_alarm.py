@@ -293,11 +293,12 @@ class KLAlarmCallback(MonitorUser):
         """
         ``negative_kl``: with an exact or ``k3`` KL, a per-state value below ``-negative_tol`` (neither can be negative);
         with ``k1``, whose single samples can, the update's mean more than ``negative_tol`` plus
-        :data:`NEGATIVE_K1_STANDARD_ERRORS` standard errors below 0 (the expectation of k1 is the KL, never negative).
+        :data:`NEGATIVE_K1_STANDARD_ERRORS` standard errors (:meth:`_k1_standard_error`) below 0 (the expectation of k1
+        is the KL, never negative).
         """
         if self.monitor.settings.estimator == "k1":
             lowest = record["mean"]
-            standard_error = float(np.std(per_state, ddof=1) / np.sqrt(len(per_state))) if len(per_state) > 1 else 0.0
+            standard_error = self._k1_standard_error(per_state)
             if lowest >= -(self.negative_tol + NEGATIVE_K1_STANDARD_ERRORS * standard_error):
                 return []
             what = (
@@ -317,6 +318,32 @@ class KLAlarmCallback(MonitorUser):
                 "distribution parameters and the log-probabilities fed to it.",
             )
         ]
+
+    def _k1_standard_error(self, per_state: np.ndarray) -> float:
+        """
+        The standard error of the update's mean k1 estimate (``per_state``: the monitor's samples, step-major over the
+        rollout's ``n_steps * n_envs`` states). Each state's action is an independent draw, unless the policy explores
+        with gSDE: the states of one env between two resamplings of its exploration matrix (``sde_sample_freq`` steps,
+        or the whole rollout with -1) share one draw of the noise, and their k1 samples move together. The standard
+        error is then that of the mean of those blocks' means (``inf``, so no alarm, with a single block: one env and
+        one matrix per rollout leave the sign of the mean untestable).
+
+        :return: the standard error (0 with fewer than two states)
+        """
+        n_states = len(per_state)
+        if n_states < 2:
+            return 0.0
+        n_envs = int(getattr(self.model, "n_envs", 1))
+        if not getattr(self.model, "use_sde", False) or n_states % n_envs:
+            return float(np.std(per_state, ddof=1) / np.sqrt(n_states))
+        n_steps = n_states // n_envs
+        frequency = int(getattr(self.model, "sde_sample_freq", -1))
+        period = n_steps if frequency <= 0 else min(frequency, n_steps)
+        by_step = per_state.reshape(n_steps, n_envs)
+        blocks = np.concatenate([by_step[start : start + period].mean(axis=0) for start in range(0, n_steps, period)])
+        if len(blocks) < 2:
+            return math.inf
+        return float(np.std(blocks, ddof=1) / np.sqrt(len(blocks)))
 
     def _beta_bound_alarms(self) -> list[tuple[str, float, str]]:
         """``beta_at_upper_bound`` / ``beta_at_lower_bound`` for an sb3_kl algorithm whose beta stayed at a bound."""
