@@ -480,6 +480,15 @@ def test_alarm_beta_pinned_at_upper_bound():
     assert pinned and pinned[0].update == 1 and pinned[0].value == 1.0
     assert all(record["coef"] == 1.0 for record in alarm.monitor.history)
 
+    # a fixed beta at the top of its bounds is the user's choice: no controller ran out of room
+    fixed = KLPPO(
+        "MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=3, learning_rate=0.05, kl_coef=1.0,
+        kl_coef_bounds=(1e-4, 1.0), kl_controller="fixed", kl_hinge_coef=0.0, **TINY,
+    )  # fmt: skip
+    alarm = KLAlarmCallback(patience=2, tail_ratio=None)
+    fixed.learn(3 * 64, callback=alarm)
+    assert not [a for a in alarm.alarms if a.kind.startswith("beta_at")]
+
 
 class IndependentSampleKL(IndependentKL):
     """

@@ -14,6 +14,7 @@ from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import FloatSchedule
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, is_trust_region_family, model_target_kl
+from sb3_kl.common.controllers import FixedKLController
 from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
 from sb3_kl.common.validation import check_bool, check_int, check_pair, check_positive
 
@@ -346,10 +347,15 @@ class KLAlarmCallback(MonitorUser):
         return float(np.std(blocks, ddof=1) / np.sqrt(len(blocks)))
 
     def _beta_bound_alarms(self) -> list[tuple[str, float, str]]:
-        """``beta_at_upper_bound`` / ``beta_at_lower_bound`` for an sb3_kl algorithm whose beta stayed at a bound."""
+        """
+        ``beta_at_upper_bound`` / ``beta_at_lower_bound`` for an sb3_kl algorithm whose adapting controller kept beta at a
+        bound (a fixed beta is the user's choice, not a controller that ran out of room: never alarmed).
+        """
         if not getattr(self.model, "has_kl_coef", False):  # stock agents and KLTRPO's hard constraint have no beta
             return []
         controller = self.model.kl_controller
+        if isinstance(controller, FixedKLController):
+            return []
         low, high = controller.kl_coef_bounds
         kl_coef = float(controller.kl_coef)
         raised = []
