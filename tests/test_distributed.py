@@ -289,6 +289,11 @@ def test_heartbeat_flags_are_checked():
     for bad in (["--heartbeat-interval", "-1"], ["--heartbeat-interval", "10", "--heartbeat-grace-period", "10"]):
         with pytest.raises(SystemExit):
             split_heartbeat_flags(bad)
+    # without a heartbeat a dead worker's trial stays RUNNING and a trial cap would wait on it forever
+    for cap in (["--max-total-trials", "4"], ["--max-total-trials=4"]):
+        with pytest.raises(SystemExit):
+            split_heartbeat_flags(["--heartbeat-interval", "0", *cap])
+    assert split_heartbeat_flags(["--heartbeat-interval", "5", "--max-total-trials", "4"])[1] == ["--max-total-trials", "4"]
 
 
 def test_only_database_urls_take_the_distributed_path():

@@ -250,6 +250,20 @@ def test_optimize_two_trials_and_reload_trial(zoo, tmp_path):
     assert model.target_kl(1.0) == pytest.approx(params["target_kl"])
     assert model.n_steps == 2 ** params["n_steps_pow"] and model.kl_settings.estimator == params["kl_estimator"]
 
+    # trial 0 too (the zoo tests --trial-id for truth and took 0 for no trial), and a clear error for no such trial
+    zoo_main(
+        "train", "--algo", "klppo", *common[:-len(FAST_PARAMS)], "-n", "256", "--eval-freq", "-1",
+        "--storage", storage, "--study-name", "klppo-test", "--trial-id", "0",
+    )  # fmt: skip
+    run_dir = max((tmp_path / "klppo").glob("CartPole-v1_*"), key=lambda path: path.stat().st_mtime)
+    model = zoo.SB3_KL_ALGOS["klppo"].load(run_dir / "CartPole-v1.zip")
+    assert model.target_kl(1.0) == pytest.approx(study.trials[0].params["target_kl"])
+    with pytest.raises(SystemExit, match="--trial-id 99"):
+        zoo_main(
+            "train", "--algo", "klppo", *common[:-len(FAST_PARAMS)], "-n", "256",
+            "--storage", storage, "--study-name", "klppo-test", "--trial-id", "99",
+        )  # fmt: skip
+
 
 @pytest.mark.slow
 def test_distributed_optimization_two_workers_share_sqlite_storage(zoo, tmp_path):
@@ -347,3 +361,22 @@ def test_record_video_through_module(zoo, tmp_path):
     videos = tmp_path / "videos"
     zoo_main("record_video", "--algo", "klppo", "--env", "CartPole-v1", "-f", str(tmp_path), "-n", "30", "-o", str(videos))
     assert list(videos.rglob("*.mp4"))
+
+
+def test_export_of_a_study_without_a_complete_trial_says_so(zoo):
+    import optuna
+
+    from sb3_kl.zoo.distributed import StorageError
+    from sb3_kl.zoo.export import trial_config
+
+    study = optuna.create_study(direction="maximize")
+    study.ask()  # a running trial only
+    with pytest.raises(StorageError, match="no complete trial"):
+        trial_config(study, "klppo", "CartPole-v1")
+
+
+def test_a_malformed_sqlite_url_is_one_clear_error(zoo):
+    from sb3_kl.zoo.distributed import StorageError, open_storage
+
+    with pytest.raises(StorageError, match=r"sqlite:////absolute"):
+        open_storage("sqlite://study.db")  # a host where the path should be

@@ -259,6 +259,11 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
         else:
             fix = f"install the {driver or dialect} driver that the URL names (e.g. pip install {driver or dialect})"
         raise StorageError(f"--storage {redact(url)}: the database driver is not installed ({e}). Fix: {fix}.") from e
+    except sqlalchemy.exc.ArgumentError as e:  # e.g. sqlite://study.db (a host where the path should be)
+        raise StorageError(
+            f"--storage {redact(url)} is not a valid {dialect} URL ({e}). SQLite takes sqlite:///relative.db or "
+            "sqlite:////absolute/path.db."
+        ) from e
     try:
         with engine.connect():
             pass
@@ -517,10 +522,18 @@ def _zoo_optuna(manager: Any) -> types.ModuleType:
     return proxy
 
 
+class TrialNumber(int):
+    """A trial number that is true even when it is 0 (the zoo tests ``--trial-id`` for truth before reloading it)."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def patch_experiment_manager() -> None:
     """
-    Route the zoo's ``-optimize`` on database URLs through this module (``hyperparameters_optimization``), and check
-    the storage of ``--trial-id`` reloads (``load_trial``). Idempotent.
+    Route the zoo's ``-optimize`` on database URLs through this module (``hyperparameters_optimization``), check the
+    storage and the trial number of ``--trial-id`` reloads (``load_trial``), and make ``--trial-id 0`` reload trial 0
+    (``__init__``; the zoo took 0 for no trial). Idempotent.
     """
     from rl_zoo3 import exp_manager
 
@@ -549,9 +562,23 @@ def patch_experiment_manager() -> None:
                     f"--study-name {study_name!r} is not in --storage {redact(storage)}. "
                     "Check the name (optuna studies --storage URL lists them)."
                 )
-        return original_load_trial(self, storage, study_name, trial_id, convert)
+        try:
+            return original_load_trial(self, storage, study_name, trial_id, convert)
+        except IndexError as e:
+            raise StorageError(f"--trial-id {trial_id}: study {study_name!r} has no trial with that number.") from e
 
-    for function, name in ((hyperparameters_optimization, "hyperparameters_optimization"), (load_trial, "load_trial")):
+    original_init = manager_class.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if self.trial_id == 0:  # the zoo reloads a trial only when ``self.trial_id`` is true: 0 would be ignored
+            self.trial_id = TrialNumber(0)
+
+    for function, name in (
+        (hyperparameters_optimization, "hyperparameters_optimization"),
+        (load_trial, "load_trial"),
+        (__init__, "__init__"),
+    ):
         function._sb3_kl_patched = True  # type: ignore[attr-defined]
         function.__doc__ = getattr(manager_class, name).__doc__
         setattr(manager_class, name, function)

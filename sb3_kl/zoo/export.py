@@ -70,6 +70,8 @@ def trial_config(
     """
     register()
     if trial_number is None:
+        if not any(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+            raise distributed.StorageError(f"study {study.study_name!r} has no complete trial yet: nothing to export.")
         trial = study.best_trial
     else:
         matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial_number]

@@ -66,6 +66,12 @@ def split_heartbeat_flags(argv: Sequence[str]) -> tuple[distributed.HeartbeatSet
         parser.error(f"--heartbeat-interval must be >= 0 seconds (0 turns the heartbeat off), got {known.heartbeat_interval}")
     if known.max_retry < 0:
         parser.error(f"--max-retry must be >= 0, got {known.max_retry}")
+    if known.heartbeat_interval == 0 and any(arg.split("=")[0] == "--max-total-trials" for arg in rest):
+        parser.error(
+            "--heartbeat-interval 0 cannot go with --max-total-trials: without a heartbeat the trial of a worker that "
+            "dies stays RUNNING, and every worker waits on it to reach the cap, for good. Keep the heartbeat (the "
+            "default is 60 s)"
+        )
     grace = known.heartbeat_grace_period
     if grace is not None and known.heartbeat_interval and grace <= known.heartbeat_interval:
         parser.error(
