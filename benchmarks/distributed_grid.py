@@ -66,20 +66,35 @@ def _backend(study: optuna.Study) -> Any:
     return getattr(study._storage, "_backend", study._storage)
 
 
-def enqueue(study: optuna.Study, specs: list[dict[str, Any]], force: bool = False) -> int:
+def enqueue(
+    study: optuna.Study,
+    specs: list[dict[str, Any]],
+    force: bool = False,
+    is_current: Callable[[dict[str, Any]], bool] | None = None,
+) -> int:
     """
     Queue the cells that are not already waiting, running or (unless ``force``) complete in the study.
 
     :param study: Grid study
     :param specs: Cells (``learning.grid_specs``)
     :param force: Queue cells again even when they completed before (waiting or running cells are never queued twice)
+    :param is_current: With it, a complete cell counts as done only when its record passes it (``--stale``,
+        ``--other-machines``: made by this commit, on this machine), so such a grid run resumes where it stopped
     :return: Number of cells queued
     """
+
+    def done(trial: optuna.trial.FrozenTrial) -> bool:
+        if trial.state != TrialState.COMPLETE:
+            return True  # waiting or running
+        if force:
+            return False
+        return is_current is None or is_current(trial.user_attrs.get("record") or {})
+
     with advisory_lock(_backend(study).engine, study_lock_key(study)):
         present = {
             trial.user_attrs.get("cell_key")
             for trial in study.get_trials(deepcopy=False)
-            if trial.state in ACTIVE_STATES and (not force or trial.state != TrialState.COMPLETE)
+            if trial.state in ACTIVE_STATES and done(trial)
         }
         queued = 0
         for spec in specs:
@@ -112,12 +127,16 @@ def work(study: optuna.Study, run_cell: Callable[[dict[str, Any]], dict[str, Any
     return optimize_with_cap(study, objective, max_total_trials=None, catch=(Exception,))
 
 
-def collect(study: optuna.Study, record_path: Callable[[dict[str, Any]], Path]) -> list[Path]:
+def collect(study: optuna.Study, record_path: Callable[[dict[str, Any]], Path], replace_from: int | None = None) -> list[Path]:
     """
-    Write the record file of every complete cell that has none yet (exclusive creation: never twice).
+    Write the record file of every complete cell that has none yet (exclusive creation: never twice), and replace the
+    file of every cell this grid run made again (its trial number is ``replace_from`` or later: ``--force``,
+    ``--stale`` and ``--other-machines`` re-make cells whose files exist). Trials are read oldest first, so a cell's
+    newest record is the one that stays.
 
     :param study: Grid study
     :param record_path: Path of a record's file (``learning.record_path`` of the record's fields)
+    :param replace_from: First trial number of this grid run (None: replace nothing)
     :return: The files written by this call
     """
     written = []
@@ -127,8 +146,9 @@ def collect(study: optuna.Study, record_path: Callable[[dict[str, Any]], Path]) 
             continue
         path = record_path(record)
         path.parent.mkdir(parents=True, exist_ok=True)
+        mode = "w" if replace_from is not None and trial.number >= replace_from else "x"
         try:
-            with open(path, "x") as file:
+            with open(path, mode) as file:
                 json.dump({**record, "grid_trial": trial.number}, file, indent=1)
         except FileExistsError:
             continue
@@ -151,17 +171,21 @@ def run(
     heartbeat: HeartbeatSettings,
     record_path: Callable[[dict[str, Any]], Path],
     force: bool = False,
+    is_current: Callable[[dict[str, Any]], bool] | None = None,
 ) -> list[Path]:
     """
     Queue ``specs``, work on the queue with ``workers`` local processes (each a full worker: other machines may
     run the same command), then collect the records.
 
+    :param force: Queue cells again even when the study holds them complete (``--force``)
+    :param is_current: Which complete cells' records still count (``--stale``, ``--other-machines``; see :func:`enqueue`)
     :return: The record files written
     """
     import multiprocessing
 
     study = open_grid(storage_url, study_name, heartbeat)
-    queued = enqueue(study, specs, force=force)
+    first_new = len(study.get_trials(deepcopy=False))  # the trials this run queues come after the existing ones
+    queued = enqueue(study, specs, force=force, is_current=is_current)
     print(f"{queued} cells queued in study {study_name!r} ({len(specs)} asked for); {workers} local workers", flush=True)
     if workers > 1:
         context = multiprocessing.get_context("spawn")
@@ -172,7 +196,7 @@ def run(
             process.join()
     else:
         _worker(storage_url, study_name, heartbeat)
-    return collect(study, record_path)
+    return collect(study, record_path, replace_from=first_new)
 
 
 if __name__ == "__main__":  # a bare worker: python benchmarks/distributed_grid.py URL STUDY [HEARTBEAT_S [GRACE_S]]

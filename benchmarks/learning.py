@@ -1724,9 +1724,11 @@ def up_to_date(path: Path, version: str, stale: bool, here: dict[str, str] | Non
         versions made, or that does not name its machine, as missing (None: the machine does not matter)
     :return: whether the run can be skipped
     """
-    if not path.exists():
-        return False
-    record = json.loads(path.read_text())
+    return path.exists() and record_is_current(json.loads(path.read_text()), version, stale, here)
+
+
+def record_is_current(record: dict[str, Any], version: str, stale: bool, here: dict[str, str] | None = None) -> bool:
+    """:func:`up_to_date` for a record already read (a file's, or a distributed grid's complete cell's)."""
     if stale and record.get("code_version") != version:
         return False
     return here is None or record.get("run_environment") == here
@@ -1782,7 +1784,16 @@ def main(argv: list[str] | None = None) -> None:
         specs = grid_specs(args)
         if args.other_machines:
             keep_unrecorded(specs, args.tier)
-        written = distributed_grid.run(specs, args.storage, study_name, args.workers, heartbeat, record_file, args.force)
+        is_current = None
+        if args.stale or args.other_machines:  # the study's complete cells count as the files do (up_to_date)
+            version, here = code_version(), run_environment() if args.other_machines else None
+
+            def is_current(record: dict[str, Any]) -> bool:
+                return record_is_current(record, version, args.stale, here)
+
+        written = distributed_grid.run(
+            specs, args.storage, study_name, args.workers, heartbeat, record_file, args.force, is_current
+        )
         print(f"{len(written)} records written from study {study_name!r}", flush=True)
     elif not args.report:
         specs = grid_specs(args)

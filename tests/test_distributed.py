@@ -304,3 +304,45 @@ def test_only_database_urls_take_the_distributed_path():
     # journal files and no storage stay on the zoo's own code, unchanged
     assert not is_database_url("logs/study.log") and not is_database_url(None)
     assert redact("postgresql://tuner:secret@db:5432/tuning") == "postgresql://tuner:***@db:5432/tuning"
+
+
+def test_learning_grid_remakes_cells_on_force_and_stale(postgres_server, tmp_path, monkeypatch):
+    """
+    A grid run with --force re-queues cells the study holds complete and replaces their record files; with --stale
+    only the cells without a record of this commit, and a second --stale run finds nothing left (it resumes).
+    """
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import distributed_grid
+    import learning
+
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    url = postgres_server.create_database("remake")
+    heartbeat = distributed_grid.HeartbeatSettings(interval=None)
+    specs = [dict(algo="klppo", env="CartPole-v1", seed=seed, lr_mult=1.0, tier="tiny") for seed in (0, 1)]
+    made: list[str] = []
+
+    def grid_run(version: str, cells: list[dict], **kwargs) -> list[Path]:
+        def run_cell(spec: dict) -> dict:
+            made.append(f"{spec['seed']}@{version}")
+            return dict(spec, eval_mean=1.0, code_version=version)
+
+        study = distributed_grid.open_grid(url, "remake", heartbeat)
+        first = len(study.get_trials(deepcopy=False))
+        distributed_grid.enqueue(study, cells, **kwargs)
+        distributed_grid.work(study, run_cell, log=lambda message: None)
+        return distributed_grid.collect(study, learning.record_file, replace_from=first)
+
+    def versions() -> list[str]:
+        return [json.loads(learning.record_file(spec).read_text())["code_version"] for spec in specs]
+
+    assert len(grid_run("a", specs)) == 2 and versions() == ["a", "a"]
+    assert grid_run("b", specs) == [] and versions() == ["a", "a"]  # nothing to do: the study has both cells
+    assert len(grid_run("b", specs[1:], force=True)) == 1 and versions() == ["a", "b"]  # made again, file replaced
+    made.clear()
+
+    def is_current(record: dict) -> bool:
+        return learning.record_is_current(record, "b", stale=True)
+
+    # --stale at commit b: seed 0 has only a record of commit a in the study; seed 1 has one of b
+    assert len(grid_run("b", specs, is_current=is_current)) == 1 and made == ["0@b"] and versions() == ["b", "b"]
+    assert grid_run("b", specs, is_current=is_current) == [] and made == ["0@b"]  # resumes: nothing left
