@@ -264,6 +264,25 @@ def test_recurrent_stop_at_beta_bound_judges_the_exact_kl_of_the_acting_policy()
     assert judged[0] == pytest.approx(0.0, abs=1e-7) and max(judged) > 1.5 * 0.002
 
 
+def _record_epoch_stop_kl(model, on_epoch=None) -> list[float]:
+    """
+    The KL ``kl_stop_factor``'s per-epoch rule judges, one value per epoch, recorded as ``model._kl_ran_away`` gets it.
+
+    :param on_epoch: Called after each recording (e.g. to take the independent value of the same epoch)
+    """
+    judged: list[float] = []
+    original_ran_away = model._kl_ran_away
+
+    def ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
+        judged.append(float(epoch_kl_sum) / epoch_states)
+        if on_epoch is not None:
+            on_epoch()
+        return original_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
+
+    model._kl_ran_away = ran_away
+    return judged
+
+
 @pytest.mark.parametrize("algo", ["KLPPO", "ClipKLPPO"])
 def test_epoch_stop_judges_the_kl_of_the_acting_policy_with_dropout(algo):
     """
@@ -280,14 +299,7 @@ def test_epoch_stop_judges_the_kl_of_the_acting_policy_with_dropout(algo):
 
     # An unchanged policy (learning rate ~0): the judged KL is 0 and no update stops early
     model = cls("MlpPolicy", env, learning_rate=1e-30, policy_kwargs=policy_kwargs, **kwargs)
-    judged: list[float] = []
-    original_ran_away = model._kl_ran_away
-
-    def ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
-        judged.append(float(epoch_kl_sum) / epoch_states)
-        return original_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
-
-    model._kl_ran_away = ran_away
+    judged = _record_epoch_stop_kl(model)
     model.learn(128 * 2 * 2)
     assert len(judged) == 2 * 4 and max(judged) == pytest.approx(0.0, abs=1e-7)
     assert model.logger.name_to_value["train/early_stop_epoch"] == 4
@@ -295,9 +307,9 @@ def test_epoch_stop_judges_the_kl_of_the_acting_policy_with_dropout(algo):
     # A learning policy: each epoch's judged KL is the mean over its minibatches of the exact KL between the acting
     # policy before the update and the acting policy before the minibatch's step
     model = cls("MlpPolicy", env, learning_rate=3e-3, policy_kwargs=policy_kwargs, **kwargs)
-    snapshots, judged, expected, minibatches = Snapshots(model.policy), [], [], []
+    snapshots, expected, minibatches = Snapshots(model.policy), [], []
     before: list[dict[str, th.Tensor]] = []
-    original_train, original_stop_kl, original_ran_away = model.train, model._epoch_stop_kl, model._kl_ran_away
+    original_train, original_stop_kl = model.train, model._epoch_stop_kl
 
     def train() -> None:
         before[:] = [snapshots.take(model.policy)]
@@ -308,14 +320,13 @@ def test_epoch_stop_judges_the_kl_of_the_acting_policy_with_dropout(algo):
         minibatches.append((len(observations), snapshots.exact_kl(before[0], snapshots.take(model.policy), observations)))
         return original_stop_kl(kl, rollout_data, acting_mode_differs)
 
-    def ran_away_learning(epoch_kl_sum, epoch_states, target_kl, epoch):
-        judged.append(float(epoch_kl_sum) / epoch_states)
+    def expect_epoch() -> None:
         sizes, kls = np.array(minibatches).T
         expected.append(float(np.sum(sizes * kls) / np.sum(sizes)))
         minibatches.clear()
-        return original_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
 
-    model.train, model._epoch_stop_kl, model._kl_ran_away = train, epoch_stop_kl, ran_away_learning
+    model.train, model._epoch_stop_kl = train, epoch_stop_kl
+    judged = _record_epoch_stop_kl(model, on_epoch=expect_epoch)
     model.learn(128 * 2 * 3)
     assert len(judged) >= 3 and max(expected) > 0
     np.testing.assert_allclose(judged, expected, rtol=1e-4, atol=1e-7)
@@ -334,13 +345,6 @@ def test_recurrent_epoch_stop_judges_the_acting_policy_with_dropout():
             log_std_init=-2.0, ortho_init=False,
         ),
     )  # fmt: skip
-    judged: list[float] = []
-    original_ran_away = model._kl_ran_away
-
-    def ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
-        judged.append(float(epoch_kl_sum) / epoch_states)
-        return original_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
-
-    model._kl_ran_away = ran_away
+    judged = _record_epoch_stop_kl(model)
     model.learn(64 * 2 * 2)
     assert len(judged) == 2 * 4 and max(judged) == pytest.approx(0.0, abs=1e-7)

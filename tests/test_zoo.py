@@ -239,24 +239,22 @@ def test_optimize_two_trials_and_reload_trial(zoo, tmp_path):
     assert {"target_kl", "kl_coef", "kl_adapt_factor", "kl_estimator"} <= set(complete[0].params)
     assert list((tmp_path / "klppo").glob("report_CartPole-v1_2-trials-512-random-none_*.csv"))
 
-    # Train with a trial's hyperparameters (the zoo converts them back with our converter)
-    zoo_main(
-        "train", "--algo", "klppo", *common[:-len(FAST_PARAMS)], "-n", "256", "--eval-freq", "-1",
-        "--storage", storage, "--study-name", "klppo-test", "--trial-id", "1",
-    )  # fmt: skip
-    run_dir = max((tmp_path / "klppo").glob("CartPole-v1_*"), key=lambda path: path.stat().st_mtime)
-    model = zoo.SB3_KL_ALGOS["klppo"].load(run_dir / "CartPole-v1.zip")
+    def train_trial(trial_id: int):
+        """Train with a trial's hyperparameters (the zoo converts them back with our converter); :return: the model"""
+        zoo_main(
+            "train", "--algo", "klppo", *common[:-len(FAST_PARAMS)], "-n", "256", "--eval-freq", "-1",
+            "--storage", storage, "--study-name", "klppo-test", "--trial-id", str(trial_id),
+        )  # fmt: skip
+        run_dir = max((tmp_path / "klppo").glob("CartPole-v1_*"), key=lambda path: path.stat().st_mtime)
+        return zoo.SB3_KL_ALGOS["klppo"].load(run_dir / "CartPole-v1.zip")
+
+    model = train_trial(1)
     params = study.trials[1].params
     assert model.target_kl(1.0) == pytest.approx(params["target_kl"])
     assert model.n_steps == 2 ** params["n_steps_pow"] and model.kl_settings.estimator == params["kl_estimator"]
 
     # trial 0 too (the zoo tests --trial-id for truth and took 0 for no trial), and a clear error for no such trial
-    zoo_main(
-        "train", "--algo", "klppo", *common[:-len(FAST_PARAMS)], "-n", "256", "--eval-freq", "-1",
-        "--storage", storage, "--study-name", "klppo-test", "--trial-id", "0",
-    )  # fmt: skip
-    run_dir = max((tmp_path / "klppo").glob("CartPole-v1_*"), key=lambda path: path.stat().st_mtime)
-    model = zoo.SB3_KL_ALGOS["klppo"].load(run_dir / "CartPole-v1.zip")
+    model = train_trial(0)
     assert model.target_kl(1.0) == pytest.approx(study.trials[0].params["target_kl"])
     with pytest.raises(SystemExit, match="--trial-id 99"):
         zoo_main(
