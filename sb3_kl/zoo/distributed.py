@@ -537,9 +537,11 @@ def patch_experiment_manager() -> None:
     """
     from rl_zoo3 import exp_manager
 
+    from sb3_kl.zoo.registry import install_patch, is_patched  # called from registry.register(): no import cycle
+
     manager_class = exp_manager.ExperimentManager
     original = manager_class.hyperparameters_optimization
-    if getattr(original, "_sb3_kl_patched", False):
+    if is_patched(original):
         return
 
     def hyperparameters_optimization(self: Any) -> None:
@@ -579,6 +581,4 @@ def patch_experiment_manager() -> None:
         (load_trial, "load_trial"),
         (__init__, "__init__"),
     ):
-        function._sb3_kl_patched = True  # type: ignore[attr-defined]
-        function.__doc__ = getattr(manager_class, name).__doc__
-        setattr(manager_class, name, function)
+        install_patch(manager_class, name, function)

@@ -8,7 +8,7 @@ them in place, which is the extension route the zoo documents for SBX.
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,21 @@ def preprocess_schedules(hyperparams: dict[str, Any]) -> dict[str, Any]:
     return processed
 
 
+def is_patched(method: Any) -> bool:
+    """Whether ``method`` is a replacement :func:`install_patch` put on the zoo's class (patches are idempotent)."""
+    return getattr(method, "_sb3_kl_patched", False)
+
+
+def install_patch(owner: type, name: str, replacement: Callable[..., Any]) -> None:
+    """
+    Put ``replacement`` in place of ``owner.<name>`` (a method of the zoo's ``ExperimentManager``), marked for
+    :func:`is_patched` and with the zoo method's docstring.
+    """
+    replacement._sb3_kl_patched = True  # type: ignore[attr-defined]
+    replacement.__doc__ = getattr(owner, name).__doc__
+    setattr(owner, name, replacement)
+
+
 def _patch_experiment_manager() -> None:
     """
     Make ``ExperimentManager._preprocess_hyperparams`` parse our schedules for sb3_kl algorithms (and only those).
@@ -166,7 +181,7 @@ def _patch_experiment_manager() -> None:
     schedule objects for the keys it parses itself. Idempotent.
     """
     original = ExperimentManager._preprocess_hyperparams
-    if getattr(original, "_sb3_kl_patched", False):
+    if is_patched(original):
         return
 
     def _preprocess_hyperparams(self: ExperimentManager, hyperparams: dict[str, Any]) -> Any:
@@ -182,9 +197,7 @@ def _patch_experiment_manager() -> None:
         processed.update(converted)
         return (processed, *rest)
 
-    _preprocess_hyperparams._sb3_kl_patched = True  # type: ignore[attr-defined]
-    _preprocess_hyperparams.__doc__ = original.__doc__
-    ExperimentManager._preprocess_hyperparams = _preprocess_hyperparams  # type: ignore[method-assign]
+    install_patch(ExperimentManager, "_preprocess_hyperparams", _preprocess_hyperparams)
 
 
 class MaskableTrialEvalCallback(TrialEvalCallback, MaskableEvalCallback):
@@ -223,7 +236,7 @@ def _patch_create_callbacks() -> None:
     Idempotent.
     """
     original = ExperimentManager.create_callbacks
-    if getattr(original, "_sb3_kl_patched", False):
+    if is_patched(original):
         return
 
     def create_callbacks(self: ExperimentManager) -> None:
@@ -235,9 +248,7 @@ def _patch_create_callbacks() -> None:
         if self.algo in SB3_KL_ALGOS and not self.optimize_hyperparameters:
             self.callbacks.append(ProgressCSVCallback(self.save_path))
 
-    create_callbacks._sb3_kl_patched = True  # type: ignore[attr-defined]
-    create_callbacks.__doc__ = original.__doc__
-    ExperimentManager.create_callbacks = create_callbacks  # type: ignore[method-assign]
+    install_patch(ExperimentManager, "create_callbacks", create_callbacks)
 
 
 def _patch_objective() -> None:
@@ -247,7 +258,7 @@ def _patch_objective() -> None:
     swapped in its module for the duration of the trial. Idempotent.
     """
     original = ExperimentManager.objective
-    if getattr(original, "_sb3_kl_patched", False):
+    if is_patched(original):
         return
 
     def objective(self: ExperimentManager, trial: Any) -> float:
@@ -259,9 +270,7 @@ def _patch_objective() -> None:
         finally:
             exp_manager.TrialEvalCallback = TrialEvalCallback  # type: ignore[misc]
 
-    objective._sb3_kl_patched = True  # type: ignore[attr-defined]
-    objective.__doc__ = original.__doc__
-    ExperimentManager.objective = objective  # type: ignore[method-assign]
+    install_patch(ExperimentManager, "objective", objective)
 
 
 #: Config keys that set the initial state of a KL coefficient's controller: continuing training (``-i``) keeps the
@@ -277,7 +286,7 @@ def _patch_load_pretrained_agent() -> None:
     middle of its run. Idempotent.
     """
     original = ExperimentManager._load_pretrained_agent
-    if getattr(original, "_sb3_kl_patched", False):
+    if is_patched(original):
         return
 
     def _load_pretrained_agent(self: ExperimentManager, hyperparams: dict[str, Any], env: Any) -> Any:
@@ -287,9 +296,7 @@ def _patch_load_pretrained_agent() -> None:
                 print(f"Continuing training: the saved {' and '.join(dropped)} kept, the config's initial value ignored")
         return original(self, hyperparams, env)
 
-    _load_pretrained_agent._sb3_kl_patched = True  # type: ignore[attr-defined]
-    _load_pretrained_agent.__doc__ = original.__doc__
-    ExperimentManager._load_pretrained_agent = _load_pretrained_agent  # type: ignore[method-assign]
+    install_patch(ExperimentManager, "_load_pretrained_agent", _load_pretrained_agent)
 
 
 def register() -> None:
