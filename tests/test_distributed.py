@@ -233,6 +233,7 @@ def _zoo_start_error(storage: str, study_name: str, tmp_path: Path) -> str:
                   "-f", str(tmp_path)])  # fmt: skip
     message = str(stopped.value.code)
     assert "\n" not in message and message.startswith("sb3_kl.zoo train: error: "), message
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []  # checked before the zoo writes its logs
     return message
 
 
@@ -251,6 +252,20 @@ def test_missing_driver_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the postgres extra were not installed
     message = _zoo_start_error("postgresql://tuner:secret@127.0.0.1:5/tuning", "s", tmp_path)
     assert "--storage" in message and 'pip install "sb3-kl[postgres]"' in message
+
+
+@pytest.mark.parametrize(
+    "storage, expected",
+    [
+        ("postgres://tuner:secret@127.0.0.1:5/tuning", "postgresql://, not postgres://"),
+        ("sqlite:////nonexistent/folder/study.db", "cannot open the SQLite database file '/nonexistent/folder/study.db'"),
+        ("mysql://tuner:secret@127.0.0.1:5/tuning", "pip install mysqlclient"),  # the package of the MySQLdb module
+    ],
+)
+def test_unusable_storage_url_names_the_fix(storage, expected, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)  # as on a machine without the MySQL driver
+    message = _zoo_start_error(storage, "s", tmp_path)
+    assert "--storage" in message and expected in message and "secret" not in message
 
 
 def test_wrong_password_is_one_line_and_creates_nothing(postgres_server, tmp_path):

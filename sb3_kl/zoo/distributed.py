@@ -49,6 +49,16 @@ COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, Tr
 SCHEMA_LOCK_KEY = int.from_bytes(hashlib.sha256(b"sb3_kl.zoo: optuna schema").digest()[:8], "big", signed=True)
 #: The extra that brings the PostgreSQL driver
 POSTGRES_EXTRA = 'pip install "sb3-kl[postgres]"'
+#: The PyPI package of a SQLAlchemy driver whose import name is not its package's name
+DRIVER_PACKAGES = {
+    "mysqldb": "mysqlclient",  # SQLAlchemy's default MySQL driver (mysql://)
+    "pymysql": "PyMySQL",
+    "mysqlconnector": "mysql-connector-python",
+    "psycopg2": "psycopg2-binary",
+    "psycopg": "psycopg[binary]",
+    "pg8000": "pg8000",
+    "asyncpg": "asyncpg",
+}
 
 
 class StorageError(ValueError):
@@ -143,6 +153,11 @@ def _explain_connection_error(url: str, error: Exception) -> StorageError:
             f"--storage {shown}: the server refused user {user!r} (wrong or missing password). "
             "Fix the user and password in --storage (dialect://USER:PASSWORD@HOST:PORT/DATABASE)."
         )
+    if parsed_dialect(url) == "sqlite":  # a file, not a server: the usual cause is a folder that does not exist
+        return StorageError(
+            f"--storage {shown}: cannot open the SQLite database file {database!r} ({first}). Check that its folder "
+            "exists and is writable (sqlite:///relative/path.db, sqlite:////absolute/path.db)."
+        )
     if "does not exist" in lowered and database and f'"{database}"' in " ".join(text):
         return StorageError(
             f"--storage {shown}: database {database!r} does not exist on the server. "
@@ -225,25 +240,35 @@ def _serialize_sqlite_transactions(engine: Any) -> None:
     engine.dispose()  # connections opened before the listeners (table creation) are replaced
 
 
-def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBStorage:
+def parsed_dialect(url: str) -> str | None:
+    """:return: the dialect a database URL names (``postgresql``, ``sqlite``...), None when it is not a URL"""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).get_backend_name()
+    except Exception:
+        return None
+
+
+def check_storage(url: str) -> tuple[str, dict[str, Any]]:
     """
-    Build Optuna's ``RDBStorage`` for ``url`` with the heartbeat and retry of ``heartbeat``, after checking the
-    driver, the connection and the credentials; create Optuna's tables if the database is empty, safely when
-    several workers do it at the same moment.
+    Check that a database URL can be used, without creating anything in the database: the URL, its driver, the
+    connection and the credentials (and for SQLite, that the file can be opened).
 
     :param url: SQLAlchemy URL (the value of ``--storage``)
-    :param heartbeat: Heartbeat settings (default: :class:`HeartbeatSettings` ``()``)
-    :return: The storage
-    :raises StorageError: missing driver, unreachable server, refused credentials, missing database
+    :return: the URL's dialect and the keyword arguments of SQLAlchemy's ``create_engine`` to use with it
+    :raises StorageError: malformed URL, missing driver, unreachable server, refused credentials, missing database
     """
     import sqlalchemy
     from sqlalchemy.engine import make_url
 
-    heartbeat = heartbeat or HeartbeatSettings()
+    scheme = url.split("://", 1)[0]
     try:
         dialect, driver = make_url(url).get_backend_name(), make_url(url).get_driver_name()
     except sqlalchemy.exc.ArgumentError as e:
-        raise StorageError(f"--storage {url.split('@')[-1]!r} is not a database URL ({e}).") from e
+        postgres = scheme.split("+")[0] == "postgres"
+        hint = " SQLAlchemy names PostgreSQL postgresql://, not postgres://." if postgres else ""
+        raise StorageError(f"--storage {url.split('@')[-1]!r} is not a database URL ({e}).{hint}") from e
     engine_kwargs: dict[str, Any] = {}
     if dialect == "postgresql":
         # fail in seconds, not after the operating system's TCP timeout, when the host does not answer
@@ -257,7 +282,8 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
         if dialect == "postgresql" and driver in ("", "psycopg"):  # SQLAlchemy 2.1: bare postgresql:// is psycopg 3
             fix = POSTGRES_EXTRA
         else:
-            fix = f"install the {driver or dialect} driver that the URL names (e.g. pip install {driver or dialect})"
+            name = driver or dialect  # for a bare dialect:// the driver SQLAlchemy picks, e.g. mysqldb for mysql://
+            fix = f"install the {name} driver that the URL names (pip install {DRIVER_PACKAGES.get(name, name)})"
         raise StorageError(f"--storage {redact(url)}: the database driver is not installed ({e}). Fix: {fix}.") from e
     except sqlalchemy.exc.ArgumentError as e:  # e.g. sqlite://study.db (a host where the path should be)
         raise StorageError(
@@ -271,7 +297,24 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
         raise _explain_connection_error(url, e) from e
     finally:
         engine.dispose()
+    return dialect, engine_kwargs
 
+
+def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBStorage:
+    """
+    Build Optuna's ``RDBStorage`` for ``url`` with the heartbeat and retry of ``heartbeat``, after checking the
+    driver, the connection and the credentials (:func:`check_storage`); create Optuna's tables if the database is
+    empty, safely when several workers do it at the same moment.
+
+    :param url: SQLAlchemy URL (the value of ``--storage``)
+    :param heartbeat: Heartbeat settings (default: :class:`HeartbeatSettings` ``()``)
+    :return: The storage
+    :raises StorageError: malformed URL, missing driver, unreachable server, refused credentials, missing database
+    """
+    import sqlalchemy
+
+    heartbeat = heartbeat or HeartbeatSettings()
+    dialect, engine_kwargs = check_storage(url)
     kwargs = dict(url=url, engine_kwargs=engine_kwargs, **_heartbeat_kwargs(heartbeat))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -297,6 +340,30 @@ def open_storage(url: str, heartbeat: HeartbeatSettings | None = None) -> RDBSto
     raise AssertionError("unreachable")
 
 
+def check_study_direction(storage: RDBStorage, study_name: str | None, direction: str = "maximize") -> bool:
+    """
+    Check that the study ``study_name``, if the storage holds it, has the single direction ``direction``.
+
+    :param storage: Storage from :func:`open_storage`
+    :param study_name: Name (``--study-name``); None: a new study, nothing to check
+    :param direction: ``"maximize"`` (the zoo's) or ``"minimize"``
+    :return: whether the storage holds the study
+    :raises StorageError: a study of that name exists with another direction (or is multi-objective)
+    """
+    existing = {summary.study_name: summary for summary in storage.get_all_studies()} if study_name else {}
+    if study_name not in existing:
+        return False
+    directions = existing[study_name].directions
+    if list(directions) != [StudyDirection[direction.upper()]]:
+        found = "/".join(d.name.lower() for d in directions)
+        raise StorageError(
+            f"--study-name {study_name!r} already exists in --storage {redact(storage.url)} with direction {found}, "
+            f"but this run would {direction} it. Use another --study-name, or delete the old study: "
+            f"optuna delete-study --storage URL --study-name {study_name}."
+        )
+    return True
+
+
 def load_or_create_study(
     storage: RDBStorage,
     study_name: str | None,
@@ -319,16 +386,7 @@ def load_or_create_study(
     :raises StorageError: a study of that name exists with another direction (or is multi-objective)
     """
     wanted = StudyDirection[direction.upper()]
-    existing = {summary.study_name: summary for summary in storage.get_all_studies()} if study_name else {}
-    if study_name in existing:
-        directions = existing[study_name].directions
-        if list(directions) != [wanted]:
-            found = "/".join(d.name.lower() for d in directions)
-            raise StorageError(
-                f"--study-name {study_name!r} already exists in --storage {redact(storage.url)} with direction {found}, "
-                f"but this run would {direction} it. Use another --study-name, or delete the old study: "
-                f"optuna delete-study --storage URL --study-name {study_name}."
-            )
+    if check_study_direction(storage, study_name, direction):
         study_id = storage.get_study_id_from_name(study_name)
     else:
         try:

@@ -50,6 +50,33 @@ def with_default_config(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+def check_storage_flag(argv: Sequence[str]) -> None:
+    """
+    Check a database ``--storage`` (and with ``-optimize``, an existing study's direction) before the zoo starts:
+    the zoo creates the experiment's folder and environments (``0.monitor.csv``) before it opens the study, so a
+    problem found then would leave them behind.
+
+    :param argv: Arguments of ``rl_zoo3.train`` (without the program name)
+    :raises distributed.StorageError: an unusable ``--storage``, or a study the zoo's search could not continue
+    """
+    pre_parser = argparse.ArgumentParser(add_help=False)
+    pre_parser.add_argument("--storage", type=str, default=None)
+    pre_parser.add_argument("--study-name", type=str, default=None)
+    pre_parser.add_argument("-optimize", "--optimize-hyperparameters", action="store_true", default=False)
+    known, _ = pre_parser.parse_known_args(list(argv))
+    if not distributed.is_database_url(known.storage):
+        return
+    if not known.optimize_hyperparameters:
+        distributed.check_storage(known.storage)
+        return
+    storage = distributed.open_storage(known.storage, distributed.HeartbeatSettings(interval=None))
+    try:
+        distributed.check_study_direction(storage, known.study_name, "maximize")  # the zoo's search maximizes
+    finally:
+        storage.remove_session()
+        storage.engine.dispose()
+
+
 def split_heartbeat_flags(argv: Sequence[str]) -> tuple[distributed.HeartbeatSettings, list[str]]:
     """
     Take sb3_kl's heartbeat flags out of the zoo's arguments.
@@ -95,6 +122,7 @@ def train(argv: Sequence[str] | None = None) -> None:
     register()
     heartbeat, args = split_heartbeat_flags(sys.argv[1:] if argv is None else argv)
     args = with_default_threads(with_default_config(args))
+    check_storage_flag(args)
     saved = distributed.CURRENT_HEARTBEAT
     distributed.CURRENT_HEARTBEAT = heartbeat
     try:
