@@ -41,19 +41,22 @@ def shifted_reference(model, shift=1.0):
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_anchor_pulls_toward_reference(algo):
-    # Two identical models (same seed, same weights, same rollout); only one pays for the KL to the reference
+    # Two identical models (same seed, same weights, same rollout); only one pays for the KL to the reference.
+    # Each is built and trained before the next is built: the rollout's actions come from torch's global generator,
+    # which the model's seed sets at construction
     base = make_model(algo)
     reference = shifted_reference(base)
-    free = make_model(algo, ref_policy=reference, ref_kl_coef=0.0)
-    anchored = make_model(algo, ref_policy=reference, ref_kl_coef=5.0)
-    free.policy.load_state_dict(base.policy.state_dict())
-    anchored.policy.load_state_dict(base.policy.state_dict())
-    obs = th.as_tensor(np.stack([free.observation_space.sample() for _ in range(64)]))
-    ref_params, _ = anchored._reference_distribution(obs)
-    initial = anchored._reference_kl(ref_params, anchored.policy.get_distribution(obs)).mean().item()
-    assert initial == pytest.approx(0.5, rel=1e-4)  # unit mean shift, std 1
-    free.learn(64)
-    anchored.learn(64)
+    trained = {}
+    for coef in (0.0, 5.0):
+        model = make_model(algo, ref_policy=reference, ref_kl_coef=coef)
+        model.policy.load_state_dict(base.policy.state_dict())
+        obs = th.as_tensor(np.stack([model.observation_space.sample() for _ in range(64)]))
+        ref_params, _ = model._reference_distribution(obs)
+        initial = model._reference_kl(ref_params, model.policy.get_distribution(obs)).mean().item()
+        assert initial == pytest.approx(0.5, rel=1e-4)  # unit mean shift, std 1
+        trained[coef] = model.learn(64)
+    free, anchored = trained[0.0], trained[5.0]
+    np.testing.assert_array_equal(free.rollout_buffer.actions, anchored.rollout_buffer.actions)  # the same rollout
     free_kl = free.logger.name_to_value["train/ref_kl"]
     anchored_kl = anchored.logger.name_to_value["train/ref_kl"]
     assert free.logger.name_to_value["train/ref_kl_coef"] == 0.0
@@ -342,3 +345,37 @@ def test_ref_policy_at_load_must_be_the_saved_one(saved_reference, tmp_path):
     assert KLPPO.load(tmp_path / "plain.zip", device="cpu", ref_policy=None).ref_policy is None
     with pytest.raises(ValueError, match="ref_policy"):
         KLPPO.load(tmp_path / "plain.zip", device="cpu", ref_policy=saved_reference)
+
+
+def _state_equal(a: th.nn.Module, b: th.nn.Module) -> bool:
+    return all(th.equal(t, b.state_dict()[k]) for k, t in a.state_dict().items())
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_set_parameters_keeps_the_models_own_reference(algo, saved_reference, tmp_path):
+    # What load()'s refusal above advises: a new model with another reference, the trained weights set into it
+    trained = make_model(algo, ref_policy=saved_reference).learn(64)
+    trained.save(tmp_path / "trained.zip")
+    other = shifted_reference(trained)
+    model = make_model(algo, seed=1, ref_policy=other)
+    anchor = {k: t.clone() for k, t in model.ref_policy.state_dict().items()}
+    model.set_parameters(tmp_path / "trained.zip")
+    assert _state_equal(trained.policy, model.policy)  # the trained weights
+    assert all(th.equal(t, model.ref_policy.state_dict()[k]) for k, t in anchor.items())  # its own anchor, not the saved one
+    # weights saved without a reference (a stock PPO zip, a model without one) load with exact_match too
+    model.set_parameters(saved_reference)
+    assert all(th.equal(t, model.ref_policy.state_dict()[k]) for k, t in anchor.items())
+    plain = make_model(algo, seed=2)
+    plain.set_parameters(tmp_path / "trained.zip")
+    assert plain.ref_policy is None and _state_equal(trained.policy, plain.policy)
+    # and the model still saves its own anchor, which load() restores
+    model.save(tmp_path / "reanchored.zip")
+    assert _state_equal(model.ref_policy, algo.load(tmp_path / "reanchored.zip", device="cpu").ref_policy)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_measured_reference_leaves_the_training_unchanged(algo, saved_reference):
+    # ref_kl_coef=0 only measures: building the reference must not shift the seeded random stream either
+    without = make_model(algo).learn(128)
+    measured = make_model(algo, ref_policy=saved_reference, ref_kl_coef=0.0).learn(128)
+    assert _state_equal(without.policy, measured.policy)

@@ -20,6 +20,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
+from stable_baselines3.common.save_util import load_from_zip_file
 from stable_baselines3.common.type_aliases import GymEnv, PyTorchObs, Schedule
 from stable_baselines3.common.utils import FloatSchedule
 from stable_baselines3.common.vec_env import VecEnv
@@ -407,11 +408,12 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
-        return [*super()._excluded_save_params(), "dist_params", "ref_policy", "ref_dist_params"]
+        excluded = ["dist_params", "ref_policy", "ref_dist_params", "_reference_awaits_weights", "_reference_in_parameters"]
+        return [*super()._excluded_save_params(), *excluded]
 
     def _get_torch_save_params(self) -> tuple[list[str], list[str]]:
         state_dicts, torch_variables = super()._get_torch_save_params()
-        if self.ref_policy is not None:
+        if self.ref_policy is not None and getattr(self, "_reference_in_parameters", True):
             state_dicts = [*state_dicts, "ref_policy"]
         return state_dicts, torch_variables
 
@@ -442,8 +444,31 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             if "step" in state:
                 state["step"] = th.as_tensor(state["step"], dtype=th.float32, device=self.device).reshape(())
 
-    def set_parameters(self, *args: Any, **kwargs: Any) -> None:
-        super().set_parameters(*args, **kwargs)
+    def set_parameters(
+        self,
+        load_path_or_dict: str | pathlib.Path | io.BufferedIOBase | dict[str, Any],
+        exact_match: bool = True,
+        device: th.device | str = "auto",
+    ) -> None:
+        """
+        SB3's ``set_parameters``, except for the frozen reference policy: its saved weights (``ref_policy``) are
+        loaded only into the skeleton that ``load()`` rebuilds for them. A model built with its own ``ref_policy``
+        keeps it (the anchor is never replaced by another model's), and the reference is not among the parameters
+        that ``exact_match`` requires, so the weights of a model saved without one (a stock ``PPO`` zip) load too.
+        Arguments as in SB3's ``BaseAlgorithm.set_parameters``.
+        """
+        params = load_path_or_dict
+        if not isinstance(params, dict):
+            _, params, _ = load_from_zip_file(params, device=device, load_data=False)
+        reference_loads = getattr(self, "_reference_awaits_weights", False)
+        if not reference_loads:
+            params = {name: value for name, value in params.items() if name != "ref_policy"}
+        self._reference_in_parameters = reference_loads
+        try:
+            super().set_parameters(params, exact_match=exact_match, device=device)
+        finally:
+            self._reference_in_parameters = True
+        self._reference_awaits_weights = False
         self._use_fused_adam()
         # New weights: a rollout collected before no longer describes the policy
         self.policy_version += 1

@@ -213,6 +213,8 @@ class ReferenceKLMixin:
     ref_policy_class: type[ActorCriticPolicy] | None
     ref_policy_kwargs: dict[str, Any] | None
     ref_dist_params: DistributionParams | None
+    #: the reference is a skeleton that ``load()`` rebuilt, whose saved weights ``set_parameters`` loads next
+    _reference_awaits_weights: bool
 
     def _init_reference(
         self,
@@ -344,18 +346,24 @@ class ReferenceKLMixin:
             self.ref_kl_controller.kl_coef = value
         source = self.ref_policy
         device = self.device  # type: ignore[attr-defined]
-        if source is None:
-            if self.ref_policy_class is None:
-                return
-            # load(): the weights follow from ref_policy.pth
-            reference = build_reference_policy(self.ref_policy_class, self.ref_policy_kwargs or {}, device)
-        elif is_frozen_reference(source):
-            reference = source.to(device)  # type: ignore[union-attr]
-        else:
-            if isinstance(source, (BaseAlgorithm, BasePolicy)):
-                # before copying it: a policy that cannot be evaluated on observations alone may not copy cleanly
-                self._check_reference_policy(source.policy if isinstance(source, BaseAlgorithm) else source)
-            reference = load_reference_policy(source, device)
+        if source is None and self.ref_policy_class is None:
+            self._reference_awaits_weights = False
+            return
+        # Building the reference draws its initial weights from torch's global generator: on a fork of it, so
+        # that a model with a reference samples the same actions as one without (same seed, ref_kl_coef=0)
+        with th.random.fork_rng(devices=[]):
+            if source is None:
+                # load(): the weights follow from ref_policy.pth (set_parameters loads them into this skeleton only)
+                reference = build_reference_policy(self.ref_policy_class, self.ref_policy_kwargs or {}, device)
+                self._reference_awaits_weights = True
+            elif is_frozen_reference(source):  # already set up (a skeleton still awaits its weights)
+                reference = source.to(device)  # type: ignore[union-attr]
+            else:
+                self._reference_awaits_weights = False
+                if isinstance(source, (BaseAlgorithm, BasePolicy)):
+                    # before copying it: a policy that cannot be evaluated on observations alone may not copy cleanly
+                    self._check_reference_policy(source.policy if isinstance(source, BaseAlgorithm) else source)
+                reference = load_reference_policy(source, device)
         self._check_reference_policy(reference)
         check_reference_spaces(reference, self.observation_space, self.action_space)  # type: ignore[attr-defined]
         ref_layout = distribution_params_for_policy(reference.action_dist)
