@@ -202,6 +202,28 @@ def test_save_load_keeps_kl_state_and_continues(tmp_path):
     assert RecurrentKLPPO.load(tmp_path / "model", kl_coef=0.25).kl_coef == 0.25
 
 
+def test_resumed_training_continues_exactly_with_its_lstm_states(tmp_path):
+    # A recurrent reference too, whose LSTM state is carried from rollout to rollout like the policy's
+    stock = RecurrentPPO("MlpLstmPolicy", _env("CartPole-v1"), n_steps=64, seed=1, policy_kwargs=dict(lstm_hidden_size=8))
+    model = _model("CartPole-v1", ref_policy=stock, ref_kl_coef=0.5, n_epochs=2).learn(128)
+    assert model._last_ref_lstm_states is not None and float(model._last_lstm_states.pi[0].abs().sum()) > 0
+    model.save(tmp_path / "model")
+    loaded = RecurrentKLPPO.load(tmp_path / "model", env=copy.deepcopy(model.get_env()), force_reset=False)
+    saved = (*model._last_lstm_states.pi, *model._last_lstm_states.vf, *model._last_ref_lstm_states)
+    restored = (*loaded._last_lstm_states.pi, *loaded._last_lstm_states.vf, *loaded._last_ref_lstm_states)
+    assert all(th.equal(a, b) for a, b in zip(saved, restored, strict=True))
+    # the same environment state and random stream: both continue with the same rollout and update
+    rng = th.get_rng_state(), np.random.get_state()  # actions; the minibatches' order
+    model.learn(128, reset_num_timesteps=False)
+    th.set_rng_state(rng[0])
+    np.random.set_state(rng[1])
+    loaded.learn(128, reset_num_timesteps=False)
+    np.testing.assert_array_equal(model.rollout_buffer.actions, loaded.rollout_buffer.actions)
+    for key, value in model.policy.state_dict().items():
+        assert th.equal(value, loaded.policy.state_dict()[key]), key
+    assert loaded.kl_coef == model.kl_coef
+
+
 def test_drop_in_defaults_policies_and_predict():
     model = _model("CartPole-v1")
     assert isinstance(model, RecurrentPPO)
@@ -312,6 +334,7 @@ def test_feed_forward_reference():
         ({"kl_hinge_coef": -1.0}, ValueError, "kl_hinge_coef"),
         ({"clip_range": -0.2}, ValueError, "clip_range"),
         ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"n_steps": 0}, ValueError, "n_steps"),  # RecurrentPPO takes it, then fails in learn() naming nothing
         ({"n_epochs": 0}, ValueError, "n_epochs"),
         ({"kl_quantiles": (0.5, 1.5)}, ValueError, "kl_quantiles"),
         ({"ref_kl_coef": -1.0}, ValueError, "ref_kl_coef"),

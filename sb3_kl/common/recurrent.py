@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch as th
 from gymnasium import spaces
+from sb3_contrib.common.recurrent.type_aliases import RNNStates
 
 from sb3_kl.common.kl import DistributionParams, actions_for_log_prob
 from sb3_kl.common.modes import acting_mode
@@ -244,6 +245,26 @@ def zero_lstm_states(policy: Any, n_envs: int) -> tuple[th.Tensor, th.Tensor]:
     shape = (lstm.num_layers, n_envs, lstm.hidden_size)
     device = next(policy.parameters()).device
     return th.zeros(shape, device=device), th.zeros(shape, device=device)
+
+
+def restored_lstm_states(saved: Any, fresh: RNNStates, device: th.device) -> RNNStates:
+    """
+    The LSTM states a loaded model continues from: those saved with it, on ``device``, when they have the shapes of
+    the freshly built (zero) states, else the fresh ones (no saved states, or another number of envs).
+
+    :param saved: The ``_last_lstm_states`` restored from the saved data (None: not saved)
+    :param fresh: The zero states the recurrent set-up built
+    :param device: The model's device
+    :return: The states to continue from
+    """
+    if not isinstance(saved, RNNStates):
+        return fresh
+    if len(saved.pi) != len(fresh.pi) or len(saved.vf) != len(fresh.vf):
+        return fresh
+    pairs = [*zip(saved.pi, fresh.pi, strict=True), *zip(saved.vf, fresh.vf, strict=True)]
+    if any(a.shape != b.shape for a, b in pairs):
+        return fresh
+    return RNNStates(tuple(t.to(device) for t in saved.pi), tuple(t.to(device) for t in saved.vf))
 
 
 def step_major(values: th.Tensor) -> th.Tensor:

@@ -15,7 +15,13 @@ from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import attach_sde_features, per_state_kl
 from sb3_kl.common.modes import has_mode_dependent_modules
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
-from sb3_kl.common.recurrent import SequenceEvaluation, evaluate_sequences, is_recurrent_policy, zero_lstm_states
+from sb3_kl.common.recurrent import (
+    SequenceEvaluation,
+    evaluate_sequences,
+    is_recurrent_policy,
+    restored_lstm_states,
+    zero_lstm_states,
+)
 from sb3_kl.common.recurrent_buffers import (
     RecurrentKLBufferMixin,
     RecurrentKLDictRolloutBuffer,
@@ -240,6 +246,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             ref_kl_estimator=ref_kl_estimator,
         )
         # The checks KLPPO makes (RecurrentPPO makes none of them)
+        check_int("n_steps", n_steps, 1)  # RecurrentPPO takes 0 and fails in its first rollout, naming nothing
         check_bool("normalize_advantage", normalize_advantage)
         if batch_size is not None:
             check_int("batch_size", batch_size, 1)
@@ -284,11 +291,16 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         clip_range = self.clip_range
         if clip_range is None:
             self.clip_range = 0.0
+        # load(): the LSTM states saved with the model, which RecurrentPPO's set-up resets to zeros
+        saved_states = self.__dict__.get("_last_lstm_states")
         try:
             super()._setup_model()
         finally:
             if clip_range is None:
                 self.clip_range = None
+        self._last_lstm_states = restored_lstm_states(saved_states, self._last_lstm_states, self.device)
+        if self._last_ref_lstm_states is not None:
+            self._last_ref_lstm_states = tuple(state.to(self.device) for state in self._last_ref_lstm_states)  # type: ignore[assignment]
         # RecurrentPPO builds its own buffer class: the same buffer with the KL fields instead
         stock = self.rollout_buffer
         self.rollout_buffer = self.rollout_buffer_class(  # type: ignore[call-arg]
@@ -310,7 +322,11 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         """
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_last_ref_lstm_states", "_update_evaluation"]
+        # The LSTM states at the end of the last rollout (the policy's and a recurrent reference's) are saved, unlike
+        # RecurrentPPO's: a loaded model given the env in the same state (``force_reset=False``) continues the
+        # training exactly, instead of acting its next steps from zero states
+        saved = ("_last_lstm_states", "_last_ref_lstm_states")
+        return [name for name in [*super()._excluded_save_params(), "_update_evaluation"] if name not in saved]
 
     # ----------------------------------------------------------------------------------------------------------
     # Before the update
