@@ -1,5 +1,6 @@
 import math
 import pickle
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -75,6 +76,22 @@ def test_fixed_and_proportional():
     # error clipped to +0.2, 100 steps over a horizon of 1000: x1.02
     assert proportional.update(1.0, 0.01, n_steps=100) == pytest.approx(1.02)
     assert proportional.update(0.0, 0.01, n_steps=100) == pytest.approx(1.02 * 0.98)
+
+
+def test_proportional_rate_limit_holds_for_batches_beyond_the_horizon():
+    # 2048 steps x 32 envs against the default horizon of 10,000: the paper's rule, 1 - 0.2 x 6.55, would pass zero
+    for kl, factor in ((0.5e-2, 0.8), (2e-2, 1.2)):  # a full error either way, target 1e-2
+        controller = ProportionalKLController(kl_coef=1.0, kl_coef_bounds=(1e-4, 10.0))
+        assert controller.update(kl, 1e-2, n_steps=2048 * 32) == pytest.approx(factor)
+
+
+def test_a_controller_object_says_which_arguments_it_ignores():
+    with pytest.warns(UserWarning, match=r"`kl_coef`=0.5, `kl_window`=5 is ignored"):
+        controller = make_kl_controller(AdaptiveKLController(1.0), kl_coef=0.5, kl_window=5)
+    assert controller.kl_coef == 1.0 and controller.kl_window == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_kl_controller(AdaptiveKLController(1.0))  # nothing else given: nothing to say
 
 
 def test_state_survives_pickle():

@@ -362,8 +362,26 @@ def test_saturation_stop_ends_the_update_when_beta_is_at_its_bound(algo):
         assert [verdict for _, _, verdict in spy.calls] == [False] * (len(spy.calls) - 1) + [True]
         assert all(kl <= stop_kl for kl, stop_kl, _ in spy.calls[:-1]) and spy.calls[-1][0] > spy.calls[-1][1]
         assert np.isfinite(logged["train/kl_grad_ratio"])
-        # the stop, not beta, set that update's KL: beta is held at its bound, not adapted
-        assert model.kl_controller.n_updates == 0 and model.kl_coef == 1.0 and logged["train/kl_coef"] == 1.0
+        # the stop, not beta, set that update's KL: beta stays at its bound (the controller records the KL)
+        assert model.kl_controller.n_updates == 1 and model.kl_coef == 1.0 and logged["train/kl_coef"] == 1.0
+
+
+@pytest.mark.parametrize("algo", [KLPPO, ClipKLPPO])
+def test_a_stopped_update_raises_beta_to_its_bound_and_never_lowers_it(algo):
+    # One adaptation step below the bound (1.5**5 on the adaptive path from 1 to 10) arms the stop already: the
+    # update's KL far over the band must still take beta to its bound, or it would sit below it for good
+    model = algo("MlpPolicy", "CartPole-v1", kl_coef=1.5**5, kl_coef_bounds=(1e-4, 10.0), kl_stop_factor=None, **STOP_AT_BOUND)
+    assert model.kl_controller.near_upper_bound and not model.kl_controller.at_upper_bound
+    model.learn(64)
+    logged = model.logger.name_to_value
+    assert logged["train/early_stop_at_kl_coef_bound"] == 1.0 and logged["train/kl"] > 1.25 * 1e-3
+    assert model.kl_coef == 10.0 and logged["train/kl_coef"] == 10.0 and model.kl_controller.n_updates == 1
+    # a stopped update whose KL reads under the band does not lower beta: the stop, not beta, made it small
+    n_params = model.dist_params.n_params
+    model._record_update_kl(np.full(8, 1e-6), np.zeros((8, n_params)), 1e-3, hold_kl_coef=True)
+    assert model.kl_coef == 10.0 and model.kl_controller.n_updates == 2
+    model._record_update_kl(np.full(8, 1e-6), np.zeros((8, n_params)), 1e-3)
+    assert model.kl_coef == pytest.approx(10.0 / 1.5)  # an update the stop did not end lowers it as usual
 
 
 @pytest.mark.parametrize(
@@ -787,3 +805,17 @@ def test_kl_quantiles_come_back_as_the_constructor_stores_them(algo, tmp_path):
     model.save(tmp_path / "model")
     loaded = cls.load(tmp_path / "model", device="cpu")
     assert loaded.kl_quantiles == (0.25, 0.75) and isinstance(loaded.kl_quantiles, tuple)
+
+
+def test_target_kl_set_after_construction_is_used(tmp_path):
+    # SB3's PPO keeps target_kl as a number that a user may set between two learn() calls
+    model = KLPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2, policy_kwargs=dict(net_arch=[8]), seed=0)
+    model.learn(64)
+    model.target_kl = 0.05
+    model.learn(64, reset_num_timesteps=False)
+    assert model.logger.name_to_value["train/target_kl"] == 0.05
+    model.save(tmp_path / "model")
+    assert KLPPO.load(tmp_path / "model").target_kl(1.0) == 0.05
+    model.target_kl = -1.0
+    with pytest.raises(ValueError, match="target_kl"):
+        model.learn(64, reset_num_timesteps=False)

@@ -17,6 +17,7 @@ Expressing well-known rules with :class:`AdaptiveKLController`:
 """
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 
@@ -156,10 +157,13 @@ class ProportionalKLController(KLController):
     """
     Rate-limited proportional controller of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human
     Preferences", sec. 2.2), the one TRL used: ``e = clip(KL / target - 1, -kl_error_clip, kl_error_clip)``,
-    ``beta <- beta * (1 + e * n_steps / kl_horizon)``.
+    ``beta <- beta * (1 + e * min(n_steps / kl_horizon, 1))``. The rate limit holds for any batch: an update of more
+    environment steps than ``kl_horizon`` counts as one horizon (the paper's rule, for batches far smaller than the
+    horizon, would otherwise move beta past zero, to its lower bound in a single update).
 
     :param kl_coef: Initial beta
-    :param kl_horizon: Number of environment steps over which a full error changes beta by a factor (1 + clip)
+    :param kl_horizon: Number of environment steps over which a full error changes beta by a factor (1 + clip); one
+        update changes it by at most that factor
     :param kl_error_clip: Bound on the proportional error
     :param kl_coef_bounds: beta is kept within (min, max)
     """
@@ -177,7 +181,7 @@ class ProportionalKLController(KLController):
 
     def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
         error = min(max(kl / target_kl - 1.0, -self.kl_error_clip), self.kl_error_clip)
-        return self._clip(self.kl_coef * (1.0 + error * n_steps / self.kl_horizon))
+        return self._clip(self.kl_coef * (1.0 + error * min(n_steps / self.kl_horizon, 1.0)))
 
 
 KL_CONTROLLERS: dict[str, type[KLController]] = {
@@ -204,6 +208,26 @@ def make_kl_controller(
     :return: The controller
     """
     if isinstance(kl_controller, KLController):
+        given = {
+            name: value
+            for name, value, default in (
+                ("kl_coef", kl_coef, 1.0),
+                ("kl_adapt_factor", kl_adapt_factor, 1.5),
+                ("kl_band", tuple(kl_band), (0.8, 1.25)),
+                ("kl_coef_bounds", tuple(kl_coef_bounds), (1e-4, 10.0)),
+                ("kl_window", kl_window, 1),
+                ("kl_horizon", kl_horizon, 10_000),
+            )
+            if value != default
+        }
+        if given:
+            warnings.warn(
+                f"`kl_controller` is a {type(kl_controller).__name__} object, which is used as given: "
+                f"{', '.join(f'`{name}`={value!r}' for name, value in given.items())} "
+                "is ignored. Set it on the controller object instead.",
+                UserWarning,
+                stacklevel=3,
+            )
         return kl_controller
     if not isinstance(kl_controller, str) or kl_controller not in KL_CONTROLLERS:
         raise ValueError(

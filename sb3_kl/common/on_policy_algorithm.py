@@ -101,7 +101,8 @@ SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAl
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
 DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
 #: A ``target_kl`` schedule may decay to 0 at the very end of training (rl-zoo's ``lin_0.02``): the last update then
-#: uses this floor, i.e. it is held (almost) still, as a learning rate decayed to 0 would hold it
+#: uses this floor (KLTRPO's step is then almost 0; KLPPO's beta, set after each update, follows the target one update
+#: late, as always)
 MIN_TARGET_KL = 1e-8
 
 
@@ -373,10 +374,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             raise ValueError(f"Policy must subclass {self.policy_base.__module__}.{self.policy_base.__name__}")
         self.dist_params = distribution_params_for_policy(self.policy.action_dist)
         self._use_fused_adam()
-        if self.target_kl is None:
-            continuous = isinstance(self.action_space, spaces.Box)
-            self.target_kl = DEFAULT_TARGET_KL["continuous" if continuous else "discrete"]
-        self.target_kl = FloatSchedule(self.target_kl)
+        self.target_kl = self._target_kl_schedule(self.target_kl)
         if self.min_std is not None and not isinstance(self.dist_params, GaussianParams):
             raise ValueError("`min_std` is set but the policy's action distribution is not Gaussian: pass min_std=None.")
         # Saved as a JSON list: ``load`` gives back the tuple the constructor stores
@@ -718,8 +716,21 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """
         return per_state_kl_to(self.kl_settings, self.dist_params, old_params, distribution, log_ratio)
 
+    def _target_kl_schedule(self, target_kl: float | Schedule | None) -> Schedule:
+        """
+        :param target_kl: A ``target_kl`` as the constructor takes it (None: the default of the action space)
+        :return: it as a schedule (SB3's picklable ``FloatSchedule``)
+        """
+        if target_kl is None:
+            target_kl = DEFAULT_TARGET_KL["continuous" if isinstance(self.action_space, spaces.Box) else "discrete"]
+        return target_kl if isinstance(target_kl, FloatSchedule) else FloatSchedule(target_kl)
+
     def _current_target_kl(self) -> float:
-        target = float(self.target_kl(self._current_progress_remaining))  # type: ignore[operator]
+        if not callable(self.target_kl):
+            # set after construction, as SB3's PPO takes it (``model.target_kl = 0.05``): checked as the constructor does
+            check_schedule("target_kl", self.target_kl, allow_none=True, allow_zero_at_end=True)
+            self.target_kl = self._target_kl_schedule(self.target_kl)
+        target = float(self.target_kl(self._current_progress_remaining))
         if not math.isfinite(target) or target < 0:
             raise ValueError(f"`target_kl` must stay positive and finite, its schedule returned {target}.")
         return max(target, MIN_TARGET_KL)
@@ -758,9 +769,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         :param per_state: Per-state KL of the update
         :param new_params: Updated policy's distribution parameters on the buffer
         :param target_kl: Current target
-        :param hold_kl_coef: Log beta but leave it as it is: the update was ended by the stop at beta's upper bound
+        :param hold_kl_coef: Do not lower beta: the update was ended by the stop at beta's upper bound
             (``kl_saturation_stop_factor``), so its KL is the stop's doing, not beta's, and lowering beta after a stop
-            that came early would only let the next update run away
+            that came early would only let the next update run away. The controller still records the KL and may
+            raise beta (from one step below its bound, to the bound)
         :return: the KL statistics
         """
         stats = kl_quantiles(per_state, self.kl_quantiles)
@@ -774,8 +786,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.logger.record("train/kl_convention", self.kl_settings.convention, exclude="tensorboard")
         self.logger.record("train/target_kl", target_kl)
         if self.has_kl_coef:
-            if not hold_kl_coef:
-                self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
+            before = self.kl_controller.kl_coef
+            self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
+            if hold_kl_coef and self.kl_controller.kl_coef < before:
+                self.kl_controller.kl_coef = before
             self.logger.record("train/kl_coef", self.kl_coef)
             band = getattr(self.kl_controller, "kl_band", None)
             if band is not None:  # read by ``sb3-kl plot/report``, which draw the band the run used

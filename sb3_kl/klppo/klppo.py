@@ -96,8 +96,8 @@ class KLPPO(KLOnPolicyAlgorithm):
         update at the bound does not release the next): the update then ends before the first optimizer step
         whose minibatch KL (exact whatever ``kl_estimator``, of the policy as it acts: eval mode, dropout off; mean
         over the minibatch's states, before the step) exceeds ``kl_saturation_stop_factor * target_kl``, SB3's
-        per-minibatch rule, and beta is held at its bound after an update the stop ended (that KL is the stop's
-        doing, not beta's). With Adam the penalty only turns the
+        per-minibatch rule, and beta is not lowered after an update the stop ended (that KL is the stop's doing,
+        not beta's; from one step below the bound it still rises to the bound). With Adam the penalty only turns the
         step's direction, so a learning rate too high for the task (HalfCheetah at 10x the zoo rate) pins beta at its
         bound while the KL stays above the band; there the stop holds the KL, and elsewhere beta stays inside its
         bounds and the updates are as without it (judging every minibatch unconditionally stopped on the noise of
