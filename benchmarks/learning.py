@@ -579,7 +579,12 @@ def report(tier: str) -> str:
         + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions([r for r in records if r["algo"] not in STOCK]).items()))
         + "; stock PPO/TRPO (whose training runs no sb3-kl code; only the KL monitor watches it): "
         + ", ".join(f"`{v}`: {n}" for v, n in sorted(code_versions([r for r in records if r["algo"] in STOCK]).items()))
-        + ". *unrecorded*: runs from before records stored it, made with sb3-kl at commit d9fd1be or earlier.",
+        + "."
+        + (
+            " *unrecorded*: runs from before records stored it, made with sb3-kl at commit d9fd1be or earlier."
+            if any("code_version" not in r for r in records)
+            else ""
+        ),
         "",
         "Machines and library versions of the records (run count): "
         + "; ".join(f"{described}: {n}" for described, n in sorted(run_environments(records).items()))
@@ -876,7 +881,8 @@ def saturation_stop_comparison(groups: dict[tuple[str, str, float], list[dict[st
         "## KLPPO's stop at beta's upper bound (`kl_saturation_stop_factor=1.5`, the default)",
         "",
         "While beta sits at the top of `kl_coef_bounds` (or one adaptation step below it), the update ends before the "
-        "first optimizer step whose minibatch KL exceeds 1.5 x target, and beta is held after an update the stop ended; "
+        "first optimizer step whose minibatch KL exceeds 1.5 x target, and beta is not lowered after an update the stop "
+        "ended (records of commits before 3e1a52e: beta held, also one step below its bound); "
         "below the bound the updates are as without it. `before`: the same cells and seeds before the stop existed "
         f"(records in `benchmarks/results/before_saturation_stop/`, code {versions}); `after`: the grid above, from"
         " the machine each `before` record was made on (where the grid re-made a seed on another, the record it"

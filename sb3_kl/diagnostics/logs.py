@@ -309,7 +309,9 @@ def load_runs(logdir: str) -> tuple[list[RunLog], list[str]]:
         if not run.has_kl:
             expected = " or ".join(KL_KEYS["kl_mean"])
             problems.append(
-                f"run {name} ({path}) has no KL keys ({expected}); log with an sb3_kl algorithm or KLMonitorCallback"
+                f"run {name} ({path}) has no KL keys ({expected}); log with an sb3_kl algorithm or KLMonitorCallback, "
+                "for two updates or more (SB3 writes an update's train/ values with the next rollout's log row: the "
+                "last update's are never written)"
             )
             continue
         runs.append(run)

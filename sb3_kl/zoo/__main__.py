@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 USAGE = """usage: python -m sb3_kl.zoo {train,enjoy,record_video,export} [flags ...]
 
-  train   rl_zoo3.train with klppo/clip_klppo/kltrpo registered; uses sb3_kl/hyperparams/{algo}.yml unless -conf is given
+  train   rl_zoo3.train with klppo/clip_klppo/kltrpo/klppo_mask/klppo_lstm registered;
+          uses sb3_kl/hyperparams/{algo}.yml unless -conf is given
           (+ --heartbeat-interval, --heartbeat-grace-period, --max-retry for -optimize on a database --storage)
   enjoy   rl_zoo3.enjoy with the same algorithms registered
   record_video  rl_zoo3.record_video with the same algorithms registered

@@ -77,6 +77,16 @@ def check_storage_flag(argv: Sequence[str]) -> None:
         storage.engine.dispose()
 
 
+#: ``train -h`` prints this before the zoo's own help (the zoo's parser does not know these flags)
+HEARTBEAT_HELP = """sb3_kl.zoo train: the flags of rl_zoo3.train (below), and for -optimize on a database --storage:
+  --heartbeat-interval SECONDS      heartbeat of a running trial (default 60; 0 turns it and the retry of a dead
+                                    worker's trial off)
+  --heartbeat-grace-period SECONDS  seconds without a heartbeat before a trial is failed and re-queued (default:
+                                    twice the interval)
+  --max-retry N                     times one trial is re-queued after its worker died (default 3)
+"""
+
+
 def split_heartbeat_flags(argv: Sequence[str]) -> tuple[distributed.HeartbeatSettings, list[str]]:
     """
     Take sb3_kl's heartbeat flags out of the zoo's arguments.
@@ -121,6 +131,8 @@ def train(argv: Sequence[str] | None = None) -> None:
 
     register()
     heartbeat, args = split_heartbeat_flags(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(HEARTBEAT_HELP)
     args = with_default_threads(with_default_config(args))
     check_storage_flag(args)
     saved = distributed.CURRENT_HEARTBEAT
