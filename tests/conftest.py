@@ -27,7 +27,7 @@ def postgres_server():
     from postgres_server import INSTALL_HINT, PostgresServer, find_bindir
 
     if importlib.util.find_spec("psycopg") is None:
-        message = 'the PostgreSQL driver is missing: pip install "sb3-kl[postgres]"'
+        message = 'the PostgreSQL driver is missing: pip install -e ".[postgres]"'
         if _ci():
             pytest.fail(message)
         pytest.skip(message)

@@ -92,6 +92,12 @@ def test_a_controller_object_says_which_arguments_it_ignores():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_kl_controller(AdaptiveKLController(1.0))  # nothing else given: nothing to say
+    # the same for the reference's controller, and the warning names the user's line
+    from sb3_kl import KLPPO
+
+    with pytest.warns(UserWarning, match=r"`ref_kl_coef`=0.3 is ignored") as caught:
+        KLPPO("MlpPolicy", "CartPole-v1", ref_kl_controller=AdaptiveKLController(1.0), ref_kl_coef=0.3, ref_target_kl=0.1)
+    assert caught[0].filename == __file__
 
 
 def test_state_survives_pickle():

@@ -251,14 +251,15 @@ def test_unreachable_database_is_one_line(tmp_path):
 def test_missing_driver_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the postgres extra were not installed
     message = _zoo_start_error("postgresql://tuner:secret@127.0.0.1:5/tuning", "s", tmp_path)
-    assert "--storage" in message and 'pip install "sb3-kl[postgres]"' in message
+    assert "--storage" in message and 'pip install -e ".[postgres]"' in message
 
 
 @pytest.mark.parametrize(
     "storage, expected",
     [
         ("postgres://tuner:secret@127.0.0.1:5/tuning", "postgresql://, not postgres://"),
-        ("sqlite:////nonexistent/folder/study.db", "cannot open the SQLite database file '/nonexistent/folder/study.db'"),
+        ("postgres+psycopg://tuner:secret@127.0.0.1:5/tuning", "postgresql://, not postgres://"),
+        ("sqlite:////nonexistent/folder/study.db", "folder /nonexistent/folder does not exist"),
         ("mysql://tuner:secret@127.0.0.1:5/tuning", "pip install mysqlclient"),  # the package of the MySQLdb module
     ],
 )

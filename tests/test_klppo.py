@@ -376,10 +376,11 @@ def test_a_stopped_update_raises_beta_to_its_bound_and_never_lowers_it(algo):
     logged = model.logger.name_to_value
     assert logged["train/early_stop_at_kl_coef_bound"] == 1.0 and logged["train/kl"] > 1.25 * 1e-3
     assert model.kl_coef == 10.0 and logged["train/kl_coef"] == 10.0 and model.kl_controller.n_updates == 1
+    assert model.kl_controller.kl_coef_history == [10.0]
     # a stopped update whose KL reads under the band does not lower beta: the stop, not beta, made it small
     n_params = model.dist_params.n_params
     model._record_update_kl(np.full(8, 1e-6), np.zeros((8, n_params)), 1e-3, hold_kl_coef=True)
-    assert model.kl_coef == 10.0 and model.kl_controller.n_updates == 2
+    assert model.kl_coef == 10.0 and model.kl_controller.n_updates == 2 and model.kl_controller.kl_coef_history[-1] == 10.0
     model._record_update_kl(np.full(8, 1e-6), np.zeros((8, n_params)), 1e-3)
     assert model.kl_coef == pytest.approx(10.0 / 1.5)  # an update the stop did not end lowers it as usual
 
@@ -812,10 +813,12 @@ def test_target_kl_set_after_construction_is_used(tmp_path):
     model = KLPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2, policy_kwargs=dict(net_arch=[8]), seed=0)
     model.learn(64)
     model.target_kl = 0.05
+    assert model.target_kl(1.0) == 0.05  # read as right after construction
     model.learn(64, reset_num_timesteps=False)
     assert model.logger.name_to_value["train/target_kl"] == 0.05
     model.save(tmp_path / "model")
     assert KLPPO.load(tmp_path / "model").target_kl(1.0) == 0.05
-    model.target_kl = -1.0
     with pytest.raises(ValueError, match="target_kl"):
-        model.learn(64, reset_num_timesteps=False)
+        model.target_kl = -1.0
+    model.target_kl = None  # the action space's default, as in the constructor
+    assert model.target_kl(1.0) == 0.02

@@ -21,7 +21,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 
-from sb3_kl.common.validation import check_int, check_pair, check_positive
+from sb3_kl.common.validation import check_int, check_pair, check_positive, user_stacklevel
 
 
 class KLController(ABC):
@@ -44,18 +44,21 @@ class KLController(ABC):
         self.kl_history: list[float] = []
         self.kl_coef_history: list[float] = []
 
-    def update(self, kl: float, target_kl: float, n_steps: int = 1) -> float:
+    def update(self, kl: float, target_kl: float, n_steps: int = 1, allow_decrease: bool = True) -> float:
         """
         Adjust beta from the KL of the last update.
 
         :param kl: The measured KL of the update
         :param target_kl: The target KL (current value of the schedule)
         :param n_steps: Environment steps in the update (used by rate-limited controllers)
+        :param allow_decrease: False: beta may rise but not fall (an update that a stop ended, whose KL is the stop's
+            doing); the KL is recorded either way
         :return: The new beta
         """
         if not math.isfinite(kl):
             raise ValueError(f"The measured KL is {kl}: the policy produced non-finite distributions.")
-        self.kl_coef = float(self._next_coef(float(kl), float(target_kl), int(n_steps)))
+        next_coef = float(self._next_coef(float(kl), float(target_kl), int(n_steps)))
+        self.kl_coef = next_coef if allow_decrease else max(next_coef, self.kl_coef)
         self.n_updates += 1
         self.kl_history.append(float(kl))
         self.kl_coef_history.append(self.kl_coef)
@@ -222,11 +225,11 @@ def make_kl_controller(
         }
         if given:
             warnings.warn(
-                f"`kl_controller` is a {type(kl_controller).__name__} object, which is used as given: "
+                f"`kl_controller` is a controller object ({type(kl_controller).__name__}), which is used as given: "
                 f"{', '.join(f'`{name}`={value!r}' for name, value in given.items())} "
                 "is ignored. Set it on the controller object instead.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         return kl_controller
     if not isinstance(kl_controller, str) or kl_controller not in KL_CONTROLLERS:

@@ -375,6 +375,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.dist_params = distribution_params_for_policy(self.policy.action_dist)
         self._use_fused_adam()
         self.target_kl = self._target_kl_schedule(self.target_kl)
+        self._target_kl_is_schedule = True  # from now on, an assigned target_kl is converted (``__setattr__``)
         if self.min_std is not None and not isinstance(self.dist_params, GaussianParams):
             raise ValueError("`min_std` is set but the policy's action distribution is not Gaussian: pass min_std=None.")
         # Saved as a JSON list: ``load`` gives back the tuple the constructor stores
@@ -407,6 +408,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
         excluded = ["dist_params", "ref_policy", "ref_dist_params", "_reference_awaits_weights", "_reference_in_parameters"]
+        excluded.append("_target_kl_is_schedule")
         return [*super()._excluded_save_params(), *excluded]
 
     def _get_torch_save_params(self) -> tuple[list[str], list[str]]:
@@ -716,6 +718,14 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """
         return per_state_kl_to(self.kl_settings, self.dist_params, old_params, distribution, log_ratio)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``model.target_kl = 0.05`` after construction, as SB3's PPO takes it: checked as the constructor does and
+        # kept as the schedule the algorithm (and ``model.target_kl(progress)``) reads
+        if name == "target_kl" and self.__dict__.get("_target_kl_is_schedule", False):
+            check_schedule("target_kl", value, allow_none=True, allow_zero_at_end=True)
+            value = self._target_kl_schedule(value)
+        super().__setattr__(name, value)
+
     def _target_kl_schedule(self, target_kl: float | Schedule | None) -> Schedule:
         """
         :param target_kl: A ``target_kl`` as the constructor takes it (None: the default of the action space)
@@ -726,10 +736,6 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         return target_kl if isinstance(target_kl, FloatSchedule) else FloatSchedule(target_kl)
 
     def _current_target_kl(self) -> float:
-        if not callable(self.target_kl):
-            # set after construction, as SB3's PPO takes it (``model.target_kl = 0.05``): checked as the constructor does
-            check_schedule("target_kl", self.target_kl, allow_none=True, allow_zero_at_end=True)
-            self.target_kl = self._target_kl_schedule(self.target_kl)
         target = float(self.target_kl(self._current_progress_remaining))
         if not math.isfinite(target) or target < 0:
             raise ValueError(f"`target_kl` must stay positive and finite, its schedule returned {target}.")
@@ -786,10 +792,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.logger.record("train/kl_convention", self.kl_settings.convention, exclude="tensorboard")
         self.logger.record("train/target_kl", target_kl)
         if self.has_kl_coef:
-            before = self.kl_controller.kl_coef
-            self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs)
-            if hold_kl_coef and self.kl_controller.kl_coef < before:
-                self.kl_controller.kl_coef = before
+            self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs, allow_decrease=not hold_kl_coef)
             self.logger.record("train/kl_coef", self.kl_coef)
             band = getattr(self.kl_controller, "kl_band", None)
             if band is not None:  # read by ``sb3-kl plot/report``, which draw the band the run used

@@ -6,6 +6,7 @@ import torch as th
 from gymnasium import spaces
 from sb3_contrib import RecurrentPPO
 from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
+from sb3_contrib.common.recurrent.type_aliases import RNNStates
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.policies import BaseModel, BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
@@ -320,6 +321,19 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         the rollout's sequences (:meth:`_prepare_reference_distribution`). Overrides the feed-forward algorithms'
         refusal of recurrent references.
         """
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # the carried LSTM states go into the pickled data, which SB3 loads without a device map: saved on CPU, so that
+        # a model trained on GPU loads on a machine without one (``_setup_model`` moves them to the model's device)
+        states, ref_states = self._last_lstm_states, self._last_ref_lstm_states
+        if states is not None:
+            self._last_lstm_states = RNNStates(tuple(t.cpu() for t in states.pi), tuple(t.cpu() for t in states.vf))
+        if ref_states is not None:
+            self._last_ref_lstm_states = tuple(t.cpu() for t in ref_states)  # type: ignore[assignment]
+        try:
+            super().save(*args, **kwargs)
+        finally:
+            self._last_lstm_states, self._last_ref_lstm_states = states, ref_states
 
     def _excluded_save_params(self) -> list[str]:
         # The LSTM states at the end of the last rollout (the policy's and a recurrent reference's) are saved, unlike

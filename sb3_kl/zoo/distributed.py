@@ -48,7 +48,7 @@ COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, Tr
 #: Advisory-lock key under which Optuna's tables are created (any 64-bit number, the same in every worker)
 SCHEMA_LOCK_KEY = int.from_bytes(hashlib.sha256(b"sb3_kl.zoo: optuna schema").digest()[:8], "big", signed=True)
 #: The extra that brings the PostgreSQL driver
-POSTGRES_EXTRA = 'pip install "sb3-kl[postgres]"'
+POSTGRES_EXTRA = 'pip install -e ".[postgres]" in the sb3-kl checkout (the extra\'s driver: pip install "psycopg[binary]")'
 #: The PyPI package of a SQLAlchemy driver whose import name is not its package's name
 DRIVER_PACKAGES = {
     "mysqldb": "mysqlclient",  # SQLAlchemy's default MySQL driver (mysql://)
@@ -153,11 +153,6 @@ def _explain_connection_error(url: str, error: Exception) -> StorageError:
             f"--storage {shown}: the server refused user {user!r} (wrong or missing password). "
             "Fix the user and password in --storage (dialect://USER:PASSWORD@HOST:PORT/DATABASE)."
         )
-    if parsed_dialect(url) == "sqlite":  # a file, not a server: the usual cause is a folder that does not exist
-        return StorageError(
-            f"--storage {shown}: cannot open the SQLite database file {database!r} ({first}). Check that its folder "
-            "exists and is writable (sqlite:///relative/path.db, sqlite:////absolute/path.db)."
-        )
     if "does not exist" in lowered and database and f'"{database}"' in " ".join(text):
         return StorageError(
             f"--storage {shown}: database {database!r} does not exist on the server. "
@@ -240,20 +235,37 @@ def _serialize_sqlite_transactions(engine: Any) -> None:
     engine.dispose()  # connections opened before the listeners (table creation) are replaced
 
 
-def parsed_dialect(url: str) -> str | None:
-    """:return: the dialect a database URL names (``postgresql``, ``sqlite``...), None when it is not a URL"""
+def _check_sqlite_file(url: str) -> None:
+    """
+    Check, without creating it, that an SQLite URL's file can be opened or created: its folder exists and the file
+    (or, when it does not exist yet, the folder) is writable.
+
+    :raises StorageError: otherwise
+    """
     from sqlalchemy.engine import make_url
 
-    try:
-        return make_url(url).get_backend_name()
-    except Exception:
-        return None
+    path = make_url(url).database
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    if os.path.exists(path):
+        usable, problem = os.access(path, os.R_OK | os.W_OK), "is not readable and writable"
+    elif not os.path.isdir(folder):
+        usable, problem = False, f"cannot be created: its folder {folder} does not exist"
+    else:
+        usable, problem = os.access(folder, os.W_OK), f"cannot be created: its folder {folder} is not writable"
+    if not usable:
+        raise StorageError(
+            f"--storage {redact(url)}: the SQLite database file {path} {problem}. Fix the path "
+            "(sqlite:///relative/path.db, sqlite:////absolute/path.db)."
+        )
 
 
 def check_storage(url: str) -> tuple[str, dict[str, Any]]:
     """
-    Check that a database URL can be used, without creating anything in the database: the URL, its driver, the
-    connection and the credentials (and for SQLite, that the file can be opened).
+    Check that a database URL can be used, without creating anything: the URL, its driver, and for a server the
+    connection and the credentials, for SQLite that the file can be opened or created.
 
     :param url: SQLAlchemy URL (the value of ``--storage``)
     :return: the URL's dialect and the keyword arguments of SQLAlchemy's ``create_engine`` to use with it
@@ -286,10 +298,16 @@ def check_storage(url: str) -> tuple[str, dict[str, Any]]:
             fix = f"install the {name} driver that the URL names (pip install {DRIVER_PACKAGES.get(name, name)})"
         raise StorageError(f"--storage {redact(url)}: the database driver is not installed ({e}). Fix: {fix}.") from e
     except sqlalchemy.exc.ArgumentError as e:  # e.g. sqlite://study.db (a host where the path should be)
-        raise StorageError(
-            f"--storage {redact(url)} is not a valid {dialect} URL ({e}). SQLite takes sqlite:///relative.db or "
-            "sqlite:////absolute/path.db."
-        ) from e
+        if dialect == "sqlite":
+            hint = " SQLite takes sqlite:///relative.db or sqlite:////absolute/path.db."
+        elif scheme.split("+")[0] == "postgres":
+            hint = " SQLAlchemy names PostgreSQL postgresql://, not postgres://."
+        else:
+            hint = ""
+        raise StorageError(f"--storage {redact(url)} is not a valid {dialect} URL ({e}).{hint}") from e
+    if dialect == "sqlite":
+        _check_sqlite_file(url)
+        return dialect, engine_kwargs
     try:
         with engine.connect():
             pass

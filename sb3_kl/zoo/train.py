@@ -62,12 +62,15 @@ def check_storage_flag(argv: Sequence[str]) -> None:
     pre_parser = argparse.ArgumentParser(add_help=False)
     pre_parser.add_argument("--storage", type=str, default=None)
     pre_parser.add_argument("--study-name", type=str, default=None)
+    pre_parser.add_argument("--trial-id", type=int, default=None)
     pre_parser.add_argument("-optimize", "--optimize-hyperparameters", action="store_true", default=False)
     known, _ = pre_parser.parse_known_args(list(argv))
+    # the zoo opens --storage only for a search, or to reload a trial (--trial-id with --study-name)
     if not distributed.is_database_url(known.storage):
         return
     if not known.optimize_hyperparameters:
-        distributed.check_storage(known.storage)
+        if known.trial_id is not None and known.study_name is not None:
+            distributed.check_storage(known.storage)
         return
     storage = distributed.open_storage(known.storage, distributed.HeartbeatSettings(interval=None))
     try:
