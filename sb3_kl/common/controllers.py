@@ -20,6 +20,7 @@ import math
 import warnings
 from abc import ABC, abstractmethod
 from collections import deque
+from typing import Any
 
 from sb3_kl.common.validation import check_int, check_pair, check_positive, user_stacklevel
 
@@ -194,6 +195,25 @@ KL_CONTROLLERS: dict[str, type[KLController]] = {
 }
 
 
+def warn_ignored_arguments(option: str, controller: KLController, **arguments: tuple[Any, Any]) -> None:
+    """
+    Warn that the arguments given beside a controller object are ignored (the object is used as given).
+
+    :param option: The argument that took the object (``kl_controller``, ``ref_kl_controller``)
+    :param controller: The object
+    :param arguments: ``name=(value, default)`` of the controller arguments; those that differ from their default warn
+    """
+    given = {name: value for name, (value, default) in arguments.items() if value != default}
+    if given:
+        warnings.warn(
+            f"`{option}` is a controller object ({type(controller).__name__}), which is used as given: "
+            f"{', '.join(f'`{name}`={value!r}' for name, value in given.items())} is ignored. Set it on the "
+            "controller object instead.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
 def make_kl_controller(
     kl_controller: "str | KLController",
     kl_coef: float = 1.0,
@@ -211,26 +231,16 @@ def make_kl_controller(
     :return: The controller
     """
     if isinstance(kl_controller, KLController):
-        given = {
-            name: value
-            for name, value, default in (
-                ("kl_coef", kl_coef, 1.0),
-                ("kl_adapt_factor", kl_adapt_factor, 1.5),
-                ("kl_band", tuple(kl_band), (0.8, 1.25)),
-                ("kl_coef_bounds", tuple(kl_coef_bounds), (1e-4, 10.0)),
-                ("kl_window", kl_window, 1),
-                ("kl_horizon", kl_horizon, 10_000),
-            )
-            if value != default
-        }
-        if given:
-            warnings.warn(
-                f"`kl_controller` is a controller object ({type(kl_controller).__name__}), which is used as given: "
-                f"{', '.join(f'`{name}`={value!r}' for name, value in given.items())} "
-                "is ignored. Set it on the controller object instead.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
+        warn_ignored_arguments(
+            "kl_controller",
+            kl_controller,
+            kl_coef=(kl_coef, 1.0),
+            kl_adapt_factor=(kl_adapt_factor, 1.5),
+            kl_band=(tuple(kl_band), (0.8, 1.25)),
+            kl_coef_bounds=(tuple(kl_coef_bounds), (1e-4, 10.0)),
+            kl_window=(kl_window, 1),
+            kl_horizon=(kl_horizon, 10_000),
+        )
         return kl_controller
     if not isinstance(kl_controller, str) or kl_controller not in KL_CONTROLLERS:
         raise ValueError(

@@ -407,9 +407,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
-        excluded = ["dist_params", "ref_policy", "ref_dist_params", "_reference_awaits_weights", "_reference_in_parameters"]
-        excluded.append("_target_kl_is_schedule")
-        return [*super()._excluded_save_params(), *excluded]
+        excluded = ["dist_params", "ref_policy", "ref_dist_params"]
+        # flags of set-up and set_parameters, not state
+        flags = ["_reference_awaits_weights", "_reference_in_parameters", "_target_kl_is_schedule"]
+        return [*super()._excluded_save_params(), *excluded, *flags]
 
     def _get_torch_save_params(self) -> tuple[list[str], list[str]]:
         state_dicts, torch_variables = super()._get_torch_save_params()

@@ -17,7 +17,6 @@ This module holds what the algorithms share for it:
 import copy
 import math
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,13 @@ from stable_baselines3.common.type_aliases import PyTorchObs
 from stable_baselines3.common.utils import ConstantSchedule
 
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
-from sb3_kl.common.controllers import KL_CONTROLLERS, FixedKLController, KLController, make_kl_controller
+from sb3_kl.common.controllers import (
+    KL_CONTROLLERS,
+    FixedKLController,
+    KLController,
+    make_kl_controller,
+    warn_ignored_arguments,
+)
 from sb3_kl.common.kl import (
     KL_DIRECTIONS,
     KL_ESTIMATORS,
@@ -45,7 +50,7 @@ from sb3_kl.common.kl import (
 )
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.recurrent import is_recurrent_policy, lstm_constructor_parameters
-from sb3_kl.common.validation import check_existing_file, check_pair, check_positive, user_stacklevel
+from sb3_kl.common.validation import check_existing_file, check_pair, check_positive
 
 #: Reference options that ``load()`` takes out of its arguments and applies or refuses once the model is loaded
 #: (:meth:`ReferenceKLMixin._apply_loaded_reference_options`)
@@ -254,22 +259,12 @@ class ReferenceKLMixin:
         controller: KLController | None
         if isinstance(ref_kl_controller, KLController):
             controller = ref_kl_controller
-            given = {
-                name: value
-                for name, value, default in (
-                    ("ref_kl_coef", ref_kl_coef, 1.0),
-                    ("ref_kl_coef_bounds", tuple(ref_kl_coef_bounds), (1e-4, 10.0)),
-                )
-                if value != default
-            }
-            if given:
-                warnings.warn(
-                    f"`ref_kl_controller` is a controller object ({type(controller).__name__}), which is used as given: "
-                    f"{', '.join(f'`{name}`={value!r}' for name, value in given.items())} is ignored. Set it on the "
-                    "controller object instead.",
-                    UserWarning,
-                    stacklevel=user_stacklevel(),
-                )
+            warn_ignored_arguments(
+                "ref_kl_controller",
+                controller,
+                ref_kl_coef=(ref_kl_coef, 1.0),
+                ref_kl_coef_bounds=(tuple(ref_kl_coef_bounds), (1e-4, 10.0)),
+            )
         elif ref_kl_coef == 0:
             controller = None  # measure only
         elif ref_target_kl is None:
