@@ -355,7 +355,7 @@ class KLPPO(KLOnPolicyAlgorithm):
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
-            epoch_kl_sum, epoch_states = th.zeros(()), 0
+            epoch_kl_sum, epoch_states = th.zeros((), device=self.device), 0
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
                 actions = self._actions_for_log_prob(rollout_data.actions)
                 # One forward pass gives the values, the log-probs and the distribution for the KL

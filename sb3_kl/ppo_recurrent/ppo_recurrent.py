@@ -487,7 +487,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
-            epoch_kl_sum, epoch_states = th.zeros(()), 0
+            epoch_kl_sum, epoch_states = th.zeros((), device=self.device), 0
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
                 out = self._minibatch_loss(rollout_data, *terms)  # type: ignore[arg-type]
                 loss = out["loss"]
