@@ -274,13 +274,13 @@ def check_storage(url: str) -> tuple[str, dict[str, Any]]:
     import sqlalchemy
     from sqlalchemy.engine import make_url
 
-    scheme = url.split("://", 1)[0]
+    # postgres:// (Heroku's and libpq's spelling) is not SQLAlchemy's name for the dialect, with or without a driver
+    postgres_scheme = url.split("://", 1)[0].split("+")[0] == "postgres"
+    scheme_hint = " SQLAlchemy names PostgreSQL postgresql://, not postgres://." if postgres_scheme else ""
     try:
         dialect, driver = make_url(url).get_backend_name(), make_url(url).get_driver_name()
     except sqlalchemy.exc.ArgumentError as e:
-        postgres = scheme.split("+")[0] == "postgres"
-        hint = " SQLAlchemy names PostgreSQL postgresql://, not postgres://." if postgres else ""
-        raise StorageError(f"--storage {url.split('@')[-1]!r} is not a database URL ({e}).{hint}") from e
+        raise StorageError(f"--storage {url.split('@')[-1]!r} is not a database URL ({e}).{scheme_hint}") from e
     engine_kwargs: dict[str, Any] = {}
     if dialect == "postgresql":
         # fail in seconds, not after the operating system's TCP timeout, when the host does not answer
@@ -298,13 +298,8 @@ def check_storage(url: str) -> tuple[str, dict[str, Any]]:
             fix = f"install the {name} driver that the URL names (pip install {DRIVER_PACKAGES.get(name, name)})"
         raise StorageError(f"--storage {redact(url)}: the database driver is not installed ({e}). Fix: {fix}.") from e
     except sqlalchemy.exc.ArgumentError as e:  # e.g. sqlite://study.db (a host where the path should be)
-        if dialect == "sqlite":
-            hint = " SQLite takes sqlite:///relative.db or sqlite:////absolute/path.db."
-        elif scheme.split("+")[0] == "postgres":
-            hint = " SQLAlchemy names PostgreSQL postgresql://, not postgres://."
-        else:
-            hint = ""
-        raise StorageError(f"--storage {redact(url)} is not a valid {dialect} URL ({e}).{hint}") from e
+        sqlite_hint = " SQLite takes sqlite:///relative.db or sqlite:////absolute/path.db." if dialect == "sqlite" else ""
+        raise StorageError(f"--storage {redact(url)} is not a valid {dialect} URL ({e}).{sqlite_hint or scheme_hint}") from e
     if dialect == "sqlite":
         _check_sqlite_file(url)
         return dialect, engine_kwargs
