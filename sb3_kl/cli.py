@@ -10,6 +10,7 @@ line on stderr and give a non-zero exit status.
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -24,13 +25,29 @@ def _error(message: str) -> None:
     print(f"sb3-kl: error: {message}", file=sys.stderr)
 
 
-def _positive_pair(values: list[float] | None, option: str) -> tuple[float, float] | None:
+def _positive_pair(values: list[float] | None, option: str, names: tuple[str, str]) -> tuple[float, float] | None:
     if values is None:
         return None
     low, high = (float(value) for value in values)
-    if not 0 < low < high:
-        raise DiagnosticsError(f"{option} needs 0 < LOW < HIGH, got {low:g} {high:g}")
+    if not 0 < low < high < math.inf:
+        raise DiagnosticsError(f"{option} needs 0 < {names[0]} < {names[1]}, got {low:g} {high:g}")
     return low, high
+
+
+def _check_target(target: float | None) -> None:
+    if target is not None and not 0 < target < math.inf:
+        raise DiagnosticsError(f"--target must be a positive KL (e.g. 0.02), got {target:g}")
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Fail before any work when ``path`` cannot be written (a missing folder, or a folder)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DiagnosticsError(f"cannot write {option} {path}: it is a directory, give a file name")
+    if not os.path.isdir(folder):
+        raise DiagnosticsError(f"cannot write {option} {path}: folder {folder} does not exist, create it first")
+    if not os.access(folder, os.W_OK):
+        raise DiagnosticsError(f"cannot write {option} {path}: folder {folder} is not writable")
 
 
 def _load(logdir: str) -> tuple[list[RunLog], int]:
@@ -49,7 +66,8 @@ class _Reported(Exception):
 def _cmd_plot(args: argparse.Namespace) -> int:
     from sb3_kl.plot import draw_timeline, output_paths
 
-    band = _positive_pair(args.band, "--band")
+    band = _positive_pair(args.band, "--band", ("LOW", "HIGH"))
+    _check_target(args.target)
     size = (float(args.size[0]), float(args.size[1]))
     if min(size) <= 0 or args.dpi <= 0:
         raise DiagnosticsError("--size and --dpi must be positive")
@@ -70,9 +88,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from sb3_kl.diagnostics.leadlag import METHOD
     from sb3_kl.diagnostics.report import format_markdown, format_text, summarize_run
 
-    band = _positive_pair(args.band, "--band")
-    bounds = _positive_pair(args.coef_bounds, "--coef-bounds")
+    band = _positive_pair(args.band, "--band", ("LOW", "HIGH"))
+    bounds = _positive_pair(args.coef_bounds, "--coef-bounds", ("MIN", "MAX"))
     assert bounds is not None
+    _check_target(args.target)
+    if args.max_lag < 1:
+        raise DiagnosticsError(f"--max-lag must be at least 1 update (lag 0 is always tried), got {args.max_lag}")
+    if args.seed < 0:
+        raise DiagnosticsError(f"--seed must be a non-negative integer, got {args.seed}")
+    if args.markdown:
+        _check_writable(args.markdown, "--markdown")
     runs, status = _load(args.logdir)
     reports = [
         summarize_run(run, band=band, coef_bounds=bounds, target_kl=args.target, max_lag=args.max_lag, seed=args.seed)
@@ -95,6 +120,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_states(args: argparse.Namespace) -> int:
     from sb3_kl.diagnostics.states import format_states, load_states
 
+    if args.top < 1:
+        raise DiagnosticsError(f"--top must be at least 1 dimension, got {args.top}")
     print(format_states(load_states(args.file), top=args.top))
     return 0
 

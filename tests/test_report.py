@@ -182,3 +182,105 @@ def test_report_shows_the_normalizations_own_shift_beside_the_update_kl(tmp_path
     out = capsys.readouterr().out
     assert "observation normalization alone (kl/normalization_shift, exact, per rollout): mean" in out
     assert f"/{len(logged)} rollouts" in out
+
+
+def test_alarm_count_that_starts_again_counts_each_alarm_once():
+    # KLAlarmCallback's running count starts from 0 with each new callback (a resumed run logging into the same file)
+    from sb3_kl.diagnostics.logs import Series
+    from sb3_kl.diagnostics.report import alarm_events
+
+    counts = np.array([1, 1, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 3, 4, 5, 5, 6, 7], dtype=float)
+    steps, total = alarm_events(Series(np.arange(1, len(counts) + 1) * 64, counts))
+    assert total == 14
+    assert list(steps) == [64, 256, 320, 384, 448, 512, 576, 640, 704, 768, 896, 960, 1088, 1152]
+    steps, total = alarm_events(Series(np.arange(10), np.array([0, 1, 1, 2, 2, 0, 0, 1, 1, 1], dtype=float)))
+    assert total == 3 and list(steps) == [1, 3, 7]
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_report_counts_a_diverged_update_above_the_band(tmp_path, capsys, bad):
+    rows = ["time/total_timesteps,train/kl,train/target_kl"]
+    rows += [f"{100 * (t + 1)},{bad if t == 4 else 0.01},0.01" for t in range(9)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    report = summarize_run(load_run("run", str(tmp_path / "progress.csv"), "csv"))
+    assert report.nonfinite_steps == [500]
+    assert report.above == pytest.approx(1 / 9) and report.below == 0
+    assert report.phases[1].kl_max == pytest.approx(0.01) and report.phases[1].n_nonfinite == 1
+    assert main(["report", str(tmp_path / "progress.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "non-finite KL (NaN or inf: the update diverged) at 1 update(s), steps 500" in out
+    assert "11% of updates (above 11%, below 0%)" in out
+
+
+def test_report_of_a_constant_or_non_finite_beta(tmp_path, capsys):
+    rows = ["time/total_timesteps,train/kl,train/target_kl,train/kl_coef"]
+    rows += [f"{100 * (t + 1)},0.01,0.01,1.0" for t in range(5)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    report = summarize_run(load_run("run", str(tmp_path / "progress.csv"), "csv"))
+    assert report.coef["at_max_seen"] == report.coef["at_min_seen"] == 5
+    rows = ["time/total_timesteps,train/kl,train/target_kl,train/kl_coef"]
+    rows += [f"{100 * (t + 1)},0.01,0.01,nan" for t in range(5)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    assert main(["report", str(tmp_path / "progress.csv")]) == 0
+    assert "is NaN or infinite at every update" in capsys.readouterr().out
+
+
+def test_csv_with_appended_logs_reads_each_with_its_own_header(tmp_path, capsys):
+    first = ["time/total_timesteps,train/kl,train/target_kl"] + [f"{100 * (t + 1)},0.01,0.01" for t in range(3)]
+    # a second log appended, its columns in another order, and its timesteps starting again
+    second = ["train/target_kl,rollout/ep_rew_mean,time/total_timesteps,train/kl"]
+    second += [f"0.02,{-t},{100 * (t + 1)},0.03" for t in range(2)]
+    (tmp_path / "progress.csv").write_text("\n".join(first + second) + "\n")
+    run = load_run("run", str(tmp_path / "progress.csv"), "csv")
+    assert list(run.scalars["train/kl"].values) == [0.03, 0.03, 0.01]
+    assert list(run.scalars["train/target_kl"].values) == [0.02, 0.02, 0.01]
+    assert list(run.scalars["rollout/ep_rew_mean"].values) == [0.0, -1.0]
+    assert any("2 logs appended" in note for note in run.notes)
+    assert any("go back 1 time(s)" in note for note in run.notes)
+    assert main(["report", str(tmp_path / "progress.csv")]) == 0
+    assert "go back 1 time(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "{log}", "--max-lag", "0"], "--max-lag must be at least 1"),
+        (["report", "{log}", "--seed", "-1"], "--seed must be a non-negative integer"),
+        (["report", "{log}", "--target", "-1"], "--target must be a positive KL"),
+        (["report", "{log}", "--target", "nan"], "--target must be a positive KL"),
+        (["plot", "{log}", "--target", "0"], "--target must be a positive KL"),
+        (["report", "{log}", "--coef-bounds", "1", "0.1"], "--coef-bounds needs 0 < MIN < MAX"),
+        (["report", "{log}", "--markdown", "{missing}/report.md"], "does not exist, create it first"),
+        (["states", "{log}", "--top", "0"], "--top must be at least 1"),
+    ],
+)
+def test_cli_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
+    rows = ["time/total_timesteps,train/kl,train/target_kl"] + [f"{100 * (t + 1)},0.01,0.01" for t in range(3)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    argv = [a.format(log=tmp_path / "progress.csv", missing=tmp_path / "missing") for a in argv]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing printed before the error
+    assert captured.err.startswith("sb3-kl: error: ") and message in captured.err and captured.err.count("\n") == 1
+
+
+def test_lead_lag_states_its_confidence_and_refuses_a_lag_below_one():
+    kl, returns, _ = planted_log()
+    assert "99% null threshold" in lead_lag(kl, returns, confidence=0.99).summary()
+    with pytest.raises(ValueError, match="max_lag"):
+        lead_lag(kl, returns, max_lag=0)
+
+
+def test_states_effect_size_is_cohens_d_and_empty_or_unreadable_files_are_one_line_errors(tmp_path, capsys):
+    from sb3_kl.diagnostics.states import compare
+
+    rng = np.random.default_rng(0)
+    high, ref = rng.normal(1.0, 2.0, (40, 1)), rng.normal(0.0, 1.0, (160, 1))
+    pooled = np.sqrt((39 * high.var(ddof=1) + 159 * ref.var(ddof=1)) / 198)
+    assert compare(high, ref)[0].std_diff == pytest.approx((high.mean() - ref.mean()) / pooled)
+    np.savez(tmp_path / "empty.npz", observations=np.zeros((0, 3)), kl=np.zeros(0), background_observations=np.ones((5, 3)))
+    (tmp_path / "table.csv").write_text("a,b\n1,2\n")
+    for name, message in [("empty.npz", "holds no high-KL states"), ("table.csv", "KLMonitorCallback(top_k_path=...)")]:
+        assert main(["states", str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "allow_pickle" not in err and err.count("\n") == 1

@@ -40,8 +40,8 @@ class LeadLagResult:
     :param best_lag: ``k*`` (None when the test could not run)
     :param best_r: ``r*``
     :param threshold: The null's ``confidence`` quantile of the peak correlation
-    :param p_value: Rotation-test p-value of ``r*``
-    :param n_null: Number of rotations in the null
+    :param p_value: Block-shuffle p-value of ``r*``: ``(1 + #{null peaks >= r*}) / (1 + n_null)``
+    :param n_null: Number of block shuffles in the null (those with a finite peak)
     :param found: Whether ``r* > threshold``
     :param reason: Why the test could not run (empty when it ran)
     :param steps_per_update: Median environment steps between dumps (to state the lag in steps)
@@ -58,12 +58,13 @@ class LeadLagResult:
     found: bool = False
     reason: str = ""
     steps_per_update: float = float("nan")
+    confidence: float = 0.95
 
     def summary(self) -> str:
         """:return: One sentence with the finding."""
         if self.reason:
             return f"lead-lag not tested: {self.reason}"
-        strength = f"r={self.best_r:.2f}, 95% null threshold {self.threshold:.2f}, p={self.p_value:.3f}"
+        strength = f"r={self.best_r:.2f}, {100 * self.confidence:g}% null threshold {self.threshold:.2f}, p={self.p_value:.3f}"
         if not self.found:
             return f"no lead found (peak r={self.best_r:.2f} at lag {self.best_lag}; null threshold {self.threshold:.2f})"
         in_steps = f", ~{self.best_lag * self.steps_per_update:.0f} steps" if np.isfinite(self.steps_per_update) else ""
@@ -159,23 +160,27 @@ def lead_lag(
     :param kl: Mean KL per update
     :param returns: ``rollout/ep_rew_mean`` at the same updates
     :param steps: Environment steps of those updates (only used to express the lag in steps)
-    :param max_lag: Largest lag tried, in updates (reduced on short logs)
-    :param n_null: Maximum number of rotations in the null distribution
-    :param confidence: Quantile of the null the peak must exceed
-    :param seed: Seed of the choice of rotations when there are more than ``n_null``
+    :param max_lag: Largest lag tried, in updates (at least 1; reduced on short logs)
+    :param n_null: Number of block shuffles of the spike series in the null distribution
+    :param confidence: Quantile of the null the peak must exceed, in (0, 1)
+    :param seed: Seed of the block shuffles
     :return: The result, with ``reason`` set when the log is too short or has no return drops
     """
     kl = np.asarray(kl, dtype=np.float64)
     returns = np.asarray(returns, dtype=np.float64)
     if kl.shape != returns.shape:
         raise ValueError(f"`kl` and `returns` must have the same shape, got {kl.shape} and {returns.shape}.")
+    if max_lag < 1:
+        raise ValueError(f"`max_lag` must be at least 1 (lag 0 is always tried), got {max_lag}.")
+    if not 0 < confidence < 1:
+        raise ValueError(f"`confidence` must be in (0, 1), e.g. 0.95, got {confidence}.")
     spikes = spike_series(kl)[1:]
     drops = drop_series(returns)
     n = drops.shape[0]
     steps_per_update = float(np.median(np.diff(steps))) if steps is not None and len(steps) > 1 else float("nan")
     # the null shuffles blocks of max_lag + 1 updates and needs at least MIN_BLOCKS of them
     max_lag = int(min(max_lag, n // MIN_BLOCKS - 1))
-    empty = LeadLagResult(n_updates=len(kl), lags=np.zeros(0, dtype=int), correlations=np.zeros(0))
+    empty = LeadLagResult(n_updates=len(kl), lags=np.zeros(0, dtype=int), correlations=np.zeros(0), confidence=confidence)
     empty.steps_per_update = steps_per_update
     if len(kl) < MIN_UPDATES or max_lag < 1:
         empty.reason = f"{len(kl)} updates with both KL and return; at least {MIN_UPDATES} are needed"
@@ -207,6 +212,7 @@ def lead_lag(
         n_null=len(null_peaks),
         found=bool(best_r > threshold and best_r > 0),
         steps_per_update=steps_per_update,
+        confidence=confidence,
     )
 
 

@@ -83,6 +83,7 @@ class RunLog:
     :param source: ``"tensorboard"`` or ``"csv"``
     :param scalars: Logger key -> :class:`Series`
     :param texts: Logger key -> last text value (CSV logs: e.g. ``train/kl_convention``)
+    :param notes: What reading the log noticed (e.g. timesteps that go back in a ``progress.csv``)
     """
 
     name: str
@@ -90,6 +91,7 @@ class RunLog:
     source: str
     scalars: dict[str, Series] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def _logged(self, key: str) -> bool:
         return key in self.scalars and len(self.scalars[key]) > 0
@@ -202,7 +204,10 @@ def _to_float(text: str) -> float | None:
 def read_csv(csv_path: str, name: str) -> RunLog:
     """
     Read SB3's CSV logger output. Empty cells (a key not written at that dump) are skipped; text values are kept in
-    :attr:`RunLog.texts` (the last one of each key), numbers in :attr:`RunLog.scalars`.
+    :attr:`RunLog.texts` (the last one of each key), numbers in :attr:`RunLog.scalars`. A header row further down
+    (logs appended to one file) is read as the header of the rows after it; where the timesteps go back (a run that
+    started again from step 0 into the same file), later values replace earlier ones at the same step and
+    :attr:`RunLog.notes` says so.
 
     :param csv_path: Path of ``progress.csv``
     :param name: Display name of the run
@@ -210,19 +215,26 @@ def read_csv(csv_path: str, name: str) -> RunLog:
     """
     try:
         with open(csv_path, newline="") as file_handler:
-            rows = list(csv.DictReader(file_handler))
+            rows = list(csv.reader(file_handler))
     except (OSError, UnicodeDecodeError, csv.Error) as error:
         raise DiagnosticsError(f"cannot read {csv_path}: {error}") from None
-    if not rows or TIMESTEP_COLUMN not in rows[0]:
+    if len(rows) < 2 or TIMESTEP_COLUMN not in rows[0]:
         raise DiagnosticsError(f"{csv_path} is not an SB3 progress.csv (no '{TIMESTEP_COLUMN}' column or no rows)")
     columns: dict[str, dict[int, float]] = {}
     texts: dict[str, str] = {}
-    for row in rows:
+    header, headers_seen, went_back, last_step = rows[0], 1, 0, -math.inf
+    for cells in rows[1:]:
+        if TIMESTEP_COLUMN in cells:  # the header of logs appended after the first
+            header, headers_seen = cells, headers_seen + 1
+            continue
+        row = dict(zip(header, cells, strict=False))
         step = _to_float(row.get(TIMESTEP_COLUMN) or "")
         if step is None or not math.isfinite(step):
             continue
+        went_back += int(step < last_step)
+        last_step = step
         for key, text in row.items():
-            if key is None or key == TIMESTEP_COLUMN or not text:
+            if key == TIMESTEP_COLUMN or not text:
                 continue
             value = _to_float(text)
             if value is not None:
@@ -231,6 +243,13 @@ def read_csv(csv_path: str, name: str) -> RunLog:
                 texts[key] = text
     run = RunLog(name=name, path=csv_path, source="csv", texts=texts)
     run.scalars = {key: _make_series(pairs) for key, pairs in columns.items()}
+    if headers_seen > 1:
+        run.notes.append(f"{csv_path} holds {headers_seen} logs appended one after the other (a header row each)")
+    if went_back:
+        run.notes.append(
+            f"the timesteps of {csv_path} go back {went_back} time(s) (a run started again from an earlier step into "
+            "the same file): where steps repeat, the later value is used"
+        )
     return run
 
 

@@ -28,7 +28,7 @@ class PhaseStats:
     :param n_updates: Updates with a logged KL
     :param kl_mean: Mean of the per-update mean KL
     :param kl_median: Median of the per-update mean KL
-    :param kl_max: Largest per-update mean KL
+    :param kl_max: Largest per-update mean KL (the statistics are of the finite KLs)
     :param kl_p99_max: Largest logged 99th percentile of the per-state KL (nan if not logged)
     :param target: Mean target KL (nan if not logged)
     :param above: Share of updates with KL above the band (nan without a target)
@@ -46,6 +46,7 @@ class PhaseStats:
     target: float = float("nan")
     above: float = float("nan")
     below: float = float("nan")
+    n_nonfinite: int = 0
 
 
 @dataclass
@@ -67,6 +68,8 @@ class RunReport:
     :param normalization: Summary of ``kl/normalization_shift`` (empty if not logged): ``mean``, ``max``, the
         ``step_of_max``, ``n`` rollouts, and ``above_update``: the rollouts whose shift exceeds the KL of the update
         that trained on them (``kl/mean``, the same monitor's convention)
+    :param nonfinite_steps: Steps of the updates whose logged KL is NaN or infinite (a diverged update; counted
+        above the band)
     :param notes: Remarks on missing keys
     """
 
@@ -82,6 +85,7 @@ class RunReport:
     n_alarms: int | None = None
     lead: LeadLagResult | None = None
     normalization: dict[str, float] = field(default_factory=dict)
+    nonfinite_steps: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -104,17 +108,16 @@ def resolve_band(run: RunLog, band: tuple[float, float] | None = None) -> tuple[
 
 def alarm_events(alarms: Series) -> tuple[np.ndarray, int]:
     """
-    Steps at which alarms were raised. ``kl/alarms`` is read as a running count when it never decreases, and as
-    a count per dump otherwise.
+    Steps at which alarms were raised. ``kl/alarms`` is ``KLAlarmCallback``'s running count, which starts again from
+    zero with each new callback (a run resumed with ``learn(..., reset_num_timesteps=False)`` into the same log): a
+    drop of the count is such a restart, after which the new count is the new alarms.
 
     :param alarms: The ``kl/alarms`` series
     :return: The steps with new alarms and the total number of alarms
     """
     values = np.nan_to_num(alarms.values)
-    if np.all(np.diff(values) >= 0):
-        increments = np.diff(values, prepend=0.0)
-    else:
-        increments = values
+    previous = np.concatenate([[0.0], values[:-1]])
+    increments = np.where(values >= previous, values - previous, values)
     return alarms.steps[increments > 0], int(np.rint(increments[increments > 0].sum()))
 
 
@@ -146,7 +149,7 @@ def summarize_run(
     """
     kl = run.get("kl_mean")
     assert kl is not None, "summarize_run needs a run with KL keys (filter with RunLog.has_kl)"
-    notes: list[str] = []
+    notes: list[str] = list(run.notes)
     band, band_source = resolve_band(run, band)
     p99 = run.get("kl_p99")
     target_series = run.get("target_kl")
@@ -158,7 +161,15 @@ def summarize_run(
     notes += _convention_notes(run)
 
     if target_series is not None:
-        steps_t, (kl_t, target_t) = align(kl, target_series)
+        # a non-finite KL (a diverged update) is kept and counted above the band: align() would drop it
+        finite_target = Series(
+            target_series.steps[np.isfinite(target_series.values)],
+            target_series.values[np.isfinite(target_series.values)],
+        )
+        steps_t = np.intersect1d(kl.steps, finite_target.steps)
+        kl_t = kl.values[np.searchsorted(kl.steps, steps_t)]
+        kl_t = np.where(np.isfinite(kl_t), kl_t, np.inf)
+        target_t = finite_target.values[np.searchsorted(finite_target.steps, steps_t)]
     else:
         steps_t, kl_t, target_t = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
     above, below = _band_shares(kl_t, target_t, band)
@@ -168,9 +179,11 @@ def summarize_run(
         if len(indices) == 0:
             continue
         values, first, last = kl.values[indices], int(kl.steps[indices[0]]), int(kl.steps[indices[-1]])
-        phase = PhaseStats(
-            name, first, last, len(indices), float(np.mean(values)), float(np.median(values)), float(np.max(values))
-        )
+        finite = values[np.isfinite(values)]
+        phase = PhaseStats(name, first, last, len(indices), float("nan"), float("nan"), float("nan"))
+        if len(finite):
+            phase.kl_mean, phase.kl_median, phase.kl_max = map(float, (finite.mean(), np.median(finite), finite.max()))
+        phase.n_nonfinite = len(values) - len(finite)
         if p99 is not None:
             in_phase = p99.values[(p99.steps >= first) & (p99.steps <= last)]
             phase.kl_p99_max = float(np.max(in_phase)) if len(in_phase) else float("nan")
@@ -183,9 +196,12 @@ def summarize_run(
     report = RunReport(
         run=run, band=band, band_source=band_source, phases=phases, n_updates=len(kl), above=above, below=below, notes=notes
     )
+    report.nonfinite_steps = [int(step) for step in kl.steps[~np.isfinite(kl.values)]]
 
     coef = run.get("kl_coef")
-    if coef is not None:
+    if coef is not None and not np.any(np.isfinite(coef.values)):
+        notes.append(f"the KL coefficient ({run.key_for('kl_coef')}) is NaN or infinite at every update")
+    elif coef is not None:
         values = coef.values[np.isfinite(coef.values)]
         low, high = coef_bounds
         report.coef = {
@@ -196,8 +212,8 @@ def summarize_run(
             "n": float(len(values)),
             "at_upper_bound": float(np.sum(values >= high * (1 - 1e-6))),
             "at_lower_bound": float(np.sum(values <= low * (1 + 1e-6))),
-            "at_max_seen": float(np.sum(values >= values.max() * (1 - 1e-6))) if values.max() > values.min() else 0.0,
-            "at_min_seen": float(np.sum(values <= values.min() * (1 + 1e-6))) if values.max() > values.min() else 0.0,
+            "at_max_seen": float(np.sum(values >= values.max() * (1 - 1e-6))),
+            "at_min_seen": float(np.sum(values <= values.min() * (1 + 1e-6))),
         }
     else:
         notes.append("no KL coefficient logged (train/kl_coef or kl/coef)")
@@ -287,7 +303,18 @@ def _pct(share: float) -> str:
 
 
 def _num(value: float) -> str:
-    return "n/a" if not np.isfinite(value) else f"{value:.3g}"
+    return "n/a" if np.isnan(value) else f"{value:.3g}"
+
+
+def _nonfinite_line(report: RunReport) -> list[str]:
+    steps = report.nonfinite_steps
+    if not steps:
+        return []
+    shown = ", ".join(str(s) for s in steps[:10]) + (", ..." if len(steps) > 10 else "")
+    return [
+        f"non-finite KL (NaN or inf: the update diverged) at {len(steps)} update(s), steps {shown}: left out of the "
+        "phase statistics, counted above the band"
+    ]
 
 
 def _coef_lines(report: RunReport, coef_bounds: tuple[float, float]) -> list[str]:
@@ -337,6 +364,7 @@ def format_text(report: RunReport, coef_bounds: tuple[float, float] = DEFAULT_CO
         "updates "
         f"(above {_pct(report.above)}, below {_pct(report.below)})"
     )
+    lines += _nonfinite_line(report)
     lines += _coef_lines(report, coef_bounds)
     lines += _normalization_line(report)
     lines.append(_alarm_line(report))
@@ -374,7 +402,9 @@ def format_markdown(reports: list[RunReport], coef_bounds: tuple[float, float] =
             f"- Outside the band [{lo:g}, {hi:g}] x target ({report.band_source}): {_pct(report.above + report.below)} "
             "of updates",
         ]
-        out += [f"- {line}" for line in _coef_lines(report, coef_bounds) + _normalization_line(report)]
+        out += [
+            f"- {line}" for line in _nonfinite_line(report) + _coef_lines(report, coef_bounds) + _normalization_line(report)
+        ]
         out.append(f"- {_alarm_line(report)}")
         if report.lead is not None:
             out.append(f"- Lead-lag: {report.lead.summary()}")

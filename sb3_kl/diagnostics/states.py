@@ -8,7 +8,7 @@ Without a background, the highest-KL half of the saved states is compared with t
 """
 
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,7 +27,8 @@ class DimensionComparison:
     :param ref_mean: Mean over the reference states
     :param high_quantiles: 10 %, 50 %, 90 % quantiles over the high-KL states
     :param ref_quantiles: Same over the reference states
-    :param std_diff: Standardized difference ``(high_mean - ref_mean) / pooled std`` (Cohen's d)
+    :param std_diff: Standardized difference ``(high_mean - ref_mean) / pooled std`` (Cohen's d: the pooled variance
+        weights each group's sample variance by its ``n - 1``)
     :param auc: Probability that a high-KL state has the larger value than a reference state (0.5 = no separation)
     :param ks: Two-sample Kolmogorov-Smirnov distance (largest gap between the two empirical CDFs, 0..1): catches
         a difference of spread (e.g. high-KL states at both extremes of a dimension) that ``std_diff`` misses
@@ -56,6 +57,7 @@ class StatesReport:
     :param ref_kl: KL of the reference states (may be empty)
     :param updates: Update indices of the high-KL states (may be empty)
     :param convention: The KL convention the monitor saved (e.g. ``forward/analytic/sum``), None when the file has none
+    :param nonfinite_dims: Dimensions with a NaN or infinite value in either group (their statistics mean nothing)
     """
 
     dims: list[DimensionComparison]
@@ -66,6 +68,7 @@ class StatesReport:
     ref_kl: np.ndarray
     updates: np.ndarray
     convention: str | None = None
+    nonfinite_dims: list[str] = field(default_factory=list)
 
 
 def _auc(high: np.ndarray, ref: np.ndarray) -> float:
@@ -95,7 +98,7 @@ def _flatten(arrays: dict[str, np.ndarray], name: str, path: str) -> tuple[np.nd
     if name in arrays:
         obs = arrays[name]
         obs = obs[:, None] if obs.ndim == 1 else obs
-        return obs.reshape(len(obs), -1).astype(np.float64), _dimension_names(obs.shape[1:])
+        return obs.reshape(len(obs), int(np.prod(obs.shape[1:]))).astype(np.float64), _dimension_names(obs.shape[1:])
     keys = sorted(key for key in arrays if key.startswith(f"{name}/"))
     if not keys:
         return None
@@ -103,7 +106,7 @@ def _flatten(arrays: dict[str, np.ndarray], name: str, path: str) -> tuple[np.nd
     for key in keys:
         obs = arrays[key]
         obs = obs[:, None] if obs.ndim == 1 else obs
-        parts.append(obs.reshape(len(obs), -1).astype(np.float64))
+        parts.append(obs.reshape(len(obs), int(np.prod(obs.shape[1:]))).astype(np.float64))
         names += _dimension_names(obs.shape[1:], prefix=key.split("/", 1)[1])
     if len({len(part) for part in parts}) != 1:
         raise DiagnosticsError(f"{path}: the '{name}/<key>' arrays have different numbers of rows")
@@ -126,7 +129,8 @@ def compare(high: np.ndarray, ref: np.ndarray, names: list[str] | None = None) -
     dims = []
     for i, name in enumerate(names):
         h, r = high2[:, i], ref2[:, i]
-        pooled = np.sqrt(0.5 * (h.var(ddof=1) + r.var(ddof=1)))
+        # Cohen's pooled standard deviation: each group's variance weighted by its degrees of freedom
+        pooled = np.sqrt(((len(h) - 1) * h.var(ddof=1) + (len(r) - 1) * r.var(ddof=1)) / (len(h) + len(r) - 2))
         difference = h.mean() - r.mean()
         if pooled > 0:
             std_diff = float(difference / pooled)
@@ -166,8 +170,10 @@ def load_states(path: str) -> StatesReport:
             arrays = {key: data[key] for key in data.files}
     except FileNotFoundError:
         raise DiagnosticsError(f"{path} does not exist") from None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
-        raise DiagnosticsError(f"cannot read {path} as .npz: {error}") from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+        raise DiagnosticsError(
+            f"cannot read {path} as .npz: give the file that KLMonitorCallback(top_k_path=...) wrote"
+        ) from None
     top = _flatten(arrays, "observations", path)
     if top is None or "kl" not in arrays:
         missing = "observations" if top is None else "kl"
@@ -178,6 +184,8 @@ def load_states(path: str) -> StatesReport:
         raise DiagnosticsError(f"{path}: 'observations' has {len(observations)} rows but 'kl' has {len(kl)}")
     updates = np.asarray(arrays.get("update", np.zeros(0))).ravel()
 
+    if len(observations) == 0:
+        raise DiagnosticsError(f"{path} holds no high-KL states (its 'observations' array has no rows)")
     background = _flatten(arrays, "background_observations", path)
     if background is not None and len(background[0]) >= MIN_GROUP:
         if background[1] != names:
@@ -193,9 +201,16 @@ def load_states(path: str) -> StatesReport:
         half = len(order) // 2
         high, ref = observations[order[:half]], observations[order[half:]]
         high_kl, ref_kl = kl[order[:half]], kl[order[half:]]
-        reference = "no background saved: the lower-KL half of the saved top states (a weaker contrast)"
+        saved = 0 if background is None else len(background[0])
+        reference = (
+            "no background saved" if saved == 0 else f"only {saved} background state(s) saved, fewer than {MIN_GROUP}"
+        ) + ": the lower-KL half of the saved top states (a weaker contrast)"
     convention = str(arrays["convention"]) if "convention" in arrays else None
-    return StatesReport(compare(high, ref, names), len(high), len(ref), reference, high_kl, ref_kl, updates, convention)
+    finite = np.isfinite(high).all(axis=0) & np.isfinite(ref).all(axis=0)
+    nonfinite = [name for name, ok in zip(names, finite, strict=True) if not ok]
+    return StatesReport(
+        compare(high, ref, names), len(high), len(ref), reference, high_kl, ref_kl, updates, convention, nonfinite
+    )
 
 
 def format_states(report: StatesReport, top: int = 20) -> str:
@@ -228,4 +243,8 @@ def format_states(report: StatesReport, top: int = 20) -> str:
         )
     if len(report.dims) > top:
         lines.append(f"... {len(report.dims) - top} more dimensions (use --top)")
+    if report.nonfinite_dims:
+        lines.append(
+            f"note: NaN or infinite observations in {', '.join(report.nonfinite_dims)}: their statistics mean nothing"
+        )
     return "\n".join(lines)
