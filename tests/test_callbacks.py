@@ -536,3 +536,34 @@ def test_monitor_sample_estimators_on_integer_actions_match_independent_log_prob
     for record, independent in zip(monitor.history, reference.results, strict=True):
         assert record["mean"] == pytest.approx(independent[estimator], rel=1e-3, abs=1e-6)
     assert any(abs(r[estimator]) > 1e-4 for r in reference.results), "the updates moved the policy"
+
+
+@pytest.mark.parametrize("controller", ["alarm", "adaptive_lr"])
+def test_a_private_monitor_leaves_the_users_monitor_figures_in_the_log(controller):
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=4, learning_rate=3e-3, **TINY)
+    model.set_logger(configure(None, []))
+    monitor = KLMonitorCallback(direction="reverse", reduction="mean", quantiles=(0.25, 0.5))
+    private = KLAlarmCallback(target_kl=0.01) if controller == "alarm" else KLAdaptiveLRCallback(target_kl=0.01)
+    # the private monitor comes after the user's: before the fix it wrote its forward/sum figures over theirs
+    model.learn(192, callback=[monitor, private])
+    logged = model.logger.name_to_value
+    assert private.monitor is not monitor and len(private.monitor.history) == len(monitor.history) == 3
+    assert logged["kl/mean"] == monitor.history[-1]["mean"] != private.monitor.history[-1]["mean"]
+    assert logged["kl/p50"] == monitor.history[-1]["p50"]
+    assert logged["kl/convention"] == "reverse/analytic/mean"
+
+
+def test_monitor_records_no_entropy_for_a_squashed_policy():
+    model = PPO(
+        "MlpPolicy",
+        "Pendulum-v1",
+        use_sde=True,
+        n_steps=64,
+        batch_size=64,
+        n_epochs=2,
+        policy_kwargs=dict(net_arch=[16], squash_output=True),
+        seed=0,
+    )
+    monitor = KLMonitorCallback()
+    model.learn(128, callback=monitor)
+    assert "entropy" not in monitor.history[-1] and np.isfinite(monitor.history[-1]["mean"])

@@ -160,7 +160,8 @@ class KLMonitorCallback(BaseCallback):
       logged); NaN when the mean is not positive and always with the ``k1`` estimator, whose per-state values are
       signed samples;
     - ``kl/env_<i>``: mean KL over the states of environment ``i`` of the VecEnv (``per_env=True``);
-    - ``kl/entropy``: mean entropy of the updated policy on those states;
+    - ``kl/entropy``: mean entropy of the updated policy on those states (not with ``squash_output=True``: a
+      tanh-squashed policy's entropy has no closed form, as SB3's ``entropy()`` returns None there);
     - ``kl/to_uniform``: discrete actions only, the mean exact KL(pi_updated || uniform) = log(#actions) - entropy
       (only the valid actions count with action masks), whatever ``direction`` and ``estimator``, divided by the
       number of action dimensions with ``reduction="mean"``: how far the policy is from uniform exploration;
@@ -278,6 +279,8 @@ class KLMonitorCallback(BaseCallback):
         self.last_per_state: np.ndarray | None = None
         self.top_states: list[dict[str, Any]] = []
         self._listeners: list[Callable[[dict[str, Any], np.ndarray], None]] = []
+        # False for the private monitor of a MonitorUser: its figures would overwrite a user's monitor's kl/ keys
+        self._writes_logger = True
         self._rng = np.random.default_rng(seed)
         self._updates_seen = 0
         self._snapshot: dict[str, Any] | None = None
@@ -558,7 +561,8 @@ class KLMonitorCallback(BaseCallback):
         record = self._statistics(snapshot, per_state, new_params)
         self.history.append(record)
         self.last_per_state = per_state
-        self._log(record, per_state_t)
+        if self._writes_logger:
+            self._log(record, per_state_t)
         if self.top_k > 0:
             self._keep_top_states(snapshot, per_state, record)
         if self.verbose >= 2:
@@ -590,7 +594,10 @@ class KLMonitorCallback(BaseCallback):
         record["target_convention"] = target_settings.convention
         record["mean_in_target_convention"] = self._mean_in(target_settings, snapshot["old_params"], new_params, record)
         entropy = self._dist_params.entropy(new_params)
-        record["entropy"] = float(entropy.mean())
+        # A tanh-squashed policy (gSDE with squash_output=True) has no closed-form entropy (SB3's entropy() is None
+        # there): the Gaussian's before the tanh would not be the policy's, so none is recorded
+        if not getattr(self.model.policy, "squash_output", False):
+            record["entropy"] = float(entropy.mean())
         to_uniform = self._kl_to_uniform(entropy, snapshot["masks"])
         if to_uniform is not None:
             record["to_uniform"] = to_uniform
@@ -758,6 +765,9 @@ class MonitorUser(BaseCallback):
         self._own_monitor = monitor is None
         # a private monitor measures only what the callback acts on (it is not driven step by step)
         self.monitor = monitor if monitor is not None else KLMonitorCallback(normalization_shift=False)
+        # a private monitor logs nothing: its kl/ keys would replace those of a monitor the user logs with (in its
+        # own convention), key by key within one row
+        self.monitor._writes_logger = not self._own_monitor
         self.monitor.add_listener(self._on_kl_measured)
         self._active = False
 
