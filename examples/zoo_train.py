@@ -17,7 +17,7 @@ from pathlib import Path
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.evaluation import evaluate_policy
 
-import sb3_kl.zoo  # registers klppo, clip_klppo and kltrpo in rl_zoo3
+import sb3_kl.zoo  # registers klppo, clip_klppo, kltrpo, klppo_mask and klppo_lstm in rl_zoo3
 from sb3_kl.zoo.train import train
 
 

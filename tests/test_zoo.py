@@ -378,3 +378,58 @@ def test_a_malformed_sqlite_url_is_one_clear_error(zoo):
 
     with pytest.raises(StorageError, match=r"sqlite:////absolute"):
         open_storage("sqlite://study.db")  # a host where the path should be
+
+
+def test_none_and_numbers_yaml_reads_as_strings_reach_the_model(zoo, tmp_path):
+    # clip_range: None is KLPPO's own default (no ratio clip); the zoo's schedule parsing refuses None
+    zoo_main(
+        "train", "--algo", "klppo", "--env", "CartPole-v1", "-n", "256", "--seed", "0", "-f", str(tmp_path),
+        "--eval-freq", "-1", "--verbose", "0", *FAST_PARAMS, "clip_range:None", "clip_range_vf:None",
+        "target_kl:'2e-2'",  # what YAML 1.1 gives for a bare 2e-2
+    )  # fmt: skip
+    model = zoo.SB3_KL_ALGOS["klppo"].load(tmp_path / "klppo" / "CartPole-v1_1" / "CartPole-v1.zip")
+    assert model.clip_range is None and model.clip_range_vf is None
+    assert model.target_kl(1.0) == pytest.approx(0.02)
+
+
+def test_an_env_without_a_shipped_config_is_one_line_naming_conf(zoo, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        zoo_main("train", "--algo", "klppo", "--env", "MountainCar-v0", "-n", "256")
+    message = str(stopped.value.code)
+    assert message.startswith("sb3_kl.zoo train: error: --algo klppo ships no config for --env MountainCar-v0")
+    assert "-conf my.yml" in message and "CartPole-v1" in message and "\n" not in message
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_enjoy_reads_the_folder_train_writes_by_default(zoo):
+    from sb3_kl.zoo.enjoy import with_default_folder
+
+    assert with_default_folder(["--algo", "klppo", "--env", "CartPole-v1"]) == [
+        "--algo", "klppo", "--env", "CartPole-v1", "-f", "logs",
+    ]  # fmt: skip
+    for given in (["-f", "mine"], ["--folder", "mine"], ["--folder=mine"]):
+        assert with_default_folder(["--algo", "klppo", *given]) == ["--algo", "klppo", *given]
+    assert with_default_folder(["--algo", "ppo"]) == ["--algo", "ppo"]  # the zoo's own agents: its default folder
+
+
+def test_export_refuses_a_study_of_another_algorithm_or_a_base_config_without_the_env(zoo, tmp_path):
+    import optuna
+    import yaml
+
+    from sb3_kl.zoo.distributed import StorageError
+    from sb3_kl.zoo.export import trial_config
+    from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), direction="maximize")
+    trial = study.ask()
+    HYPERPARAMS_SAMPLER["klppo"](trial, 1, 2, {})
+    study.tell(trial, 1.0)
+    with pytest.raises(StorageError, match=r"not tuned for --algo kltrpo: .*n_epochs.*Pass the --algo it was tuned with"):
+        trial_config(study, "kltrpo", "CartPole-v1")
+    with pytest.raises(StorageError, match=r"no entry for --env MountainCar-v0 .*pass -conf"):
+        trial_config(study, "klppo", "MountainCar-v0")
+    base = tmp_path / "base.yml"
+    base.write_text(yaml.safe_dump({"MountainCar-v0": {"n_envs": 4, "n_timesteps": 1000, "normalize": True}}))
+    entry = trial_config(study, "klppo", "MountainCar-v0", conf_file=str(base))
+    assert entry["n_envs"] == 4 and entry["normalize"] is True

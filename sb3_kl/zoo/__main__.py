@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     command, rest = args[0], args[1:]
     from sb3_kl.zoo.distributed import StorageError
+    from sb3_kl.zoo.registry import ZooUsageError
 
     try:
         if command == "train":
@@ -59,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             export(rest)
         else:
             raise SystemExit(f"Unknown command {command!r}: use `train`, `enjoy`, `record_video` or `export`.\n\n{USAGE}")
-    except StorageError as e:
-        # a storage problem is the user's to fix: one line that names the flag and the fix, no traceback
+    except (StorageError, ZooUsageError) as e:
+        # a storage problem or a missing config is the user's to fix: one line that names the flag and the fix
         raise SystemExit(f"sb3_kl.zoo {command}: error: {e}") from None
 
 

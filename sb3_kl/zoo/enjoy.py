@@ -74,8 +74,8 @@ def enjoy(argv: Sequence[str] | None = None) -> None:
         raise ImportError(f"`enjoy` needs a dependency rl_zoo3 does not declare ({e}); install it {INSTALL_HINT}") from e
 
     register()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    with patched_argv(["sb3_kl.zoo enjoy", *with_default_threads(argv)]), masked_predictions(_algo(argv)):
+    argv = with_default_folder(list(sys.argv[1:] if argv is None else argv))
+    with patched_argv(["python -m sb3_kl.zoo enjoy", *with_default_threads(argv)]), masked_predictions(_algo(argv)):
         zoo_enjoy()
 
 
@@ -89,10 +89,29 @@ def record_video(argv: Sequence[str] | None = None) -> None:
     import rl_zoo3.utils
 
     register()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = with_default_folder(list(sys.argv[1:] if argv is None else argv))
     # the script imports create_test_env from rl_zoo3.utils when it runs: the masked env is swapped in there
-    with patched_argv(["sb3_kl.zoo record_video", *argv]), masked_predictions(_algo(argv), rl_zoo3.utils):
+    with patched_argv(["python -m sb3_kl.zoo record_video", *argv]), masked_predictions(_algo(argv), rl_zoo3.utils):
         runpy.run_module("rl_zoo3.record_video", run_name="__main__", alter_sys=False)
+
+
+def with_default_folder(argv: Sequence[str]) -> list[str]:
+    """
+    Append ``-f logs`` (where ``python -m sb3_kl.zoo train`` writes by default) when ``--algo`` is an sb3_kl algorithm
+    and no ``-f`` is given: the zoo's default, ``rl-trained-agents``, holds the zoo's published agents and makes it try
+    a Hugging Face download of ``sb3/{algo}-{env}``, which does not exist for these algorithms.
+
+    :param argv: Arguments of ``rl_zoo3.enjoy`` or ``rl_zoo3.record_video`` (without the program name)
+    :return: The arguments, possibly with ``-f logs`` appended
+    """
+    pre_parser = argparse.ArgumentParser(add_help=False)
+    pre_parser.add_argument("--algo", type=str, default="ppo")
+    pre_parser.add_argument("-f", "--folder", type=str, default=None)
+    known, _ = pre_parser.parse_known_args(list(argv))
+    argv = list(argv)
+    if known.algo in SB3_KL_ALGOS and known.folder is None:
+        argv += ["-f", "logs"]
+    return argv
 
 
 def _algo(argv: Sequence[str]) -> str:

@@ -20,7 +20,39 @@ from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
 from torch import nn
 
 from sb3_kl.zoo import distributed
+from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER
 from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
+
+
+def sampled_parameter_names(algo: str) -> set[str]:
+    """:return: The Optuna parameters the sampler of ``algo`` draws (its trials' ``params`` keys)"""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    trial = optuna.create_study().ask()
+    HYPERPARAMS_SAMPLER[algo](trial, 1, 1, {})
+    return set(trial.params)
+
+
+def check_trial_matches_algo(trial: optuna.trial.FrozenTrial, study_name: str, algo: str) -> None:
+    """
+    :raises distributed.StorageError: the trial was not drawn by ``algo``'s sampler (a study tuned for another
+        algorithm: its hyperparameters would be refused, or silently missing, when the entry trains)
+    """
+    expected = sampled_parameter_names(algo)
+    extra, missing = sorted(set(trial.params) - expected), sorted(expected - set(trial.params))
+    if extra or missing:
+        found = [name for name in SB3_KL_ALGOS if sampled_parameter_names(name) == set(trial.params)]
+        raise distributed.StorageError(
+            f"study {study_name!r} was not tuned for --algo {algo}: its trial {trial.number} has "
+            + ", ".join(
+                part
+                for part in (
+                    f"parameters {algo}'s sampler does not draw ({', '.join(extra)})" if extra else "",
+                    f"none of {', '.join(missing)}" if missing else "",
+                )
+                if part
+            )
+            + (f". Pass the --algo it was tuned with ({' or '.join(found)})." if found else ".")
+        )
 
 
 def _python_literal(value: Any) -> str:
@@ -78,9 +110,16 @@ def trial_config(
         if not matches or matches[0].state != optuna.trial.TrialState.COMPLETE:
             raise distributed.StorageError(f"--trial-id {trial_number}: no complete trial with that number in the study.")
         trial = matches[0]
+    check_trial_matches_algo(trial, study.study_name, algo)
     base_path = Path(conf_file or default_config(algo))
-    base = (yaml.safe_load(base_path.read_text()) or {}).get(env_id, {})
-    entry = dict(base)
+    entries = yaml.safe_load(base_path.read_text()) or {}
+    if env_id not in entries:
+        raise distributed.StorageError(
+            f"the base config {base_path} has no entry for --env {env_id} (its entries: {', '.join(entries) or 'none'}): "
+            "pass -conf with the config the study was tuned with, so that the exported entry keeps its n_envs, "
+            "n_timesteps, normalization and the other settings the trial did not sample."
+        )
+    entry = dict(entries[env_id])
     hyperparams = dict(HYPERPARAMS_CONVERTER[algo](trial.params))
     # the zoo's objective and --trial-id replace the config's policy_kwargs with the trial's (dict.update)
     if "policy_kwargs" in hyperparams:

@@ -14,6 +14,7 @@ from typing import Any
 
 import gymnasium as gym
 import rl_zoo3
+import yaml
 from rl_zoo3 import exp_manager, hyperparams_opt
 from rl_zoo3.callbacks import TrialEvalCallback
 from rl_zoo3.exp_manager import ExperimentManager
@@ -108,6 +109,15 @@ class ProgressCSVCallback(BaseCallback):
         self.output = None
 
 
+class ZooUsageError(ValueError):
+    """A zoo command the user must change (e.g. an environment without a shipped config); the message is one line."""
+
+
+def shipped_entries(algo: str) -> list[str]:
+    """:return: The environments of the config shipped for ``algo`` (:func:`default_config`)"""
+    return list(yaml.safe_load(Path(default_config(algo)).read_text()) or {})
+
+
 def default_config(algo: str) -> str:
     """
     Path of the config shipped with sb3_kl for ``algo`` (used when no ``-conf`` is given).
@@ -144,10 +154,24 @@ def parse_linear_schedule(key: str, value: str) -> LinearSchedule:
     return LinearSchedule(start=start, end=end, end_fraction=1.0)
 
 
+def schedule_value(key: str, value: str) -> float | LinearSchedule:
+    """
+    :param key: Name of the hyperparameter, used in error messages
+    :param value: A string of a zoo config for one of :data:`SCHEDULE_KEYS`
+    :return: The number, for a number YAML read as a string (``2e-2``: YAML 1.1 needs a dot, ``2.0e-2``), else the
+        schedule of :func:`parse_linear_schedule`
+    """
+    try:
+        return float(value)
+    except ValueError:
+        return parse_linear_schedule(key, value)
+
+
 def preprocess_schedules(hyperparams: dict[str, Any]) -> dict[str, Any]:
     """
-    Replace every ``"lin_..."`` string of :data:`SCHEDULE_KEYS` by an SB3 ``LinearSchedule``. Other values
-    (numbers, None, schedule objects) are left unchanged.
+    Replace every ``"lin_..."`` string of :data:`SCHEDULE_KEYS` by an SB3 ``LinearSchedule`` (and a number that YAML
+    read as a string, such as ``2e-2``, by the number). Other values (numbers, None, schedule objects) are left
+    unchanged.
 
     :param hyperparams: Hyperparameters as read from a zoo config
     :return: A new dict
@@ -155,7 +179,7 @@ def preprocess_schedules(hyperparams: dict[str, Any]) -> dict[str, Any]:
     processed = dict(hyperparams)
     for key in SCHEDULE_KEYS:
         if isinstance(processed.get(key), str):
-            processed[key] = parse_linear_schedule(key, processed[key])
+            processed[key] = schedule_value(key, processed[key])
     return processed
 
 
@@ -187,10 +211,12 @@ def _patch_experiment_manager() -> None:
     def _preprocess_hyperparams(self: ExperimentManager, hyperparams: dict[str, Any]) -> Any:
         if self.algo not in SB3_KL_ALGOS:
             return original(self, hyperparams)
+        # None passes through to the algorithm (e.g. clip_range: None, KLPPO's default: no ratio clipping), which
+        # the zoo's own schedule parsing refuses; the algorithm's validation refuses None where it is not allowed
         converted = {
-            key: parse_linear_schedule(key, value)
+            key: None if value is None else schedule_value(key, value)
             for key, value in hyperparams.items()
-            if key in SCHEDULE_KEYS and isinstance(value, str)
+            if key in SCHEDULE_KEYS and (value is None or isinstance(value, str))
         }
         remaining = {key: value for key, value in hyperparams.items() if key not in converted}
         processed, *rest = original(self, remaining)

@@ -13,7 +13,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from sb3_kl.zoo import distributed
-from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register, with_default_threads
+from sb3_kl.zoo.registry import (
+    SB3_KL_ALGOS,
+    ZooUsageError,
+    default_config,
+    register,
+    shipped_entries,
+    with_default_threads,
+)
 
 
 @contextmanager
@@ -38,14 +45,24 @@ def with_default_config(argv: Sequence[str]) -> list[str]:
 
     :param argv: Arguments of ``rl_zoo3.train`` (without the program name)
     :return: The arguments, possibly with ``-conf <path>`` appended
+    :raises ZooUsageError: ``--env`` has no entry in the shipped config (the zoo would fail with a traceback)
     """
-    # Same option strings as rl_zoo3.train, so abbreviations such as ``--conf`` are understood the same way
+    # Same option strings and defaults as rl_zoo3.train, so abbreviations such as ``--conf`` are understood the same way
     pre_parser = argparse.ArgumentParser(add_help=False)
     pre_parser.add_argument("--algo", type=str, default="ppo")
+    pre_parser.add_argument("--env", type=str, default="CartPole-v1")
     pre_parser.add_argument("-conf", "--conf-file", type=str, default=None)
+    pre_parser.add_argument("-h", "--help", action="store_true")
     known, _ = pre_parser.parse_known_args(list(argv))
     argv = list(argv)
     if known.algo in SB3_KL_ALGOS and known.conf_file is None:
+        entries = shipped_entries(known.algo)
+        if known.env not in entries and not known.help:
+            raise ZooUsageError(
+                f"--algo {known.algo} ships no config for --env {known.env} (its config {default_config(known.algo)} "
+                f"has {', '.join(entries)}): write an entry for {known.env} in a YAML file and pass it with -conf "
+                "my.yml (docs/zoo.md)"
+            )
         argv += ["-conf", default_config(known.algo)]
     return argv
 
@@ -141,7 +158,7 @@ def train(argv: Sequence[str] | None = None) -> None:
     saved = distributed.CURRENT_HEARTBEAT
     distributed.CURRENT_HEARTBEAT = heartbeat
     try:
-        with patched_argv(["sb3_kl.zoo train", *args]):
+        with patched_argv(["python -m sb3_kl.zoo train", *args]):
             zoo_train()
     finally:
         distributed.CURRENT_HEARTBEAT = saved
