@@ -30,7 +30,7 @@ def _positive_pair(values: list[float] | None, option: str, names: tuple[str, st
         return None
     low, high = (float(value) for value in values)
     if not 0 < low < high < math.inf:
-        raise DiagnosticsError(f"{option} needs 0 < {names[0]} < {names[1]}, got {low:g} {high:g}")
+        raise DiagnosticsError(f"{option} needs finite 0 < {names[0]} < {names[1]}, got {low:g} {high:g}")
     return low, high
 
 
@@ -44,6 +44,10 @@ def _check_writable(path: str, option: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise DiagnosticsError(f"cannot write {option} {path}: it is a directory, give a file name")
+    if os.path.exists(path):  # an existing file (or /dev/stdout): its own permission decides
+        if not os.access(path, os.W_OK):
+            raise DiagnosticsError(f"cannot write {option} {path}: the file is not writable")
+        return
     if not os.path.isdir(folder):
         raise DiagnosticsError(f"cannot write {option} {path}: folder {folder} does not exist, create it first")
     if not os.access(folder, os.W_OK):

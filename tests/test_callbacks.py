@@ -551,6 +551,9 @@ def test_a_private_monitor_leaves_the_users_monitor_figures_in_the_log(controlle
     assert logged["kl/mean"] == monitor.history[-1]["mean"] != private.monitor.history[-1]["mean"]
     assert logged["kl/p50"] == monitor.history[-1]["p50"]
     assert logged["kl/convention"] == "reverse/analytic/mean"
+    # alone, the private monitor still logs the KL it acts on (a run watched by an alarm alone can be reported)
+    model.learn(192, callback=private)
+    assert model.logger.name_to_value["kl/mean"] == private.monitor.history[-1]["mean"]
 
 
 def test_monitor_records_no_entropy_for_a_squashed_policy():
@@ -566,4 +569,5 @@ def test_monitor_records_no_entropy_for_a_squashed_policy():
     )
     monitor = KLMonitorCallback()
     model.learn(128, callback=monitor)
-    assert "entropy" not in monitor.history[-1] and np.isfinite(monitor.history[-1]["mean"])
+    assert np.isnan(monitor.history[-1]["entropy"]) and np.isfinite(monitor.history[-1]["mean"])
+    assert "kl/entropy" not in model.logger.name_to_value and "kl/mean" in model.logger.name_to_value

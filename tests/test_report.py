@@ -1,3 +1,4 @@
+import os
 import warnings
 
 import numpy as np
@@ -249,7 +250,7 @@ def test_csv_with_appended_logs_reads_each_with_its_own_header(tmp_path, capsys)
         (["report", "{log}", "--target", "-1"], "--target must be a positive KL"),
         (["report", "{log}", "--target", "nan"], "--target must be a positive KL"),
         (["plot", "{log}", "--target", "0"], "--target must be a positive KL"),
-        (["report", "{log}", "--coef-bounds", "1", "0.1"], "--coef-bounds needs 0 < MIN < MAX"),
+        (["report", "{log}", "--coef-bounds", "1", "0.1"], "--coef-bounds needs finite 0 < MIN < MAX"),
         (["report", "{log}", "--markdown", "{missing}/report.md"], "does not exist, create it first"),
         (["states", "{log}", "--top", "0"], "--top must be at least 1"),
     ],
@@ -284,3 +285,10 @@ def test_states_effect_size_is_cohens_d_and_empty_or_unreadable_files_are_one_li
         assert main(["states", str(tmp_path / name)]) == 1
         err = capsys.readouterr().err
         assert message in err and "allow_pickle" not in err and err.count("\n") == 1
+
+
+def test_a_diverged_update_without_a_target_is_not_claimed_above_the_band(tmp_path, capsys):
+    rows = ["time/total_timesteps,train/kl"] + [f"{100 * (t + 1)},{'nan' if t == 4 else 0.01}" for t in range(9)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    assert main(["report", str(tmp_path / "progress.csv"), "--markdown", os.devnull]) == 0  # an existing file
+    assert "not judged against the band (no target at those steps)" in capsys.readouterr().out

@@ -433,3 +433,25 @@ def test_export_refuses_a_study_of_another_algorithm_or_a_base_config_without_th
     base.write_text(yaml.safe_dump({"MountainCar-v0": {"n_envs": 4, "n_timesteps": 1000, "normalize": True}}))
     entry = trial_config(study, "klppo", "MountainCar-v0", conf_file=str(base))
     assert entry["n_envs"] == 4 and entry["normalize"] is True
+
+
+def test_export_takes_the_zoos_default_entry_and_leaves_optunas_logging_alone(zoo, tmp_path):
+    import optuna
+    import yaml
+
+    from sb3_kl.zoo.export import trial_config
+    from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER
+    from sb3_kl.zoo.train import with_default_config
+
+    study = optuna.create_study(direction="maximize")
+    trial = study.ask()
+    HYPERPARAMS_SAMPLER["kltrpo"](trial, 1, 2, {})
+    study.tell(trial, 1.0)
+    base = tmp_path / "base.yml"
+    base.write_text(yaml.safe_dump({"default": {"n_envs": 3, "n_timesteps": 1000}}))
+    verbosity = optuna.logging.get_verbosity()
+    # as the zoo trains an env without an entry of its own: with the config's "default" entry
+    assert trial_config(study, "kltrpo", "MountainCar-v0", conf_file=str(base))["n_envs"] == 3
+    assert optuna.logging.get_verbosity() == verbosity
+    # an id gymnasium does not know (a typo) is left to the zoo, which suggests the registered names
+    assert with_default_config(["--algo", "klppo", "--env", "CartPol-v1"])[-2:] == ["-conf", zoo.default_config("klppo")]

@@ -5,7 +5,7 @@ that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -160,8 +160,8 @@ class KLMonitorCallback(BaseCallback):
       logged); NaN when the mean is not positive and always with the ``k1`` estimator, whose per-state values are
       signed samples;
     - ``kl/env_<i>``: mean KL over the states of environment ``i`` of the VecEnv (``per_env=True``);
-    - ``kl/entropy``: mean entropy of the updated policy on those states (not with ``squash_output=True``: a
-      tanh-squashed policy's entropy has no closed form, as SB3's ``entropy()`` returns None there);
+    - ``kl/entropy``: mean entropy of the updated policy on those states (not logged with ``squash_output=True``, NaN
+      in :attr:`history`: a tanh-squashed policy's entropy has no closed form, SB3's ``entropy()`` is None there);
     - ``kl/to_uniform``: discrete actions only, the mean exact KL(pi_updated || uniform) = log(#actions) - entropy
       (only the valid actions count with action masks), whatever ``direction`` and ``estimator``, divided by the
       number of action dimensions with ``reduction="mean"``: how far the policy is from uniform exploration;
@@ -595,9 +595,9 @@ class KLMonitorCallback(BaseCallback):
         record["mean_in_target_convention"] = self._mean_in(target_settings, snapshot["old_params"], new_params, record)
         entropy = self._dist_params.entropy(new_params)
         # A tanh-squashed policy (gSDE with squash_output=True) has no closed-form entropy (SB3's entropy() is None
-        # there): the Gaussian's before the tanh would not be the policy's, so none is recorded
-        if not getattr(self.model.policy, "squash_output", False):
-            record["entropy"] = float(entropy.mean())
+        # there): the Gaussian's before the tanh would not be the policy's, so it is NaN in the history, not logged
+        squashed = getattr(self.model.policy, "squash_output", False)
+        record["entropy"] = float("nan") if squashed else float(entropy.mean())
         to_uniform = self._kl_to_uniform(entropy, snapshot["masks"])
         if to_uniform is not None:
             record["to_uniform"] = to_uniform
@@ -670,7 +670,7 @@ class KLMonitorCallback(BaseCallback):
             name = quantile_name(q)
             logger.record(f"kl/{name}", record[name])
         for key in ("max", "tail_ratio", "entropy", "to_uniform", "coef", "target", "grad_ratio", "normalization_shift"):
-            if key in record:
+            if key in record and not (key == "entropy" and math.isnan(record[key])):
                 logger.record(f"kl/{key}", record[key])
         if "target" in record:
             # the target is in the algorithm's convention: the KL to compare it with, and which convention that is
@@ -750,6 +750,16 @@ class KLMonitorCallback(BaseCallback):
             print(f"{type(self).__name__}: saved {sum(len(e['kl']) for e in self.top_states)} high-KL states to {path}")
 
 
+def _callbacks_in(callback: BaseCallback | None) -> Iterator[BaseCallback]:
+    """:return: ``callback`` and every callback it holds (``CallbackList`` members, an ``EventCallback``'s child)"""
+    if callback is None:
+        return
+    yield callback
+    for child in getattr(callback, "callbacks", None) or ():
+        yield from _callbacks_in(child)
+    yield from _callbacks_in(getattr(callback, "callback", None))
+
+
 class MonitorUser(BaseCallback):
     """
     Base of the callbacks that act on the measured KL: they listen to a :class:`KLMonitorCallback`, either the one
@@ -765,9 +775,6 @@ class MonitorUser(BaseCallback):
         self._own_monitor = monitor is None
         # a private monitor measures only what the callback acts on (it is not driven step by step)
         self.monitor = monitor if monitor is not None else KLMonitorCallback(normalization_shift=False)
-        # a private monitor logs nothing: its kl/ keys would replace those of a monitor the user logs with (in its
-        # own convention), key by key within one row
-        self.monitor._writes_logger = not self._own_monitor
         self.monitor.add_listener(self._on_kl_measured)
         self._active = False
 
@@ -780,6 +787,10 @@ class MonitorUser(BaseCallback):
 
     def _on_training_start(self) -> None:
         if self._own_monitor:
+            # The private monitor logs its figures only when no KLMonitorCallback of the user's takes part in this
+            # learn(): its kl/ keys would replace the user's (in their convention) key by key within one row
+            callbacks = _callbacks_in(self.locals.get("callback"))
+            self.monitor._writes_logger = not any(isinstance(callback, KLMonitorCallback) for callback in callbacks)
             self.monitor.on_training_start(self.locals, self.globals)
         elif getattr(self.monitor, "model", None) is not self.model:
             raise ValueError(

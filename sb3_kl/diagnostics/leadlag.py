@@ -45,6 +45,7 @@ class LeadLagResult:
     :param found: Whether ``r* > threshold``
     :param reason: Why the test could not run (empty when it ran)
     :param steps_per_update: Median environment steps between dumps (to state the lag in steps)
+    :param confidence: The quantile of the null used as ``threshold``
     """
 
     n_updates: int

@@ -33,6 +33,7 @@ class PhaseStats:
     :param target: Mean target KL (nan if not logged)
     :param above: Share of updates with KL above the band (nan without a target)
     :param below: Share of updates with KL below the band (nan without a target)
+    :param n_nonfinite: Updates of the phase whose KL is NaN or infinite (left out of the statistics above)
     """
 
     name: str
@@ -69,7 +70,8 @@ class RunReport:
         ``step_of_max``, ``n`` rollouts, and ``above_update``: the rollouts whose shift exceeds the KL of the update
         that trained on them (``kl/mean``, the same monitor's convention)
     :param nonfinite_steps: Steps of the updates whose logged KL is NaN or infinite (a diverged update; counted
-        above the band)
+        above the band where a target is known at that step)
+    :param nonfinite_judged: How many of them have a target, and so count above the band
     :param notes: Remarks on missing keys
     """
 
@@ -86,6 +88,7 @@ class RunReport:
     lead: LeadLagResult | None = None
     normalization: dict[str, float] = field(default_factory=dict)
     nonfinite_steps: list[int] = field(default_factory=list)
+    nonfinite_judged: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -197,6 +200,7 @@ def summarize_run(
         run=run, band=band, band_source=band_source, phases=phases, n_updates=len(kl), above=above, below=below, notes=notes
     )
     report.nonfinite_steps = [int(step) for step in kl.steps[~np.isfinite(kl.values)]]
+    report.nonfinite_judged = int(np.sum(np.isin(report.nonfinite_steps, steps_t)))
 
     coef = run.get("kl_coef")
     if coef is not None and not np.any(np.isfinite(coef.values)):
@@ -311,9 +315,16 @@ def _nonfinite_line(report: RunReport) -> list[str]:
     if not steps:
         return []
     shown = ", ".join(str(s) for s in steps[:10]) + (", ..." if len(steps) > 10 else "")
+    judged = report.nonfinite_judged
+    if judged == len(steps):
+        band = "counted above the band"
+    elif judged == 0:
+        band = "not judged against the band (no target at those steps)"
+    else:
+        band = f"{judged} of them counted above the band (the others have no target)"
     return [
         f"non-finite KL (NaN or inf: the update diverged) at {len(steps)} update(s), steps {shown}: left out of the "
-        "phase statistics, counted above the band"
+        f"phase statistics, {band}"
     ]
 
 

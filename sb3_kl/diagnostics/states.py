@@ -170,9 +170,11 @@ def load_states(path: str) -> StatesReport:
             arrays = {key: data[key] for key in data.files}
     except FileNotFoundError:
         raise DiagnosticsError(f"{path} does not exist") from None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+        # the cause in a few words (numpy's own text for a non-.npz file advises allow_pickle, which does not apply)
+        cause = getattr(error, "strerror", None) or type(error).__name__
         raise DiagnosticsError(
-            f"cannot read {path} as .npz: give the file that KLMonitorCallback(top_k_path=...) wrote"
+            f"cannot read {path} as .npz ({cause}): give the file that KLMonitorCallback(top_k_path=...) wrote"
         ) from None
     top = _flatten(arrays, "observations", path)
     if top is None or "kl" not in arrays:

@@ -16,6 +16,7 @@ from typing import Any
 
 import optuna
 import yaml
+from rl_zoo3.exp_manager import ExperimentManager
 from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
 from torch import nn
 
@@ -26,8 +27,12 @@ from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
 
 def sampled_parameter_names(algo: str) -> set[str]:
     """:return: The Optuna parameters the sampler of ``algo`` draws (its trials' ``params`` keys)"""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    trial = optuna.create_study().ask()
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" line for this scratch study
+    try:
+        trial = optuna.create_study().ask()
+    finally:
+        optuna.logging.set_verbosity(verbosity)
     HYPERPARAMS_SAMPLER[algo](trial, 1, 1, {})
     return set(trial.params)
 
@@ -113,13 +118,14 @@ def trial_config(
     check_trial_matches_algo(trial, study.study_name, algo)
     base_path = Path(conf_file or default_config(algo))
     entries = yaml.safe_load(base_path.read_text()) or {}
-    if env_id not in entries:
+    key = _entry_key(entries, env_id)
+    if key is None:
         raise distributed.StorageError(
             f"the base config {base_path} has no entry for --env {env_id} (its entries: {', '.join(entries) or 'none'}): "
             "pass -conf with the config the study was tuned with, so that the exported entry keeps its n_envs, "
             "n_timesteps, normalization and the other settings the trial did not sample."
         )
-    entry = dict(entries[env_id])
+    entry = dict(entries[key])
     hyperparams = dict(HYPERPARAMS_CONVERTER[algo](trial.params))
     # the zoo's objective and --trial-id replace the config's policy_kwargs with the trial's (dict.update)
     if "policy_kwargs" in hyperparams:
@@ -127,6 +133,19 @@ def trial_config(
     entry.update(hyperparams)
     entry.setdefault("policy", "MlpPolicy")
     return entry
+
+
+def _entry_key(entries: dict[str, Any], env_id: str) -> str | None:
+    """The entry the zoo trains ``env_id`` with: its own, else ``atari`` for an Atari env, else ``default``."""
+    if env_id in entries:
+        return env_id
+    if "atari" in entries:
+        try:
+            if ExperimentManager.is_atari(env_id):
+                return "atari"
+        except Exception:  # an env id gymnasium does not know: not Atari as far as the zoo can tell either
+            pass
+    return "default" if "default" in entries else None
 
 
 def export(argv: Sequence[str] | None = None) -> Path:

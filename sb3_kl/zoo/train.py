@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import gymnasium as gym
+
 from sb3_kl.zoo import distributed
 from sb3_kl.zoo.registry import (
     SB3_KL_ALGOS,
@@ -57,7 +59,8 @@ def with_default_config(argv: Sequence[str]) -> list[str]:
     argv = list(argv)
     if known.algo in SB3_KL_ALGOS and known.conf_file is None:
         entries = shipped_entries(known.algo)
-        if known.env not in entries and not known.help:
+        # an id gymnasium does not know (a typo, or a --gym-packages env) is left to the zoo, which suggests names
+        if known.env not in entries and known.env in gym.envs.registry and not known.help:
             raise ZooUsageError(
                 f"--algo {known.algo} ships no config for --env {known.env} (its config {default_config(known.algo)} "
                 f"has {', '.join(entries)}): write an entry for {known.env} in a YAML file and pass it with -conf "
@@ -146,6 +149,7 @@ def train(argv: Sequence[str] | None = None) -> None:
     :param argv: Arguments of ``rl_zoo3.train`` (plus the heartbeat flags, see the module docstring) without the
         program name; default: ``sys.argv[1:]``
     :raises distributed.StorageError: an unusable ``--storage`` or ``--study-name``
+    :raises ZooUsageError: ``--env`` has no entry in the shipped config of ``--algo`` and no ``-conf`` is given
     """
     from rl_zoo3.train import train as zoo_train
 
