@@ -279,7 +279,8 @@ class KLMonitorCallback(BaseCallback):
         self.last_per_state: np.ndarray | None = None
         self.top_states: list[dict[str, Any]] = []
         self._listeners: list[Callable[[dict[str, Any], np.ndarray], None]] = []
-        # False for the private monitor of a MonitorUser: its figures would overwrite a user's monitor's kl/ keys
+        # False for a MonitorUser's private monitor when a KLMonitorCallback of the user's takes part in the same
+        # learn(): its figures would overwrite that monitor's kl/ keys (MonitorUser._on_training_start)
         self._writes_logger = True
         self._rng = np.random.default_rng(seed)
         self._updates_seen = 0

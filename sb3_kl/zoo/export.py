@@ -26,7 +26,10 @@ from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
 
 
 def sampled_parameter_names(algo: str) -> set[str]:
-    """:return: The Optuna parameters the sampler of ``algo`` draws (its trials' ``params`` keys)"""
+    """
+    :param algo: Zoo name of an sb3_kl algorithm
+    :return: The Optuna parameters its sampler draws (its trials' ``params`` keys)
+    """
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" line for this scratch study
     try:
@@ -39,6 +42,9 @@ def sampled_parameter_names(algo: str) -> set[str]:
 
 def check_trial_matches_algo(trial: optuna.trial.FrozenTrial, study_name: str, algo: str) -> None:
     """
+    :param trial: The trial to export
+    :param study_name: Its study's name (for the message)
+    :param algo: The ``--algo`` it is exported for
     :raises distributed.StorageError: the trial was not drawn by ``algo``'s sampler (a study tuned for another
         algorithm: its hyperparameters would be refused, or silently missing, when the entry trains)
     """
