@@ -30,13 +30,14 @@ def test_registration_and_shipped_config(zoo):
     assert rl_zoo3.ALGOS["ppo_lstm"].__name__ == "RecurrentPPO"  # the zoo's own entry is untouched
     configs = yaml.safe_load(Path(zoo.default_config("klppo_lstm")).read_text())
     assert set(configs) == {"CartPoleNoVel-v1", "PendulumNoVel-v1"}
-    # the zoo's ppo_lstm settings; the clip range kept on CartPoleNoVel only (measured: recurrent_learning.md)
+    # the zoo's ppo_lstm settings; the clip range kept on CartPoleNoVel only, and PendulumNoVel's KL target raised to
+    # 0.1 (both measured: recurrent_learning.md)
     stock = yaml.safe_load((Path(rl_zoo3.__file__).parent / "hyperparams" / "ppo_lstm.yml").read_text())
     for env_id, config in configs.items():
         keep_clip = env_id.startswith("CartPole")
         expected = {key: value for key, value in stock[env_id].items() if keep_clip or key != "clip_range"}
         assert {key: value for key, value in config.items() if key != "target_kl"} == expected
-        assert config["target_kl"] == (0.02 if env_id.startswith("CartPole") else 0.03)
+        assert config["target_kl"] == (0.02 if env_id.startswith("CartPole") else 0.1)
 
 
 def test_sampler_gives_valid_arguments(zoo):
