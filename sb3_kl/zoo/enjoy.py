@@ -105,11 +105,9 @@ def with_default_folder(argv: Sequence[str]) -> list[str]:
     :return: The arguments, possibly with ``-f logs`` appended
     """
     pre_parser = argparse.ArgumentParser(add_help=False)
-    pre_parser.add_argument("--algo", type=str, default="ppo")
     pre_parser.add_argument("-f", "--folder", type=str, default=None)
-    known, _ = pre_parser.parse_known_args(list(argv))
     argv = list(argv)
-    if known.algo in SB3_KL_ALGOS and known.folder is None:
+    if _algo(argv) in SB3_KL_ALGOS and pre_parser.parse_known_args(argv)[0].folder is None:
         argv += ["-f", "logs"]
     return argv
 
