@@ -261,6 +261,8 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
             update = dict(timesteps=int(entry.get("num_timesteps", 0)), mean=float(stats["mean"]), p99=float(stats["p99"]))
             if "normalization_shift" in entry:  # the KL that VecNormalize's statistics alone made in the rollout
                 update["normalization_shift"] = float(entry["normalization_shift"])
+            if "drift" in entry:  # the KL between the policy drift_lag updates before and the updated one
+                update["drift"] = float(entry["drift"])
             kl_updates.append(update)
     record = dict(
         algo=algo,
@@ -279,6 +281,8 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
         kl_updates=kl_updates,
         overrides=overrides,
         kl_source="sb3_kl.callbacks.KLMonitorCallback (exact, forward, summed)" if monitor is not None else None,
+        # the lag, in updates, of the kl_updates' drift (the policy drift_lag updates before the updated one)
+        drift_lag=monitor.drift_lag if monitor is not None else None,
         train_seconds=train_seconds,
         env_steps_per_second=budget / train_seconds,
         torch_threads=1,

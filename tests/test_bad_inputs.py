@@ -162,6 +162,7 @@ ROWS: list[Row] = [
     *ok((KLMonitorCallback,), "every", 0, 1.5),
     *ok((KLMonitorCallback,), "per_env", "yes"),
     *ok((KLMonitorCallback,), "normalization_shift", "yes", 1),
+    *ok((KLMonitorCallback,), "drift_lag", 0, 2.5, True),
     *ok((KLMonitorCallback,), "top_k", -1, 2.5),
     *ok((KLMonitorCallback,), "top_k_path", "states.npz"),  # a path while top_k=0 keeps nothing
     *ok((KLMonitorCallback,), "background_size", -1),

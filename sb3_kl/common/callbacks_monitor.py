@@ -3,8 +3,10 @@ KLMonitorCallback: the exact per-state KL of every update of an SB3 on-policy ag
 that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its docstring for the timing).
 """
 
+import copy
 import math
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -173,6 +175,14 @@ class KLMonitorCallback(BaseCallback):
       alone makes in the policy during the rollout, which no per-update KL sees. Always exact, in the monitor's
       ``direction`` (forward: KL(pi_start || pi_end)) and ``reduction``, whatever ``estimator``. Not measured (a
       warning says so) when a wrapper after ``VecNormalize`` changes the observations;
+    - ``kl/drift`` and ``kl/drift_lag``: with ``drift_lag=k``, the mean exact KL over the rollout's states between the
+      policy that acted ``k`` updates before the updated one and the updated policy (forward: KL(pi_{-k} ||
+      pi_updated)), in the monitor's ``direction`` and ``reduction`` whatever ``estimator``: how far ``k`` updates
+      moved the policy together. Each update may stay inside its KL target while many move the policy the same way
+      (the KL of ``k`` steps in one direction grows as ``k**2`` times a step's); ``drift_lag=1`` is the update's own
+      exact KL. Logged from the ``k``-th update of a ``learn()`` call on (the policies of an earlier call are not
+      kept). Recurrent policies: the lagged policy's LSTM is re-run from the states the rollout stored, as the
+      updated policy's is;
     - with an sb3_kl algorithm: ``kl/coef`` (beta; not with KLTRPO, which has none), ``kl/target`` and
       ``kl/grad_ratio`` (from ``train/kl_grad_ratio``);
       with a stock algorithm whose ``target_kl`` is set: ``kl/target``;
@@ -189,8 +199,8 @@ class KLMonitorCallback(BaseCallback):
     callback), ``num_timesteps``, ``n_updates`` (the model's counter), ``mean``, the quantiles (``p50``...),
     ``max``, ``min``, ``tail_ratio``, ``entropy``, ``target_convention`` and ``mean_in_target_convention`` (see above;
     also without a target: then the convention of the family default the alarms use), ``to_uniform`` (discrete),
-    ``coef``/``target``/``grad_ratio``/``normalization_shift`` (when available) and ``env_means`` (a list, with
-    ``per_env``).
+    ``coef``/``target``/``grad_ratio``/``normalization_shift``/``drift`` and ``drift_lag`` (when available) and
+    ``env_means`` (a list, with ``per_env``).
     :attr:`last_per_state` holds the per-state KL of the last measured update (numpy array, states ordered
     step-major: ``index = step * n_envs + env``).
 
@@ -217,6 +227,9 @@ class KLMonitorCallback(BaseCallback):
     :param per_env: Log the mean KL of each environment of the VecEnv as ``kl/env_<i>``
     :param normalization_shift: Measure ``kl/normalization_shift`` when the environment normalizes observations with
         ``VecNormalize`` (two more forward passes over the rollout per measured update)
+    :param drift_lag: Measure ``kl/drift``, the KL between the policy ``drift_lag`` updates before the updated one and
+        the updated policy (one more forward pass per measured update; ``drift_lag`` copies of the policy's weights
+        are kept); None: not measured
     :param top_k: Number of highest-KL states kept per measured update (0: none)
     :param top_k_path: Where to save the kept states (``.npz``) at the end of training; None: keep them in memory only
     :param background_size: Number of other states sampled per measured update for comparison (default: ``4 * top_k``)
@@ -234,6 +247,7 @@ class KLMonitorCallback(BaseCallback):
         every: int = 1,
         per_env: bool = False,
         normalization_shift: bool = True,
+        drift_lag: int | None = 10,
         top_k: int = 0,
         top_k_path: str | None = None,
         background_size: int | None = None,
@@ -260,6 +274,11 @@ class KLMonitorCallback(BaseCallback):
         self.settings = KLSettings(estimator=estimator, direction=direction, reduction=reduction)
         quantiles = check_quantiles("quantiles", quantiles)
         check_int("every", every, 1)
+        if drift_lag is not None:
+            try:
+                check_int("drift_lag", drift_lag, 1)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{error} (None: the drift is not measured.)") from None
         check_int("top_k", top_k, 0)
         check_int("chunk_size", chunk_size, 1)
         if top_k_path is not None and top_k == 0:
@@ -271,6 +290,7 @@ class KLMonitorCallback(BaseCallback):
         self.every = every
         self.per_env = per_env
         self.normalization_shift = normalization_shift
+        self.drift_lag = drift_lag
         self.top_k = top_k
         self.top_k_path = top_k_path
         self.background_size = background_size
@@ -290,6 +310,9 @@ class KLMonitorCallback(BaseCallback):
         self._recurrent = False
         self._has_tensorboard = False
         self._normalization: RolloutNormalization | None = None
+        # the weights of the last ``drift_lag`` rollout policies (oldest first) and a frozen copy to evaluate them in
+        self._lagged_weights: deque[dict[str, th.Tensor]] = deque(maxlen=drift_lag or 1)
+        self._lagged_policy: Any = None
 
     # ----------------------------------------------------------------------------------------------------------
     # Public helpers
@@ -337,10 +360,13 @@ class KLMonitorCallback(BaseCallback):
         self._normalization = rollout_normalization(self.model, type(self).__name__) if self.normalization_shift else None
 
     def _on_training_start(self) -> None:
-        # A snapshot from a previous learn() call does not belong to this run
+        # A snapshot from a previous learn() call does not belong to this run, nor do its policies
         self._snapshot = None
+        self._lagged_weights.clear()
 
     def _on_rollout_end(self) -> None:
+        if self.drift_lag is not None:  # the policy that acted in this rollout, whether or not its update is measured
+            self._lagged_weights.append({key: value.detach().clone() for key, value in self.model.policy.state_dict().items()})
         if self._updates_seen % self.every == 0:
             self._snapshot = self._take_snapshot()
             self._snapshot["normalization_shift"] = self._normalization_shift(self._snapshot)
@@ -414,8 +440,8 @@ class KLMonitorCallback(BaseCallback):
             return {key: value[chunk] for key, value in observations.items()}
         return observations[chunk]
 
-    def _distribution(self, observations: Any, masks: th.Tensor | None) -> Distribution:
-        distribution = self.model.policy.get_distribution(observations)
+    def _distribution(self, observations: Any, masks: th.Tensor | None, policy: Any = None) -> Distribution:
+        distribution = (self.model.policy if policy is None else policy).get_distribution(observations)
         if masks is not None:
             distribution.apply_masking(masks)
         return distribution
@@ -424,36 +450,43 @@ class KLMonitorCallback(BaseCallback):
         return actions_for_log_prob(actions, self.model.action_space)
 
     @th.no_grad()
-    def _evaluate(self, snapshot: dict[str, Any]) -> tuple[th.Tensor, th.Tensor | None]:
+    def _evaluate(
+        self, snapshot: dict[str, Any], policy: Any = None, with_log_prob: bool | None = None
+    ) -> tuple[th.Tensor, th.Tensor | None]:
         """
-        Distribution parameters of the current policy on the snapshot's states (eval mode, no grad, by chunks),
-        and the log-probability of the stored actions when a sample estimator needs it.
+        Distribution parameters of the current policy (or of ``policy``) on the snapshot's states (eval mode, no
+        grad, by chunks), and the log-probability of the stored actions when ``with_log_prob`` (by default: when a
+        sample estimator needs it).
         """
         assert self._dist_params is not None
-        policy = self.model.policy
+        policy = self.model.policy if policy is None else policy
+        if with_log_prob is None:
+            with_log_prob = self.settings.estimator != "analytic"
         if snapshot.get("sequences") is not None:
-            return self._evaluate_sequences(snapshot)
+            return self._evaluate_sequences(snapshot, policy, with_log_prob)
         params, log_probs = [], []
         with acting_mode(policy):
             for chunk in self._chunks(snapshot["n"]):
                 masks = snapshot["masks"][chunk] if snapshot["masks"] is not None else None
-                distribution = self._distribution(self._index(snapshot["observations"], chunk), masks)
+                distribution = self._distribution(self._index(snapshot["observations"], chunk), masks, policy)
                 params.append(self._dist_params.extract(distribution))
-                if self.settings.estimator != "analytic":
+                if with_log_prob:
                     log_probs.append(distribution.log_prob(self._actions_for_log_prob(snapshot["actions"][chunk])))
         return th.cat(params), (th.cat(log_probs) if log_probs else None)
 
-    def _evaluate_sequences(self, snapshot: dict[str, Any]) -> tuple[th.Tensor, th.Tensor | None]:
+    def _evaluate_sequences(
+        self, snapshot: dict[str, Any], policy: Any, with_log_prob: bool
+    ) -> tuple[th.Tensor, th.Tensor | None]:
         """
         Recurrent policy: its LSTM re-run over each env's rollout in time order, from the state stored at the env's
         first step, episode starts resetting it (:mod:`sb3_kl.common.recurrent`); results in step-major order.
         """
         assert self._dist_params is not None
         evaluation = evaluate_sequences(
-            self.model.policy,
+            policy,
             snapshot["sequences"],
             self._dist_params,
-            with_log_prob=self.settings.estimator != "analytic",
+            with_log_prob=with_log_prob,
             chunk_size=self.chunk_size,
         )
         log_prob = None if evaluation.log_prob is None else step_major(evaluation.log_prob)
@@ -560,6 +593,9 @@ class KLMonitorCallback(BaseCallback):
         )
         per_state = per_state_t.cpu().numpy().astype(np.float64)
         record = self._statistics(snapshot, per_state, new_params)
+        drift = self._drift(snapshot, new_params)
+        if drift is not None:
+            record["drift"], record["drift_lag"] = drift, self.drift_lag
         self.history.append(record)
         self.last_per_state = per_state
         if self._writes_logger:
@@ -573,6 +609,24 @@ class KLMonitorCallback(BaseCallback):
             )
         for listener in self._listeners:
             listener(record, per_state)
+
+    def _drift(self, snapshot: dict[str, Any], new_params: th.Tensor) -> float | None:
+        """
+        The mean exact KL between the policy ``drift_lag`` updates before the updated one and the updated policy on
+        the snapshot's states; None when not measured or fewer than ``drift_lag`` rollouts of this ``learn()`` were
+        seen.
+        """
+        if self.drift_lag is None or len(self._lagged_weights) < self.drift_lag:
+            return None
+        assert self._dist_params is not None
+        if self._lagged_policy is None:
+            lagged = copy.deepcopy(self.model.policy)
+            lagged.optimizer = None
+            self._lagged_policy = lagged.requires_grad_(False)
+        self._lagged_policy.load_state_dict(self._lagged_weights[0])
+        lagged_params, _ = self._evaluate(snapshot, self._lagged_policy, with_log_prob=False)
+        exact = KLSettings(estimator="analytic", direction=self.settings.direction, reduction=self.settings.reduction)
+        return float(per_state_kl(exact, self._dist_params, lagged_params.double(), new_params.double(), None).mean())
 
     @th.no_grad()
     def _statistics(self, snapshot: dict[str, Any], per_state: np.ndarray, new_params: th.Tensor) -> dict[str, Any]:
@@ -670,7 +724,18 @@ class KLMonitorCallback(BaseCallback):
         for q in self.quantiles:
             name = quantile_name(q)
             logger.record(f"kl/{name}", record[name])
-        for key in ("max", "tail_ratio", "entropy", "to_uniform", "coef", "target", "grad_ratio", "normalization_shift"):
+        for key in (
+            "max",
+            "tail_ratio",
+            "entropy",
+            "to_uniform",
+            "coef",
+            "target",
+            "grad_ratio",
+            "normalization_shift",
+            "drift",
+            "drift_lag",
+        ):
             if key in record and not (key == "entropy" and math.isnan(record[key])):
                 logger.record(f"kl/{key}", record[key])
         if "target" in record:
@@ -775,7 +840,7 @@ class MonitorUser(BaseCallback):
             raise TypeError(f"`monitor` must be a KLMonitorCallback or None, got {type(monitor).__name__}.")
         self._own_monitor = monitor is None
         # a private monitor measures only what the callback acts on (it is not driven step by step)
-        self.monitor = monitor if monitor is not None else KLMonitorCallback(normalization_shift=False)
+        self.monitor = monitor if monitor is not None else KLMonitorCallback(normalization_shift=False, drift_lag=None)
         self.monitor.add_listener(self._on_kl_measured)
         self._active = False
 
