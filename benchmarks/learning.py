@@ -615,6 +615,9 @@ def report(tier: str) -> str:
     if lower_target:
         lines += lower_target, ""
     lines += collapse_table(groups), ""
+    for section in (drift_table(groups), cartpole_collapse_rates(groups, tier)):
+        if section:
+            lines += section, ""
     replicated = replication(tier)
     note = (
         "The cells whose earlier records do not name their machine are judged again on this machine's records alone"
@@ -1417,6 +1420,133 @@ def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
             )
     if out[-1].startswith("|---"):
         out.append("| none | | | | | | | | | | | | |")
+    return "\n".join(out)
+
+
+#: Updates up to the curve's best point over which the drift before a collapse is averaged
+DRIFT_WINDOW = 50
+
+
+def update_mean(record: dict[str, Any], key: str, indices: list[int]) -> float:
+    """The mean of ``key`` (e.g. ``mean``, ``drift``) over the record's updates at ``indices``, / its target (NaN without)."""
+    wanted = set(indices)
+    values = [u.get(key, math.nan) for i, u in enumerate(record["kl_updates"]) if i in wanted]
+    if not values or np.all(np.isnan(values)):
+        return math.nan
+    return float(np.nanmean(values)) / record["target_kl"]
+
+
+def drift_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
+    """
+    The monitor's drift (``KLMonitorCallback``'s ``kl/drift``: the exact KL between the policy ``drift_lag`` updates
+    before and the updated one) of every collapsed run whose record holds it, over the ``DRIFT_WINDOW`` updates up to
+    the curve's best point and over the fall, beside the per-update KL and beside the cell's runs without a collapse
+    over the same updates. Empty when no collapsed run's record holds the drift.
+    """
+    rows = []
+    for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
+        healthy = [r for r in runs if count_collapses(r["curve"]) == 0 and any("drift" in u for u in r["kl_updates"])]
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            points = collapse_points(r["curve"])
+            if not points or not any("drift" in u for u in r["kl_updates"]):
+                continue
+            best, fell = points[0]
+            t_best, t_fell = r["curve"][best][0], r["curve"][fell][0]
+            times = [u["timesteps"] for u in r["kl_updates"]]
+            up_to_best = [i for i, t in enumerate(times) if t <= t_best][-DRIFT_WINDOW:]
+            in_fall = [i for i, t in enumerate(times) if t_best <= t < t_fell]
+            others = [update_mean(h, "drift", up_to_best) for h in healthy]
+            others = [x for x in others if not math.isnan(x)]
+            rows.append(
+                f"| {env} | x{mult:g} | {algo} | {r['seed']} | {r.get('drift_lag', '-')} | {len(up_to_best)}"
+                f" | {update_mean(r, 'mean', up_to_best):.2f} | {update_mean(r, 'drift', up_to_best):.2f}"
+                + (f" | {np.median(others):.2f} | {max(others):.2f} | {len(others)}" if others else " | - | - | 0")
+                + f" | {len(in_fall)} | {update_mean(r, 'mean', in_fall):.2f} | {update_mean(r, 'drift', in_fall):.2f} |"
+            )
+    if not rows:
+        return ""
+    return "\n".join(
+        [
+            "## Drift before the collapses",
+            "",
+            "The monitor's drift (`kl/drift`: the exact KL(old || new), summed over action dimensions, between the policy"
+            " `drift_lag` updates before an update's result and that result, on the update's rollout states) of every"
+            " collapsed run whose record holds it (records made since the monitor measures it), / target, beside the"
+            " update's own KL (the monitor's per-update mean, / target). *Before the best*: the last"
+            f" {DRIFT_WINDOW} updates up to the curve's best point (the curve averages the last 100 episodes, so it peaks"
+            " after the policies that earned its best acted); *healthy runs*: the same updates of the cell's runs"
+            " without a collapse (median and largest of their means, and how many); *fall*: the updates from the best"
+            " point to the rollout where the curve fell below 50 % of its gain (`fall_kl`). A drift many times the"
+            " per-update KL, where each update stays far inside the target, is a move in one direction that no"
+            " per-update control sees.",
+            "",
+            "| env | lr | algo | seed | lag | updates before the best | update KL | drift | healthy runs' drift: median"
+            " | largest | runs | updates in the fall | update KL | drift |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+def fisher_exact_p(a: int, n_a: int, b: int, n_b: int) -> float:
+    """
+    Two-sided p-value of Fisher's exact test that ``a`` of ``n_a`` and ``b`` of ``n_b`` come from one rate: the
+    probability, under the hypergeometric law with the margins fixed, of the tables no more likely than the observed.
+    """
+    total, events = n_a + n_b, a + b
+
+    def probability(k: int) -> float:
+        return math.comb(n_a, k) * math.comb(n_b, events - k) / math.comb(total, events)
+
+    observed = probability(a)
+    low, high = max(0, events - n_b), min(n_a, events)
+    return min(1.0, sum(p for k in range(low, high + 1) if (p := probability(k)) <= observed * (1 + 1e-9)))
+
+
+#: More seeds of the CartPole-v1 cells (records in ``results/<folder>/runs/<tier>/``), for the rate of its collapses
+CARTPOLE_SEEDS_RUNS = "cartpole_seeds_10_29"
+
+
+def cartpole_collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str) -> str:
+    """
+    How often each PPO-family algorithm collapses on CartPole-v1 over the grid's seeds and the extra seeds of
+    :data:`CARTPOLE_SEEDS_RUNS`, against stock PPO (Fisher's exact test); empty without extra records.
+    """
+    extra = load_folder(f"{CARTPOLE_SEEDS_RUNS}/runs/{tier}")
+    if not extra:
+        return ""
+    env = "CartPole-v1"
+    algos = sorted({algo for (e, algo, _) in extra if e == env}, key=lambda a: MAIN_ALGOS.index(a))
+    runs = {algo: groups.get((env, algo, 1.0), []) + extra.get((env, algo, 1.0), []) for algo in algos}
+    reference = runs.get("ppo", [])
+    n_ref = len(reference)
+    collapses_ref = sum(count_collapses(r["curve"]) > 0 for r in reference)
+    versions = ", ".join(f"`{v}`" for v in sorted({r.get("code_version", "?") for rs in extra.values() for r in rs}))
+    extra_seeds = sorted({r["seed"] for rs in extra.values() for r in rs})
+    out = [
+        "## CartPole-v1 collapses over more seeds",
+        "",
+        f"The grid's CartPole-v1 cells of {', '.join(algos)} with seeds {extra_seeds[0]}..{extra_seeds[-1]} added"
+        f" (`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{CARTPOLE_SEEDS_RUNS} python benchmarks/learning.py --tier"
+        f" {tier} --algos {' '.join(algos)} --envs {env} --seeds {extra_seeds[0]}..{extra_seeds[-1]} --lr-mults 1`;"
+        f" records in `benchmarks/results/{CARTPOLE_SEEDS_RUNS}/`, code {versions}), same settings: how often each"
+        " collapses (`count_collapses`) and ends under 475 (the standing check), beside stock PPO on the same seeds."
+        " p: two-sided Fisher exact test of the collapse counts against PPO's; a difference with p ≥"
+        f" {SIGNIFICANCE} is a tie.",
+        "",
+        "| algo | seeds | collapses | seeds collapsed | eval < 475 | eval (mean ± std) | collapses vs ppo: p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for algo in algos:
+        records = sorted(runs[algo], key=lambda r: r["seed"])
+        collapsed = [r["seed"] for r in records if count_collapses(r["curve"]) > 0]
+        low = sum(r["eval_mean"] < 475 for r in records)
+        evals = [r["eval_mean"] for r in records]
+        p = "-" if algo == "ppo" or not n_ref else f"{fisher_exact_p(len(collapsed), len(records), collapses_ref, n_ref):.2f}"
+        out.append(
+            f"| {algo} | {len(records)} | {len(collapsed)} | {', '.join(map(str, collapsed)) or '-'} | {low}"
+            f" | {fmt(evals)} | {p} |"
+        )
     return "\n".join(out)
 
 

@@ -259,6 +259,54 @@ def test_collapses_are_listed_with_their_evaluation_after_training():
     assert "| none |" in learning.collapse_table(quiet)
 
 
+def test_drift_table_sets_the_drift_before_a_collapse_beside_the_cells_healthy_runs():
+    rising = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 990, 1000, 1000, 1000, 1000])]
+    falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
+    collapsed = _record("clip_klppo", "CartPole-v1", 2, 117.0, [0.01] * 10, 0.02, curve=falling)
+    # updates 0-4 up to the best point (400 steps) drift by 0.2 (10 x target), the fall's (400, 500) by 0.04
+    for i, update in enumerate(collapsed["kl_updates"]):
+        update.update(timesteps=100 * i, drift=0.2 if i < 4 else 0.04)
+    collapsed["drift_lag"] = 10
+    healthy = _record("clip_klppo", "CartPole-v1", 0, 500.0, [0.01] * 10, 0.02, curve=rising)
+    for i, update in enumerate(healthy["kl_updates"]):
+        update.update(timesteps=100 * i, drift=0.02)
+    other = {**healthy, "seed": 1, "kl_updates": [{**u, "drift": 0.04} for u in healthy["kl_updates"]]}
+    table = learning.drift_table(learning.group_records([collapsed, healthy, other]))
+    # 5 updates up to the best: KL 0.5 x target, drift (4 x 0.2 + 0.04) / 5 / 0.02 = 8.4 x; healthy 1 x and 2 x
+    assert _row(table, "| CartPole-v1 | x1 | clip_klppo | 2 |") == (
+        "| CartPole-v1 | x1 | clip_klppo | 2 | 10 | 5 | 0.50 | 8.40 | 1.50 | 2.00 | 2 | 2 | 0.50 | 2.00 |"
+    )
+    # records made before the monitor measured the drift: no section
+    no_drift = _record("clip_klppo", "CartPole-v1", 2, 117.0, [0.01] * 10, 0.02, curve=falling)
+    assert learning.drift_table(learning.group_records([no_drift, healthy])) == ""
+
+
+@pytest.mark.parametrize(
+    "counts, p",
+    # two-sided Fisher exact p-values (R's fisher.test, scipy.stats.fisher_exact)
+    [((2, 10, 8, 10), 0.02301413756522116), ((3, 30, 0, 30), 0.23728813559322035), ((0, 10, 0, 10), 1.0)],
+)
+def test_fisher_exact_p_value(counts, p):
+    assert learning.fisher_exact_p(*counts) == pytest.approx(p, rel=1e-12)
+
+
+def test_cartpole_collapse_rates_pool_the_grid_and_the_extra_seeds(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
+    grid = [_record(a, "CartPole-v1", s, 500.0, [0.01], 0.02) for a in ("ppo", "clip_klppo") for s in range(2)]
+    grid[2] = _record("clip_klppo", "CartPole-v1", 0, 117.0, [0.01], 0.02, curve=falling)
+    extra = tmp_path / learning.CARTPOLE_SEEDS_RUNS / "runs" / "tiny"
+    for algo in ("ppo", "clip_klppo"):
+        for seed in (10, 11):
+            _write(extra, _record(algo, "CartPole-v1", seed, 500.0, [0.01], 0.02))
+    text = learning.cartpole_collapse_rates(learning.group_records(grid), "tiny")
+    assert "--seeds 10..11" in text
+    assert _row(text, "| ppo |") == "| ppo | 4 | 0 | - | 0 | 500.0 ± 0.0 | - |"
+    assert _row(text, "| clip_klppo |") == "| clip_klppo | 4 | 1 | 0 | 1 | 404.2 ± 165.8 | 1.00 |"
+    _empty(extra)
+    assert learning.cartpole_collapse_rates(learning.group_records(grid), "tiny") == ""
+
+
 def test_seeds_goal_asks_five_seeds_of_close_cells_in_the_stress_grid_too():
     def cell(algo, means, lr_mult):
         return [_record(algo, "HalfCheetah-v5", s, m, [0.03], 0.03, lr_mult=lr_mult) for s, m in enumerate(means)]
