@@ -23,6 +23,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -93,6 +95,30 @@ def target_of(algo: str, env_id: str) -> float:
     return learning.default_target_kl(algo, env_id, kwargs)
 
 
+def drift_rows(
+    grid: dict[tuple[str, str, float], list[dict[str, Any]]],
+    side: dict[tuple[str, str, float], list[dict[str, Any]]],
+    multiple: float,
+) -> list[str]:
+    """Per cell: the mean drift / target over each run's updates, and the share of updates over ``multiple``."""
+    rows = []
+    for (env, algo, mult), old, new in learning.paired_runs(grid, side):
+
+        def stats(records: list[dict[str, Any]]) -> tuple[str, str]:
+            runs = [np.array([u.get("drift", np.nan) for u in r["kl_updates"]]) / r["target_kl"] for r in records]
+            runs = [d[~np.isnan(d)] for d in runs]
+            runs = [d for d in runs if len(d)]
+            if not runs:
+                return "-", "-"
+            return learning.fmt([float(d.mean()) for d in runs]), learning.fmt(
+                [float(np.mean(d > multiple)) for d in runs], digits=0, percent=True
+            )
+
+        (grid_drift, grid_over), (new_drift, new_over) = stats(old), stats(new)
+        rows.append(f"| {env} | x{mult:g} | {algo} | {len(new)} | {grid_drift} | {new_drift} | {grid_over} | {new_over} |")
+    return rows
+
+
 def report(tier: str = "full") -> str:
     grid = learning.group_records(learning.load_records(tier))
     lines = [
@@ -118,6 +144,14 @@ def report(tier: str = "full") -> str:
             "| env | lr | algo | n " + learning.PAIRED_HEADER.format(a="grid", b="anchored"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *learning.paired_rows(grid, side),
+            "",
+            f"The drift (`kl/drift`, lag 10, / target; mean over the run's updates) and the share of updates whose drift"
+            f" exceeds the anchor's target ({multiple} x target_kl), in the grid's runs (where their records hold it)"
+            " and in the anchored ones:",
+            "",
+            "| env | lr | algo | n | drift grid | drift anchored | over the anchor's target grid | anchored |",
+            "|---|---|---|---|---|---|---|---|",
+            *drift_rows(grid, side, float(multiple)),
             "",
         ]
     text = "\n".join(lines)
