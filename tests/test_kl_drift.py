@@ -153,3 +153,15 @@ def test_bad_drift_lag_names_the_argument(value):
 
 def test_drift_default_is_ten_updates():
     assert KLMonitorCallback().drift_lag == 10
+
+
+def test_a_monitor_attached_to_another_model_measures_the_drift_of_that_models_policy():
+    monitor = KLMonitorCallback(drift_lag=2)
+    PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, **TINY).learn(3 * 64, callback=monitor)
+    # another architecture and action space: the lagged copy of the first model's policy would not fit it
+    model = PPO("MlpPolicy", make_vec_env("Pendulum-v1", n_envs=2, seed=0), n_steps=64, batch_size=64, **TINY)
+    keeper = PolicyKeeper()
+    model.learn(3 * 128, callback=[keeper, monitor])
+    for update in (1, 2):
+        record = monitor.history[3 + update]
+        assert record["drift"] == pytest.approx(keeper.drift(update, 2), rel=1e-3, abs=1e-7)

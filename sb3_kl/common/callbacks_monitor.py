@@ -358,6 +358,8 @@ class KLMonitorCallback(BaseCallback):
             )
         self._has_tensorboard = any(isinstance(f, TensorBoardOutputFormat) for f in self.logger.output_formats)
         self._normalization = rollout_normalization(self.model, type(self).__name__) if self.normalization_shift else None
+        # the copy that evaluates the lagged weights is this model's policy's (a monitor may be attached to another)
+        self._lagged_policy = None
 
     def _on_training_start(self) -> None:
         # A snapshot from a previous learn() call does not belong to this run, nor do its policies
