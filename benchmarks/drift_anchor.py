@@ -138,6 +138,8 @@ def report(tier: str = "full") -> str:
             continue
         versions = sorted({r.get("code_version", "?") for rs in side.values() for r in rs})
         lag, multiple = path.name[3:].split("_x")
+        # the monitor's lag, not the anchor's
+        drift_lags = sorted({r.get("drift_lag") for rs in side.values() for r in rs if r.get("drift_lag") is not None})
         lines += [
             f"## lag {lag} updates, drift target {multiple} x target_kl (code {', '.join(f'`{v}`' for v in versions)})",
             "",
@@ -145,7 +147,8 @@ def report(tier: str = "full") -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *learning.paired_rows(grid, side),
             "",
-            f"The drift (`kl/drift`, lag 10, / target; mean over the run's updates) and the share of updates whose drift"
+            f"The drift (`kl/drift`, lag {', '.join(map(str, drift_lags))} updates, / target; mean over the run's updates)"
+            " and the share of updates whose drift"
             f" exceeds the anchor's target ({multiple} x target_kl), in the grid's runs (where their records hold it)"
             " and in the anchored ones:",
             "",

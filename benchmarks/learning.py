@@ -391,6 +391,18 @@ def count_collapses(curve: list[list[float]]) -> int:
     return len(collapse_points(curve))
 
 
+def fall_span(record: dict[str, Any]) -> tuple[float, float] | None:
+    """
+    The steps of the curve's best point and of the rollout where it fell below 50 % in the run's first collapse: the
+    updates at ``low <= t < high`` made the policies of the fall; None without a collapse.
+    """
+    points = collapse_points(record["curve"])
+    if not points:
+        return None
+    best, fell = points[0]
+    return record["curve"][best][0], record["curve"][fell][0]
+
+
 def fall_kl(record: dict[str, Any]) -> dict[str, float] | None:
     """
     The per-update KL (the monitor's exact per-update mean, as a multiple of the run's target) over the fall of the
@@ -401,12 +413,11 @@ def fall_kl(record: dict[str, Any]) -> dict[str, float] | None:
     :return: ``n`` updates, their ``mean`` and ``max`` KL / target, the share ``over`` 2 x target, and the run's
         share over 2 x target over all its updates (``over_run``); None without a collapse or KL records
     """
-    points = collapse_points(record["curve"])
+    span = fall_span(record)
     kl = record.get("kl_updates") or []
-    if not points or not kl:
+    if span is None or not kl:
         return None
-    best, fell = points[0]
-    low, high = record["curve"][best][0], record["curve"][fell][0]
+    low, high = span
     target = record["target_kl"]
     fall = np.array([u["mean"] for u in kl if low <= u["timesteps"] < high]) / target
     whole = np.array([u["mean"] for u in kl]) / target
@@ -1447,11 +1458,10 @@ def drift_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> s
     for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
         healthy = [r for r in runs if count_collapses(r["curve"]) == 0 and any("drift" in u for u in r["kl_updates"])]
         for r in sorted(runs, key=lambda r: r["seed"]):
-            points = collapse_points(r["curve"])
-            if not points or not any("drift" in u for u in r["kl_updates"]):
+            span = fall_span(r)
+            if span is None or not any("drift" in u for u in r["kl_updates"]):
                 continue
-            best, fell = points[0]
-            t_best, t_fell = r["curve"][best][0], r["curve"][fell][0]
+            t_best, t_fell = span
             times = [u["timesteps"] for u in r["kl_updates"]]
             up_to_best = [i for i, t in enumerate(times) if t <= t_best][-DRIFT_WINDOW:]
             in_fall = [i for i, t in enumerate(times) if t_best <= t < t_fell]

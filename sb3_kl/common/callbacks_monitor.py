@@ -558,7 +558,7 @@ class KLMonitorCallback(BaseCallback):
         assert self._dist_params is not None
         at_start, at_end = (as_stored(observations) for observations in normalized)
         if sequences is None:
-            params = [self._evaluate({**snapshot, "observations": obs})[0] for obs in (at_start, at_end)]
+            params = [self._evaluate({**snapshot, "observations": obs}, with_log_prob=False)[0] for obs in (at_start, at_end)]
         else:
             # both inputs in one pass over twice the envs: the LSTM's steps run once, not twice
             if isinstance(at_start, dict):
