@@ -100,6 +100,35 @@ def test_a_controller_object_says_which_arguments_it_ignores():
     assert caught[0].filename == __file__
 
 
+@pytest.mark.parametrize(
+    "kl_controller,kwargs,match",
+    [
+        ("fixed", {"kl_adapt_factor": 2.0}, r"'fixed' does not use `kl_adapt_factor`=2.0 \(used by 'adaptive'\)"),
+        ("fixed", {"kl_band": (0.5, 2.0), "kl_horizon": 500}, r"`kl_band`=\(0.5, 2.0\).*`kl_horizon`=500 \(used by 'proportional'\)"),
+        ("proportional", {"kl_window": 4}, r"'proportional' does not use `kl_window`=4"),
+        ("adaptive", {"kl_horizon": 500}, r"'adaptive' does not use `kl_horizon`=500"),
+    ],
+)
+def test_a_named_controller_says_which_arguments_it_does_not_use(kl_controller, kwargs, match):
+    with pytest.warns(UserWarning, match=match):
+        make_kl_controller(kl_controller, **kwargs)
+
+
+def test_a_named_controller_is_silent_about_the_arguments_it_uses():
+    from sb3_kl import KLPPO
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_kl_controller("adaptive", kl_adapt_factor=2.0, kl_band=(0.5, 2.0), kl_window=3)
+        make_kl_controller("proportional", kl_horizon=500)
+        make_kl_controller("fixed", kl_coef=0.3, kl_coef_bounds=(0.1, 1.0))
+        KLPPO("MlpPolicy", "CartPole-v1", kl_controller="fixed", kl_band=[0.8, 1.25])  # a list of the defaults is no choice
+    # from the algorithm, the warning names the user's line
+    with pytest.warns(UserWarning, match="does not use `kl_adapt_factor`") as caught:
+        KLPPO("MlpPolicy", "CartPole-v1", kl_controller="fixed", kl_adapt_factor=3.0)
+    assert caught[0].filename == __file__
+
+
 def test_state_survives_pickle():
     controller = AdaptiveKLController(kl_coef=1.0, kl_window=4)
     for kl in (0.1, 0.001, 0.02):

@@ -214,6 +214,38 @@ def warn_ignored_arguments(option: str, controller: KLController, **arguments: t
         )
 
 
+#: Controller name -> the optional arguments of :func:`make_kl_controller` it uses (besides ``kl_coef`` and
+#: ``kl_coef_bounds``, which every controller takes)
+_CONTROLLER_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "adaptive": ("kl_adapt_factor", "kl_band", "kl_window"),
+    "fixed": (),
+    "proportional": ("kl_horizon",),
+}
+
+
+def warn_unused_arguments(kl_controller: str, **arguments: tuple[Any, Any]) -> None:
+    """
+    Warn that arguments given beside a named controller that does not use them have no effect (a fixed beta has no
+    adaptation factor, the band rule no horizon), instead of ignoring them silently.
+
+    :param kl_controller: The controller's name
+    :param arguments: ``name=(value, default)`` of the arguments it does not use; those that differ from their
+        default warn
+    """
+    given = {name: value for name, (value, default) in arguments.items() if value != default}
+    if given:
+        users = {
+            name: [controller for controller, names in _CONTROLLER_ARGUMENTS.items() if name in names] for name in given
+        }
+        warnings.warn(
+            f"`kl_controller`={kl_controller!r} does not use "
+            + ", ".join(f"`{name}`={value!r} (used by {' and '.join(map(repr, users[name]))})" for name, value in given.items())
+            + ": it has no effect. Leave it at its default, or choose the controller that uses it.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
 def make_kl_controller(
     kl_controller: "str | KLController",
     kl_coef: float = 1.0,
@@ -249,6 +281,15 @@ def make_kl_controller(
         )
     # Checked whatever the controller, so that a bad value does not wait for a switch to 'proportional'
     check_positive("kl_horizon", kl_horizon)
+    unused = {
+        "kl_adapt_factor": (kl_adapt_factor, 1.5),
+        "kl_band": (tuple(kl_band), (0.8, 1.25)),
+        "kl_window": (kl_window, 1),
+        "kl_horizon": (kl_horizon, 10_000),
+    }
+    for name in _CONTROLLER_ARGUMENTS[kl_controller]:
+        del unused[name]
+    warn_unused_arguments(kl_controller, **unused)
     if kl_controller == "adaptive":
         return AdaptiveKLController(kl_coef, kl_adapt_factor, kl_band, kl_coef_bounds, kl_window)
     if kl_controller == "fixed":
