@@ -153,12 +153,12 @@ def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
         forward velocity, falls per 1000 steps, normalization KL / target, per-update KL / target (the monitor's,
         from the record), share of updates with beta at its floor, and rollouts
     """
-    best, fell = learning.collapse_points(probed["curve"])[0]
+    best_at, fell_at = learning.fall_span(probed)  # the same fall as learning.fall_kl's
     times = [point[0] for point in probed["curve"]]
     spans = {
-        "before": (times[max(best - BEFORE_ROLLOUTS, 0)], times[best]),
-        "fall": (times[best], times[fell]),
-        "after": (times[fell], times[-1]),
+        "before": (times[max(times.index(best_at) - BEFORE_ROLLOUTS, 0)], best_at),
+        "fall": (best_at, fell_at),
+        "after": (fell_at, times[-1]),
     }
     target = probed["target_kl"]
     out = {}

@@ -386,6 +386,15 @@ def collapse_points(curve: list[list[float]]) -> list[tuple[int, int]]:
     return points
 
 
+def cell_order(cell: tuple[str, str, float]) -> tuple[float, int, str]:
+    """
+    The report's order of the cells ``(env, algo, lr_mult)``: by learning-rate multiplier, then environment in the
+    grid's order, then algorithm name.
+    """
+    env, algo, lr_mult = cell
+    return lr_mult, MAIN_ENVS.index(env), algo
+
+
 def count_collapses(curve: list[list[float]]) -> int:
     """The number of collapses of a learning curve (:func:`collapse_points`)."""
     return len(collapse_points(curve))
@@ -815,7 +824,7 @@ def paired_runs(
     ``(cell, records in without, records in with_)``, paired seed by seed.
     """
     pairs = []
-    for cell in sorted(with_, key=lambda k: (k[2], MAIN_ENVS.index(k[0]), k[1])):
+    for cell in sorted(with_, key=cell_order):
         old_by_seed = {r["seed"]: r for r in without.get(cell, [])}
         new = [r for r in with_[cell] if r["seed"] in old_by_seed]
         if new:
@@ -1337,7 +1346,7 @@ def minibatch_stop_rule() -> list[str]:
         "| env | lr | algo | n | eval | AUC | in band | under 0.5x | over 2x | collapses |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (env, algo, mult), runs in sorted(cells.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
+    for (env, algo, mult), runs in sorted(cells.items(), key=lambda kv: cell_order(kv[0])):
         lines.append(
             f"| {env} | x{mult:g} | {algo} | {len(runs)} | {fmt([r['eval_mean'] for r in runs])} | "
             f"{fmt([summarize(r)['auc'] for r in runs])} | "
@@ -1413,7 +1422,7 @@ def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
         " | KL in the fall: updates | mean | max | over 2x (run) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
+    for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: cell_order(kv[0])):
         cell_eval = float(np.mean([r["eval_mean"] for r in runs]))
         for r in sorted(runs, key=lambda r: r["seed"]):
             if count_collapses(r["curve"]) == 0:
@@ -1455,7 +1464,7 @@ def drift_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> s
     over the same updates. Empty when no collapsed run's record holds the drift.
     """
     rows = []
-    for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], MAIN_ENVS.index(kv[0][0]), kv[0][1])):
+    for (env, algo, mult), runs in sorted(groups.items(), key=lambda kv: cell_order(kv[0])):
         healthy = [r for r in runs if count_collapses(r["curve"]) == 0 and any("drift" in u for u in r["kl_updates"])]
         for r in sorted(runs, key=lambda r: r["seed"]):
             span = fall_span(r)
