@@ -104,7 +104,11 @@ def test_a_controller_object_says_which_arguments_it_ignores():
     "kl_controller,kwargs,match",
     [
         ("fixed", {"kl_adapt_factor": 2.0}, r"'fixed' does not use `kl_adapt_factor`=2.0 \(used by 'adaptive'\)"),
-        ("fixed", {"kl_band": (0.5, 2.0), "kl_horizon": 500}, r"`kl_band`=\(0.5, 2.0\).*`kl_horizon`=500 \(used by 'proportional'\)"),
+        (
+            "fixed",
+            {"kl_band": (0.5, 2.0), "kl_horizon": 500},
+            r"`kl_band`=\(0.5, 2.0\).*`kl_horizon`=500 \(used by 'proportional'\)",
+        ),
         ("proportional", {"kl_window": 4}, r"'proportional' does not use `kl_window`=4"),
         ("adaptive", {"kl_horizon": 500}, r"'adaptive' does not use `kl_horizon`=500"),
     ],

@@ -307,6 +307,22 @@ def test_cartpole_collapse_rates_pool_the_grid_and_the_extra_seeds(tmp_path, mon
     assert learning.cartpole_collapse_rates(learning.group_records(grid), "tiny") == ""
 
 
+def test_cartpole_standing_check_sets_the_stock_counterparts_seeds_beside():
+    def cell(algo, means):
+        return [_record(algo, "CartPole-v1", s, m, [0.01], 0.01) for s, m in enumerate(means)]
+
+    groups = learning.group_records(
+        cell("kltrpo_matched", [500.0, 297.5, 500.0]) + cell("trpo", [351.4, 500.0, 470.0]) + cell("klppo", [500.0] * 3)
+    )
+    lines = learning.standing_checks(groups)
+    assert (
+        "- CartPole-v1, kltrpo_matched: every seed ≥ 475: **NOT met** (min 297.5, 1 of 3 seeds under 475; "
+        "trpo: min 351.4, 2 of 3 seeds under 475)"
+    ) in lines
+    # no stock runs: nothing beside
+    assert "- CartPole-v1, klppo: every seed ≥ 475: **met** (min 500.0, 0 of 3 seeds under 475)" in lines
+
+
 def test_seeds_goal_asks_five_seeds_of_close_cells_in_the_stress_grid_too():
     def cell(algo, means, lr_mult):
         return [_record(algo, "HalfCheetah-v5", s, m, [0.03], 0.03, lr_mult=lr_mult) for s, m in enumerate(means)]

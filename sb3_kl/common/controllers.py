@@ -234,13 +234,15 @@ def warn_unused_arguments(kl_controller: str, **arguments: tuple[Any, Any]) -> N
     """
     given = {name: value for name, (value, default) in arguments.items() if value != default}
     if given:
-        users = {
-            name: [controller for controller, names in _CONTROLLER_ARGUMENTS.items() if name in names] for name in given
-        }
+        listed = ", ".join(
+            f"`{name}`={value!r} (used by "
+            + " and ".join(repr(controller) for controller, names in _CONTROLLER_ARGUMENTS.items() if name in names)
+            + ")"
+            for name, value in given.items()
+        )
         warnings.warn(
-            f"`kl_controller`={kl_controller!r} does not use "
-            + ", ".join(f"`{name}`={value!r} (used by {' and '.join(map(repr, users[name]))})" for name, value in given.items())
-            + ": it has no effect. Leave it at its default, or choose the controller that uses it.",
+            f"`kl_controller`={kl_controller!r} does not use {listed}: it has no effect. Leave it at its default, or "
+            "choose the controller that uses it.",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
