@@ -165,3 +165,19 @@ def test_a_monitor_attached_to_another_model_measures_the_drift_of_that_models_p
     for update in (1, 2):
         record = monitor.history[3 + update]
         assert record["drift"] == pytest.approx(keeper.drift(update, 2), rel=1e-3, abs=1e-7)
+
+
+@pytest.mark.parametrize("algo, squash_output", [(PPO, False), (KLPPO, False), (PPO, True)])
+def test_drift_of_a_gsde_policy(algo, squash_output):
+    # gSDE's distribution holds its sampled exploration matrices (non-leaf tensors): the monitor's lagged policy copy
+    # must not depend on deep-copying the module
+    kwargs = dict(TINY, policy_kwargs=dict(net_arch=[16], squash_output=squash_output))
+    model = algo("MlpPolicy", make_vec_env("Pendulum-v1", n_envs=2, seed=0), n_steps=64, batch_size=64, use_sde=True, **kwargs)
+    monitor = KLMonitorCallback(drift_lag=2)
+    keeper = PolicyKeeper()
+    model.learn(4 * 128, callback=[keeper, monitor])
+
+    assert [("drift" in record) for record in monitor.history] == [False, True, True, True]
+    for update in range(1, 4):
+        assert monitor.history[update]["drift"] == pytest.approx(keeper.drift(update, 2), rel=1e-3, abs=1e-7)
+    assert monitor.history[-1]["drift"] > 1e-6

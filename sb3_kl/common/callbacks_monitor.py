@@ -3,7 +3,6 @@ KLMonitorCallback: the exact per-state KL of every update of an SB3 on-policy ag
 that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its docstring for the timing).
 """
 
-import copy
 import math
 import warnings
 from collections import deque
@@ -622,9 +621,12 @@ class KLMonitorCallback(BaseCallback):
             return None
         assert self._dist_params is not None
         if self._lagged_policy is None:
-            lagged = copy.deepcopy(self.model.policy)
-            lagged.optimizer = None
-            self._lagged_policy = lagged.requires_grad_(False)
+            # Built from the policy's constructor parameters, as a reference policy is: a deep copy of the module fails
+            # on gSDE policies, whose distribution holds the sampled exploration matrices (non-leaf tensors)
+            from sb3_kl.common.reference import build_reference_policy, reference_spec  # imports this module
+
+            policy_class, constructor_kwargs = reference_spec(self.model.policy)
+            self._lagged_policy = build_reference_policy(policy_class, constructor_kwargs, self.model.device)
         self._lagged_policy.load_state_dict(self._lagged_weights[0])
         lagged_params, _ = self._evaluate(snapshot, self._lagged_policy, with_log_prob=False)
         exact = KLSettings(estimator="analytic", direction=self.settings.direction, reduction=self.settings.reduction)
