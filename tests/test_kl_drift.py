@@ -181,3 +181,17 @@ def test_drift_of_a_gsde_policy(algo, squash_output):
     for update in range(1, 4):
         assert monitor.history[update]["drift"] == pytest.approx(keeper.drift(update, 2), rel=1e-3, abs=1e-7)
     assert monitor.history[-1]["drift"] > 1e-6
+
+
+@pytest.mark.parametrize("use_sde", [False, True])
+def test_the_monitor_leaves_the_training_unchanged(use_sde):
+    # the lagged policy is built once the lag is reached: it must not draw from the generators the training uses
+    def train(callback):
+        env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+        model = PPO("MlpPolicy", env, n_steps=32, batch_size=64, use_sde=use_sde, **TINY)
+        model.learn(5 * 64, callback=callback)
+        return th.nn.utils.parameters_to_vector(model.policy.parameters()).detach()
+
+    monitor = KLMonitorCallback(drift_lag=2)
+    assert th.equal(train(None), train(monitor))
+    assert sum("drift" in record for record in monitor.history) == 4

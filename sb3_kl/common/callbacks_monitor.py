@@ -626,7 +626,10 @@ class KLMonitorCallback(BaseCallback):
             from sb3_kl.common.reference import build_reference_policy, reference_spec  # imports this module
 
             policy_class, constructor_kwargs = reference_spec(self.model.policy)
-            self._lagged_policy = build_reference_policy(policy_class, constructor_kwargs, self.model.device)
+            # its initial weights (overwritten below) come from a fork of torch's global generator, so that the
+            # monitored run samples the same actions as an unmonitored one
+            with th.random.fork_rng(devices=[]):
+                self._lagged_policy = build_reference_policy(policy_class, constructor_kwargs, self.model.device)
         self._lagged_policy.load_state_dict(self._lagged_weights[0])
         lagged_params, _ = self._evaluate(snapshot, self._lagged_policy, with_log_prob=False)
         exact = KLSettings(estimator="analytic", direction=self.settings.direction, reduction=self.settings.reduction)
