@@ -635,7 +635,7 @@ def report(tier: str) -> str:
     if lower_target:
         lines += lower_target, ""
     lines += collapse_table(groups), ""
-    for section in (drift_table(groups), cartpole_collapse_rates(groups, tier)):
+    for section in (drift_table(groups), *(collapse_rates(groups, tier, env) for env in MORE_SEEDS_RUNS)):
         if section:
             lines += section, ""
     replicated = replication(tier)
@@ -1522,49 +1522,58 @@ def fisher_exact_p(a: int, n_a: int, b: int, n_b: int) -> float:
     return min(1.0, sum(p for k in range(low, high + 1) if (p := probability(k)) <= observed * (1 + 1e-9)))
 
 
-#: More seeds of the CartPole-v1 cells (records in ``results/<folder>/runs/<tier>/``), for the rate of its collapses
-CARTPOLE_SEEDS_RUNS = "cartpole_seeds_10_29"
+#: Environment -> results folder of its extra seeds (beside the grid's, same settings), and the return under which a
+#: run does not solve it (None: no such line)
+MORE_SEEDS_RUNS: dict[str, tuple[str, float | None]] = {
+    "CartPole-v1": ("cartpole_seeds_10_29", 475.0),
+    "Hopper-v5": ("hopper_seeds_10_19", None),
+}
 
 
-def cartpole_collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str) -> str:
+def collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str, env: str) -> str:
     """
-    How often each PPO-family algorithm collapses on CartPole-v1 over the grid's seeds and the extra seeds of
-    :data:`CARTPOLE_SEEDS_RUNS`, against stock PPO (Fisher's exact test); empty without extra records.
+    How often each PPO-family algorithm collapses on ``env`` over the grid's seeds and the extra seeds of its
+    :data:`MORE_SEEDS_RUNS` folder, against stock PPO (Fisher's exact test); empty without extra records.
     """
-    extra = load_folder(f"{CARTPOLE_SEEDS_RUNS}/runs/{tier}")
+    folder, solved = MORE_SEEDS_RUNS[env]
+    extra = {cell: runs for cell, runs in load_folder(f"{folder}/runs/{tier}").items() if cell[0] == env}
     if not extra:
         return ""
-    env = "CartPole-v1"
-    algos = sorted({algo for (e, algo, _) in extra if e == env}, key=lambda a: MAIN_ALGOS.index(a))
+    algos = sorted({algo for (_, algo, _) in extra}, key=lambda a: MAIN_ALGOS.index(a))
     runs = {algo: groups.get((env, algo, 1.0), []) + extra.get((env, algo, 1.0), []) for algo in algos}
     reference = runs.get("ppo", [])
     n_ref = len(reference)
     collapses_ref = sum(count_collapses(r["curve"]) > 0 for r in reference)
     versions = ", ".join(f"`{v}`" for v in sorted({r.get("code_version", "?") for rs in extra.values() for r in rs}))
     extra_seeds = sorted({r["seed"] for rs in extra.values() for r in rs})
+    under = f" and ends under {solved:g} (the standing check)" if solved is not None else ""
     out = [
-        "## CartPole-v1 collapses over more seeds",
+        f"## {env} collapses over more seeds",
         "",
-        f"The grid's CartPole-v1 cells of {', '.join(algos)} with seeds {extra_seeds[0]}..{extra_seeds[-1]} added"
-        f" (`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{CARTPOLE_SEEDS_RUNS} python benchmarks/learning.py --tier"
+        f"The grid's {env} cells of {', '.join(algos)} with seeds {extra_seeds[0]}..{extra_seeds[-1]} added"
+        f" (`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier"
         f" {tier} --algos {' '.join(algos)} --envs {env} --seeds {extra_seeds[0]}..{extra_seeds[-1]} --lr-mults 1`;"
-        f" records in `benchmarks/results/{CARTPOLE_SEEDS_RUNS}/`, code {versions}), same settings: how often each"
-        " collapses (`count_collapses`) and ends under 475 (the standing check), beside stock PPO on the same seeds."
-        " p: two-sided Fisher exact test of the collapse counts against PPO's; a difference with p ≥"
-        f" {SIGNIFICANCE} is a tie.",
+        f" records in `benchmarks/results/{folder}/`, code {versions}), same settings: how often each"
+        f" collapses (`count_collapses`){under}, beside stock PPO on the same seeds; the evaluation after training of"
+        " the collapsed runs (the deterministic policy at the end, which may have recovered while the curve of the"
+        " stochastic policy's episodes had not). p: two-sided Fisher exact test of the collapse counts against PPO's;"
+        f" a difference with p ≥ {SIGNIFICANCE} is a tie.",
         "",
-        "| algo | seeds | collapses | seeds collapsed | eval < 475 | eval (mean ± std) | collapses vs ppo: p |",
-        "|---|---|---|---|---|---|---|",
+        "| algo | seeds | collapses | seeds collapsed | eval of the collapsed |"
+        + (f" eval < {solved:g} |" if solved is not None else "")
+        + " eval (mean ± std) | collapses vs ppo: p |",
+        "|---|---|---|---|---|" + ("---|" if solved is not None else "") + "---|---|",
     ]
     for algo in algos:
         records = sorted(runs[algo], key=lambda r: r["seed"])
-        collapsed = [r["seed"] for r in records if count_collapses(r["curve"]) > 0]
-        low = sum(r["eval_mean"] < 475 for r in records)
+        collapsed = [r for r in records if count_collapses(r["curve"]) > 0]
         evals = [r["eval_mean"] for r in records]
         p = "-" if algo == "ppo" or not n_ref else f"{fisher_exact_p(len(collapsed), len(records), collapses_ref, n_ref):.2f}"
+        low = f" {sum(x < solved for x in evals)} |" if solved is not None else ""
+        seeds = ", ".join(str(r["seed"]) for r in collapsed) or "-"
+        collapsed_evals = ", ".join(f"{r['eval_mean']:.1f}" for r in collapsed) or "-"
         out.append(
-            f"| {algo} | {len(records)} | {len(collapsed)} | {', '.join(map(str, collapsed)) or '-'} | {low}"
-            f" | {fmt(evals)} | {p} |"
+            f"| {algo} | {len(records)} | {len(collapsed)} | {seeds} | {collapsed_evals} |{low} {fmt(evals)} | {p} |"
         )
     return "\n".join(out)
 

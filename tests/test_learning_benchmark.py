@@ -290,21 +290,31 @@ def test_fisher_exact_p_value(counts, p):
     assert learning.fisher_exact_p(*counts) == pytest.approx(p, rel=1e-12)
 
 
-def test_cartpole_collapse_rates_pool_the_grid_and_the_extra_seeds(tmp_path, monkeypatch):
+def test_collapse_rates_pool_the_grid_and_the_extra_seeds(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     grid = [_record(a, "CartPole-v1", s, 500.0, [0.01], 0.02) for a in ("ppo", "clip_klppo") for s in range(2)]
     grid[2] = _record("clip_klppo", "CartPole-v1", 0, 117.0, [0.01], 0.02, curve=falling)
-    extra = tmp_path / learning.CARTPOLE_SEEDS_RUNS / "runs" / "tiny"
+    extra = tmp_path / learning.MORE_SEEDS_RUNS["CartPole-v1"][0] / "runs" / "tiny"
     for algo in ("ppo", "clip_klppo"):
         for seed in (10, 11):
             _write(extra, _record(algo, "CartPole-v1", seed, 500.0, [0.01], 0.02))
-    text = learning.cartpole_collapse_rates(learning.group_records(grid), "tiny")
+    text = learning.collapse_rates(learning.group_records(grid), "tiny", "CartPole-v1")
+    assert text.startswith("## CartPole-v1 collapses over more seeds")
     assert "--seeds 10..11" in text
-    assert _row(text, "| ppo |") == "| ppo | 4 | 0 | - | 0 | 500.0 ± 0.0 | - |"
-    assert _row(text, "| clip_klppo |") == "| clip_klppo | 4 | 1 | 0 | 1 | 404.2 ± 165.8 | 1.00 |"
+    assert _row(text, "| ppo |") == "| ppo | 4 | 0 | - | - | 0 | 500.0 ± 0.0 | - |"
+    assert _row(text, "| clip_klppo |") == "| clip_klppo | 4 | 1 | 0 | 117.0 | 1 | 404.2 ± 165.8 | 1.00 |"
+    # Hopper's table has no solved line, and only its own environment's records count
+    assert learning.collapse_rates(learning.group_records(grid), "tiny", "Hopper-v5") == ""
+    hopper = tmp_path / learning.MORE_SEEDS_RUNS["Hopper-v5"][0] / "runs" / "tiny"
+    _write(hopper, _record("ppo", "Hopper-v5", 10, 900.0, [0.01], 0.03, curve=falling))
+    _write(hopper, _record("klppo", "Hopper-v5", 10, 1000.0, [0.01], 0.03))
+    text = learning.collapse_rates(learning.group_records([]), "tiny", "Hopper-v5")
+    assert "eval < " not in text
+    assert _row(text, "| ppo |") == "| ppo | 1 | 1 | 10 | 900.0 | 900.0 ± 0.0 | - |"
+    assert _row(text, "| klppo |") == "| klppo | 1 | 0 | - | - | 1000.0 ± 0.0 | 1.00 |"
     _empty(extra)
-    assert learning.cartpole_collapse_rates(learning.group_records(grid), "tiny") == ""
+    assert learning.collapse_rates(learning.group_records(grid), "tiny", "CartPole-v1") == ""
 
 
 def test_cartpole_standing_check_sets_the_stock_counterparts_seeds_beside():
