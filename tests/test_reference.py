@@ -196,6 +196,24 @@ def test_mismatched_action_space_raises(algo):
         make_model(algo, ref_policy=box)
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_reference_that_squashes_differently_raises(algo, tmp_path):
+    # a tanh-squashed gSDE Gaussian and a plain one share the parameter layout; their pre-tanh KL is not the actions'
+    squashed = dict(POLICY_KWARGS, squash_output=True)
+    plain_ref = PPO("MlpPolicy", "Pendulum-v1", use_sde=True, policy_kwargs=dict(POLICY_KWARGS), device="cpu")
+    squashed_ref = PPO("MlpPolicy", "Pendulum-v1", use_sde=True, policy_kwargs=squashed, device="cpu")
+    squashed_ref.save(tmp_path / "squashed.zip")
+    with pytest.raises(ValueError, match=r"`ref_policy` has squash_output=False and this model's policy squash_output=True"):
+        algo("MlpPolicy", "Pendulum-v1", n_steps=64, use_sde=True, policy_kwargs=squashed, ref_policy=plain_ref, device="cpu")
+    for source in (squashed_ref, tmp_path / "squashed.zip"):  # also when rebuilt from a saved model
+        with pytest.raises(ValueError, match=r"squash_output=True and this model's policy squash_output=False"):
+            make_model(algo, use_sde=True, ref_policy=source)
+    # the same setting on both sides is accepted
+    model = algo("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, use_sde=True, policy_kwargs=squashed,
+                 ref_policy=squashed_ref, device="cpu")  # fmt: skip
+    assert model.ref_policy.squash_output
+
+
 def test_invalid_arguments(tmp_path):
     with pytest.raises(ValueError, match="ref_kl_coef"):
         make_model(KLPPO, ref_kl_coef=-1.0)

@@ -386,6 +386,17 @@ class ReferenceKLMixin:
                 f"parameters per state, this model's policy a {type(self.policy.action_dist).__name__} with "  # type: ignore[attr-defined]
                 f"{own_layout.n_params}: the reference KL needs the same kind of distribution."
             )
+        # gSDE with squash_output=True: the KL is taken between the Gaussians before the tanh, which is the KL between
+        # the action distributions only when both squash (the same bijection) or neither does
+        ref_squash = bool(getattr(reference, "squash_output", False))
+        own_squash = bool(getattr(self.policy, "squash_output", False))  # type: ignore[attr-defined]
+        if ref_squash != own_squash:
+            raise ValueError(
+                f"`ref_policy` has squash_output={ref_squash} and this model's policy squash_output={own_squash}: the "
+                "KL between a tanh-squashed and an unsquashed Gaussian is not that of their Gaussians before the tanh. "
+                f"Pass a reference trained with `policy_kwargs=dict(squash_output={own_squash})` (and `use_sde=True` "
+                "when squashing), or build this model with the reference's setting."
+            )
         self.ref_policy = reference
         self.ref_policy_class, self.ref_policy_kwargs = reference_spec(reference)
         self.ref_dist_params = ref_layout
