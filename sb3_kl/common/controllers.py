@@ -285,7 +285,8 @@ def make_kl_controller(
     check_positive("kl_horizon", kl_horizon)
     unused = {
         "kl_adapt_factor": (kl_adapt_factor, 1.5),
-        "kl_band": (tuple(kl_band), (0.8, 1.25)),
+        # a list from a YAML config is the same choice as the tuple; a bad value is left to the controller's checks
+        "kl_band": (tuple(kl_band) if isinstance(kl_band, (list, tuple)) else kl_band, (0.8, 1.25)),
         "kl_window": (kl_window, 1),
         "kl_horizon": (kl_horizon, 10_000),
     }
