@@ -195,6 +195,11 @@ KL_CONTROLLERS: dict[str, type[KLController]] = {
 }
 
 
+def _given(arguments: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+    """:return: the arguments of ``name=(value, default)`` whose value differs from their default, by name"""
+    return {name: value for name, (value, default) in arguments.items() if value != default}
+
+
 def warn_ignored_arguments(option: str, controller: KLController, **arguments: tuple[Any, Any]) -> None:
     """
     Warn that the arguments given beside a controller object are ignored (the object is used as given).
@@ -203,7 +208,7 @@ def warn_ignored_arguments(option: str, controller: KLController, **arguments: t
     :param controller: The object
     :param arguments: ``name=(value, default)`` of the controller arguments; those that differ from their default warn
     """
-    given = {name: value for name, (value, default) in arguments.items() if value != default}
+    given = _given(arguments)
     if given:
         warnings.warn(
             f"`{option}` is a controller object ({type(controller).__name__}), which is used as given: "
@@ -232,7 +237,7 @@ def warn_unused_arguments(kl_controller: str, **arguments: tuple[Any, Any]) -> N
     :param arguments: ``name=(value, default)`` of the arguments it does not use; those that differ from their
         default warn
     """
-    given = {name: value for name, (value, default) in arguments.items() if value != default}
+    given = _given(arguments)
     if given:
         listed = ", ".join(
             f"`{name}`={value!r} (used by "
@@ -246,6 +251,11 @@ def warn_unused_arguments(kl_controller: str, **arguments: tuple[Any, Any]) -> N
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def _as_tuple(value: Any) -> Any:
+    """A list or tuple as a tuple (how a pair compares with its default); anything else unchanged."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def make_kl_controller(
@@ -264,17 +274,18 @@ def make_kl_controller(
         (which is used as given; the other arguments are then ignored)
     :return: The controller
     """
+    # name -> (value, default); a list from a YAML config is the same choice as the tuple, and a value that is no pair
+    # is left to the controller's own checks
+    arguments = {
+        "kl_coef": (kl_coef, 1.0),
+        "kl_adapt_factor": (kl_adapt_factor, 1.5),
+        "kl_band": (_as_tuple(kl_band), (0.8, 1.25)),
+        "kl_coef_bounds": (_as_tuple(kl_coef_bounds), (1e-4, 10.0)),
+        "kl_window": (kl_window, 1),
+        "kl_horizon": (kl_horizon, 10_000),
+    }
     if isinstance(kl_controller, KLController):
-        warn_ignored_arguments(
-            "kl_controller",
-            kl_controller,
-            kl_coef=(kl_coef, 1.0),
-            kl_adapt_factor=(kl_adapt_factor, 1.5),
-            kl_band=(tuple(kl_band), (0.8, 1.25)),
-            kl_coef_bounds=(tuple(kl_coef_bounds), (1e-4, 10.0)),
-            kl_window=(kl_window, 1),
-            kl_horizon=(kl_horizon, 10_000),
-        )
+        warn_ignored_arguments("kl_controller", kl_controller, **arguments)
         return kl_controller
     if not isinstance(kl_controller, str) or kl_controller not in KL_CONTROLLERS:
         raise ValueError(
@@ -283,16 +294,8 @@ def make_kl_controller(
         )
     # Checked whatever the controller, so that a bad value does not wait for a switch to 'proportional'
     check_positive("kl_horizon", kl_horizon)
-    unused = {
-        "kl_adapt_factor": (kl_adapt_factor, 1.5),
-        # a list from a YAML config is the same choice as the tuple; a bad value is left to the controller's checks
-        "kl_band": (tuple(kl_band) if isinstance(kl_band, (list, tuple)) else kl_band, (0.8, 1.25)),
-        "kl_window": (kl_window, 1),
-        "kl_horizon": (kl_horizon, 10_000),
-    }
-    for name in _CONTROLLER_ARGUMENTS[kl_controller]:
-        del unused[name]
-    warn_unused_arguments(kl_controller, **unused)
+    used = ("kl_coef", "kl_coef_bounds", *_CONTROLLER_ARGUMENTS[kl_controller])
+    warn_unused_arguments(kl_controller, **{name: pair for name, pair in arguments.items() if name not in used})
     if kl_controller == "adaptive":
         return AdaptiveKLController(kl_coef, kl_adapt_factor, kl_band, kl_coef_bounds, kl_window)
     if kl_controller == "fixed":
