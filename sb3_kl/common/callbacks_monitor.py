@@ -34,6 +34,7 @@ from sb3_kl.common.kl import (
 )
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.normalization import RolloutNormalization, rollout_normalization
+from sb3_kl.common.policy_copy import build_reference_policy, reference_spec
 from sb3_kl.common.recurrent import RolloutSequences, evaluate_sequences, is_recurrent_policy, step_major
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_quantiles
 
@@ -623,8 +624,6 @@ class KLMonitorCallback(BaseCallback):
         if self._lagged_policy is None:
             # Built from the policy's constructor parameters, as a reference policy is: a deep copy of the module fails
             # on gSDE policies, whose distribution holds the sampled exploration matrices (non-leaf tensors)
-            from sb3_kl.common.reference import build_reference_policy, reference_spec  # imports this module
-
             policy_class, constructor_kwargs = reference_spec(self.model.policy)
             # its initial weights (overwritten below) come from a fork of torch's global generator, so that the
             # monitored run samples the same actions as an unmonitored one

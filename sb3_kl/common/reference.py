@@ -8,8 +8,8 @@ direction RLHF uses: the policy pays for putting probability where the reference
 This module holds what the algorithms share for it:
 
 - loading a reference from a saved SB3 model (any on-policy algorithm's zip), a model or a policy, into a frozen
-  copy (:func:`load_reference_policy`), and rebuilding that copy's skeleton from plain constructor information when
-  a model is loaded (:func:`build_reference_policy`), so that ``load`` restores the anchor from the model's own zip;
+  copy (:func:`load_reference_policy`), whose skeleton is rebuilt from plain constructor information when a model is
+  loaded (:mod:`sb3_kl.common.policy_copy`), so that ``load`` restores the anchor from the model's own zip;
 - :class:`ReferenceKLMixin`: the options, the KL term used inside the losses, its coefficient controller
   (the same classes as the update KL's, with its own state) and the measurement and logs after each update.
 """
@@ -27,7 +27,6 @@ from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
 from stable_baselines3.common.save_util import load_from_zip_file
 from stable_baselines3.common.type_aliases import PyTorchObs
-from stable_baselines3.common.utils import ConstantSchedule
 
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import (
@@ -49,7 +48,13 @@ from sb3_kl.common.kl import (
     per_state_kl_to,
 )
 from sb3_kl.common.modes import acting_mode
-from sb3_kl.common.recurrent import is_recurrent_policy, lstm_constructor_parameters
+from sb3_kl.common.policy_copy import (
+    ACTOR_CRITIC_POLICIES,
+    build_reference_policy,
+    is_frozen_reference,
+    reference_spec,
+)
+from sb3_kl.common.recurrent import is_recurrent_policy
 from sb3_kl.common.validation import check_existing_file, check_pair, check_positive
 
 #: Reference options that ``load()`` takes out of its arguments and applies or refuses once the model is loaded
@@ -58,76 +63,7 @@ LOADED_REFERENCE_OPTIONS = ("ref_policy", "ref_target_kl")
 #: How ``ref_target_kl``'s errors say what None means
 REF_TARGET_KL_HINT = " (None: a fixed coefficient)"
 
-#: Attribute set on the frozen copies built here (so ``_setup_model`` does not copy them again)
-_FROZEN_MARK = "_sb3_kl_frozen_reference"
-
 ReferenceSource = str | os.PathLike | BaseAlgorithm | BasePolicy
-
-try:  # sb3-contrib is optional: MaskablePPO's policy is an actor-critic policy that does not subclass ActorCriticPolicy
-    from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
-
-    #: Policy classes a reference may have
-    ACTOR_CRITIC_POLICIES: tuple[type[BasePolicy], ...] = (ActorCriticPolicy, MaskableActorCriticPolicy)
-except ImportError:  # pragma: no cover
-    ACTOR_CRITIC_POLICIES = (ActorCriticPolicy,)
-
-
-def _constant_zero_schedule() -> ConstantSchedule:
-    # The reference is never optimized: its optimizer's learning rate is irrelevant (ConstantSchedule pickles cleanly)
-    return ConstantSchedule(0.0)
-
-
-def freeze_policy(policy: ActorCriticPolicy) -> ActorCriticPolicy:
-    """
-    Freeze a policy in place: eval mode, no gradients, no optimizer.
-
-    :param policy: The policy
-    :return: the same object
-    """
-    policy.set_training_mode(False)
-    policy.requires_grad_(False)
-    # Its optimizer would only hold references to frozen parameters; the algorithm's optimizer never sees them
-    policy.optimizer = None  # type: ignore[assignment]
-    setattr(policy, _FROZEN_MARK, True)
-    return policy
-
-
-def is_frozen_reference(policy: Any) -> bool:
-    """Whether ``policy`` is a frozen reference built by this module."""
-    return isinstance(policy, ACTOR_CRITIC_POLICIES) and getattr(policy, _FROZEN_MARK, False)
-
-
-def build_reference_policy(
-    policy_class: type[ActorCriticPolicy], constructor_kwargs: dict[str, Any], device: th.device | str = "cpu"
-) -> ActorCriticPolicy:
-    """
-    Build a frozen policy skeleton (random weights) from constructor information; the weights are loaded afterwards
-    (``set_parameters`` during ``load``, or ``load_state_dict``).
-
-    :param policy_class: The policy class
-    :param constructor_kwargs: Its keyword arguments, spaces included (``lr_schedule`` is supplied here)
-    :param device: Device of the copy
-    :return: The frozen policy
-    """
-    kwargs = dict(constructor_kwargs)
-    kwargs["lr_schedule"] = _constant_zero_schedule()
-    policy = policy_class(**kwargs).to(device)
-    return freeze_policy(policy)
-
-
-def reference_spec(policy: ActorCriticPolicy) -> tuple[type[ActorCriticPolicy], dict[str, Any]]:
-    """
-    The constructor information of a policy, as plain picklable data (no module, no bound method).
-
-    :return: ``(policy_class, constructor_kwargs)``
-    """
-    kwargs = policy._get_constructor_parameters()
-    kwargs.pop("lr_schedule", None)
-    # Not part of SB3's constructor parameters, but it changes the module structure (and the state dict's keys)
-    kwargs["share_features_extractor"] = policy.share_features_extractor
-    if is_recurrent_policy(policy):  # sb3-contrib's LSTM policies leave their LSTM arguments out as well
-        kwargs.update(lstm_constructor_parameters(policy))
-    return type(policy), kwargs
 
 
 def _policy_from_zip(path: str | os.PathLike, device: th.device | str) -> ActorCriticPolicy:
