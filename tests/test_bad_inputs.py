@@ -165,11 +165,12 @@ ROWS: list[Row] = [
     *ok((KLMonitorCallback,), "drift_lag", 0, 2.5, True),
     *ok((KLMonitorCallback,), "top_k", -1, 2.5),
     *ok((KLMonitorCallback,), "top_k_path", "states.npz"),  # a path while top_k=0 keeps nothing
+    *ok((KLMonitorCallback,), "top_k_path", 5),
     *ok((KLMonitorCallback,), "background_size", -1),
     *ok((KLMonitorCallback,), "chunk_size", 0),
     *ok((KLMonitorCallback,), "seed", -1),
     *ok((KLMonitorCallback, KLAdaptiveLRCallback, VarianceFloorCallback, KLAlarmCallback), "verbose", "loud"),
-    *ok((KLAdaptiveLRCallback, KLAlarmCallback), "target_kl", 0.0, NAN, "0.01"),
+    *ok((KLAdaptiveLRCallback, KLAlarmCallback), "target_kl", 0.0, NAN, "0.01", Linear(-0.01, -0.01), Linear(0.02, NAN)),
     *ok((KLAdaptiveLRCallback,), "target_kl", None),
     *ok((KLAdaptiveLRCallback,), "factor", 1.0, NAN),
     *ok((KLAdaptiveLRCallback,), "band", (2.0, 0.5), (0.5,)),

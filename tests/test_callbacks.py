@@ -369,6 +369,65 @@ def test_alarm_shares_monitor():
         _model(PPO, "CartPole-v1").learn(64, callback=KLAlarmCallback(monitor=KLMonitorCallback()))
 
 
+def test_a_shared_monitor_left_out_of_a_later_learn_raises():
+    """
+    A monitor given to the first learn() still holds the model afterwards; left out of the next learn() it would
+    measure nothing and the callbacks that listen to it would silently stop acting.
+    """
+    model = _model(PPO, "CartPole-v1")
+    monitor = KLMonitorCallback()
+    adaptive = KLAdaptiveLRCallback(target_kl=0.01, monitor=monitor)
+    alarm = KLAlarmCallback(target_kl=0.01, monitor=monitor)
+    model.learn(64, callback=[monitor, adaptive, alarm])
+    with pytest.raises(ValueError, match="pass it to learn"):
+        model.learn(64, callback=[adaptive, alarm])
+    model.learn(64, callback=[adaptive, monitor], reset_num_timesteps=False)  # given again: fine, in any order
+
+
+class _LearningRateAtStart(BaseCallback):
+    """The optimizer's learning rate once the callbacks before this one have started training."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = []
+
+    def _on_training_start(self) -> None:
+        self.values.append(self.model.policy.optimizer.param_groups[0]["lr"])
+
+    def _on_step(self) -> bool:
+        return True
+
+
+def test_adaptive_lr_starts_where_the_schedule_is_at_the_start_of_learn():
+    """
+    SB3 updates the progress remaining only after the first rollout, so at the start of a second learn() (or of a
+    loaded model's) it still holds the end of the previous one (0.0 for a finished run): the callback must start from
+    the configured schedule's value at the start of this learn(), not at that stale progress.
+    """
+
+    def linear(progress_remaining: float) -> float:
+        return 3e-3 * progress_remaining
+
+    model = _model(PPO, "CartPole-v1", learning_rate=linear)
+    model.learn(128)
+    assert model._current_progress_remaining == 0.0
+    start = _LearningRateAtStart()
+    model.learn(128, callback=[KLAdaptiveLRCallback(target_kl=0.01, lr_bounds=(1e-6, 0.1)), start])
+    assert start.values == [pytest.approx(3e-3)]  # reset_num_timesteps=True: progress 1
+    start = _LearningRateAtStart()
+    model.learn(384, callback=[KLAdaptiveLRCallback(target_kl=0.01), start], reset_num_timesteps=False)
+    assert start.values == [pytest.approx(linear(1.0 - 128 / (128 + 384)))]
+
+
+def test_top_k_states_are_saved_into_a_folder_that_does_not_exist_yet(tmp_path):
+    """Like SB3's CheckpointCallback, the monitor creates the folders of its ``top_k_path``."""
+    path = tmp_path / "not" / "yet" / "top.npz"
+    model = _model(PPO, "CartPole-v1")
+    model.learn(64, callback=KLMonitorCallback(top_k=3, top_k_path=path))
+    with np.load(path) as saved:
+        assert len(saved["kl"]) == 3
+
+
 def test_monitor_and_alarm_see_no_kl_coefficient_on_kltrpo():
     """
     KLTRPO's hard constraint has no penalty coefficient: the monitor logs no ``kl/coef`` for it (the idle controller

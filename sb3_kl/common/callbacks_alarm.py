@@ -16,7 +16,7 @@ from stable_baselines3.common.utils import FloatSchedule
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, is_trust_region_family, model_target_kl
 from sb3_kl.common.controllers import FixedKLController
 from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
-from sb3_kl.common.validation import check_bool, check_int, check_pair, check_positive
+from sb3_kl.common.validation import check_bool, check_int, check_pair, check_positive, check_schedule
 
 #: ``max_kl_factor``'s default: a single update whose mean KL exceeds this many times the target raises ``kl_spike``
 #: at once. Chosen by ``benchmarks/alarm_spike_rule.py`` from the committed benchmark runs' per-update KLs (the
@@ -167,8 +167,7 @@ class KLAlarmCallback(MonitorUser):
         verbose: int = 0,
     ):
         super().__init__(monitor, verbose)
-        if target_kl is not None and not callable(target_kl):
-            check_positive("target_kl", target_kl)
+        check_schedule("target_kl", target_kl, allow_none=True)
         check_positive("spike_factor", spike_factor)
         check_positive("max_kl_factor", max_kl_factor, allow_none=True, hint=" or None (no single-update check)")
         check_int("patience", patience, 1)

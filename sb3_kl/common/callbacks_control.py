@@ -15,7 +15,7 @@ from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import FloatSchedule, update_learning_rate
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
-from sb3_kl.common.validation import check_int, check_pair, check_positive
+from sb3_kl.common.validation import check_int, check_pair, check_positive, check_schedule
 from sb3_kl.common.variance import min_log_std_parameter
 
 
@@ -80,8 +80,7 @@ class KLAdaptiveLRCallback(MonitorUser):
         verbose: int = 0,
     ):
         super().__init__(monitor, verbose)
-        if not callable(target_kl):
-            check_positive("target_kl", target_kl)
+        check_schedule("target_kl", target_kl)
         check_positive("factor", factor)
         if factor <= 1.0:
             raise ValueError(f"`factor` must be > 1 (the learning rate is multiplied or divided by it), got {factor!r}.")
@@ -99,7 +98,10 @@ class KLAdaptiveLRCallback(MonitorUser):
     def _on_training_start(self) -> None:
         super()._on_training_start()
         if self.learning_rate is None:
-            self.learning_rate = self._clip(float(self.model.lr_schedule(self.model._current_progress_remaining)))
+            # SB3 updates the progress remaining only after the first rollout: until then it holds the end of the
+            # previous learn() (or of the run a loaded model was saved from), so take the value it will compute
+            progress = 1.0 - float(self.model.num_timesteps) / float(self.model._total_timesteps)
+            self.learning_rate = self._clip(float(self.model.lr_schedule(progress)))
         self._original_schedule = self.model.lr_schedule
         self._schedule = AdaptiveLRSchedule(self.learning_rate)
         self.model.lr_schedule = self._schedule

@@ -4,6 +4,7 @@ that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its
 """
 
 import math
+import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.normalization import RolloutNormalization, rollout_normalization
 from sb3_kl.common.policy_copy import build_reference_policy, reference_spec
 from sb3_kl.common.recurrent import RolloutSequences, evaluate_sequences, is_recurrent_policy, step_major
-from sb3_kl.common.validation import check_bool, check_choice, check_int, check_quantiles
+from sb3_kl.common.validation import check_bool, check_choice, check_int, check_path, check_quantiles
 
 try:  # sb3-contrib is optional: only needed to recognise MaskablePPO's distributions
     from sb3_contrib.common.maskable.distributions import (
@@ -249,7 +250,7 @@ class KLMonitorCallback(BaseCallback):
         normalization_shift: bool = True,
         drift_lag: int | None = 10,
         top_k: int = 0,
-        top_k_path: str | None = None,
+        top_k_path: str | os.PathLike | None = None,
         background_size: int | None = None,
         chunk_size: int = 4096,
         seed: int = 0,
@@ -281,6 +282,7 @@ class KLMonitorCallback(BaseCallback):
                 raise type(error)(f"{error} (None: the drift is not measured.)") from None
         check_int("top_k", top_k, 0)
         check_int("chunk_size", chunk_size, 1)
+        check_path("top_k_path", top_k_path)
         if top_k_path is not None and top_k == 0:
             raise ValueError("`top_k_path` is set but `top_k`=0 keeps no state: pass top_k > 0 or top_k_path=None.")
         if background_size is None:
@@ -395,7 +397,13 @@ class KLMonitorCallback(BaseCallback):
     def _on_training_end(self) -> None:
         self._measure_pending()
         if self.top_k_path is not None and self.top_states:
-            self.save_top_states(self.top_k_path)
+            try:
+                self.save_top_states(self.top_k_path)
+            except OSError as error:
+                raise OSError(
+                    f"{type(self).__name__} could not save the kept high-KL states to `top_k_path`={self.top_k_path!r} "
+                    f"({error}): pass a writable path."
+                ) from error
 
     def _on_step(self) -> bool:
         if self._normalization is not None:
@@ -785,14 +793,16 @@ class KLMonitorCallback(BaseCallback):
             }
         )
 
-    def save_top_states(self, path: str) -> None:
+    def save_top_states(self, path: str | os.PathLike) -> None:
         """
-        Save the kept high-KL states and the background sample to a ``.npz`` (keys in the class docstring).
+        Save the kept high-KL states and the background sample to a ``.npz`` (keys in the class docstring); missing
+        parent folders are created, as SB3's ``CheckpointCallback`` creates its ``save_path``.
 
         :param path: Destination file
         """
         if not self.top_states:
             raise ValueError("No top-k state was kept: set top_k > 0 and train for at least one update.")
+        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
 
         def stack_obs(name: str) -> dict[str, np.ndarray]:
             first = self.top_states[0][name]
@@ -864,10 +874,13 @@ class MonitorUser(BaseCallback):
             callbacks = _callbacks_in(self.locals.get("callback"))
             self.monitor._writes_logger = not any(isinstance(callback, KLMonitorCallback) for callback in callbacks)
             self.monitor.on_training_start(self.locals, self.globals)
-        elif getattr(self.monitor, "model", None) is not self.model:
+        elif getattr(self.monitor, "model", None) is not self.model or (
+            "callback" in self.locals and not any(c is self.monitor for c in _callbacks_in(self.locals["callback"]))
+        ):
+            # (a monitor passed to an earlier learn() of this model still holds it, but would measure nothing now)
             raise ValueError(
-                f"The KLMonitorCallback passed to {type(self).__name__} is not attached to this model: pass it to "
-                "learn() as well, e.g. callback=[monitor, this_callback]."
+                f"The KLMonitorCallback passed to {type(self).__name__} is not one of this learn()'s callbacks: pass "
+                "it to learn() as well, every time, e.g. callback=[monitor, this_callback]."
             )
         self._active = True
 
