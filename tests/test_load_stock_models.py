@@ -1,7 +1,7 @@
 """
-Loading models saved by the stock algorithms (SB3's PPO and A2C, sb3-contrib's TRPO) into the sb3-kl algorithms:
-weights, optimizer state and hyperparameters come along, the KL state starts fresh, the user is told once; and a
-corrupt zip is one sentence naming the file.
+Loading models saved by the stock algorithms (SB3's PPO and A2C, sb3-contrib's TRPO, MaskablePPO and RecurrentPPO) into
+the sb3-kl algorithms: weights, optimizer state and hyperparameters come along, the KL state starts fresh, the user is
+told once; and a corrupt zip is one sentence naming the file.
 """
 
 import warnings
@@ -148,3 +148,35 @@ def test_corrupt_zip_is_one_sentence_naming_the_file(tmp_path, damage):
     message = str(info.value)
     assert str(path) in message and "\n" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_maskable_klppo_loads_stock_maskable_ppo(tmp_path):
+    """sb3-contrib's MaskablePPO saves its MaskableRolloutBuffer class: MaskableKLPPO takes its own KL buffer instead."""
+    from sb3_contrib import MaskablePPO
+    from sb3_contrib.common.envs import InvalidActionEnvDiscrete
+
+    from sb3_kl import MaskableKLPPO
+    from sb3_kl.common.maskable.buffers import MaskableKLRolloutBuffer
+
+    env = InvalidActionEnvDiscrete(dim=10, n_invalid_actions=3)
+    stock = MaskablePPO("MlpPolicy", env, **PPO_TINY).learn(64)
+    stock.save(tmp_path / "maskable_ppo")
+    model, message = load_with_one_warning(MaskableKLPPO, tmp_path / "maskable_ppo.zip", env=env)
+    assert "saved by MaskablePPO" in message
+    assert isinstance(model.rollout_buffer, MaskableKLRolloutBuffer)
+    assert_same_policy(stock, model)
+    model.learn(64, reset_num_timesteps=False)
+    assert np.isfinite(model.logger.name_to_value["train/kl"])
+
+
+def test_recurrent_klppo_names_stock_recurrent_ppo(tmp_path):
+    from sb3_contrib import RecurrentPPO
+
+    from sb3_kl import RecurrentKLPPO
+
+    stock = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=32, batch_size=32, n_epochs=1, seed=0, device="cpu")
+    stock.learn(32)
+    stock.save(tmp_path / "recurrent_ppo")
+    model, message = load_with_one_warning(RecurrentKLPPO, tmp_path / "recurrent_ppo.zip", env=make_vec_env("CartPole-v1"))
+    assert "saved by RecurrentPPO" in message
+    assert_same_policy(stock, model)

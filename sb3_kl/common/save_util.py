@@ -1,7 +1,7 @@
 """
 Reading a saved model's zip before SB3 loads it: a corrupt file is reported in one sentence naming it, and a model
-saved by a stock algorithm (SB3's ``PPO``/``A2C``, sb3-contrib's ``TRPO``) is recognised so that the sb3-kl
-algorithms can load it with a fresh KL state.
+saved by a stock algorithm (SB3's ``PPO``/``A2C``, sb3-contrib's ``TRPO``, ``MaskablePPO``, ``RecurrentPPO``) is
+recognised so that the sb3-kl algorithms can load it with a fresh KL state.
 """
 
 import io
@@ -12,8 +12,13 @@ from typing import Any
 
 from stable_baselines3.common.save_util import open_path
 
-#: Module of SB3's own rollout buffers (``RolloutBuffer``, ``DictRolloutBuffer``) as recorded in a saved model's data
-SB3_BUFFERS_MODULE = "stable_baselines3.common.buffers"
+#: Modules of the stock rollout buffers as a saved model's data records them (SB3's ``RolloutBuffer`` and
+#: ``DictRolloutBuffer``, sb3-contrib's maskable and recurrent ones), which do not store the rollout distribution
+STOCK_BUFFER_MODULES = (
+    "stable_baselines3.common.buffers",
+    "sb3_contrib.common.maskable.buffers",
+    "sb3_contrib.common.recurrent.buffers",
+)
 
 
 def read_saved_data(path: str | pathlib.Path | io.BufferedIOBase) -> dict[str, Any]:
@@ -59,13 +64,22 @@ def saved_without_kl_state(data: dict[str, Any]) -> bool:
 
 
 def saved_with_sb3_buffer(data: dict[str, Any]) -> bool:
-    """Whether the saved ``rollout_buffer_class`` is one of SB3's own buffers (which do not store the rollout distribution)."""
+    """
+    Whether the saved ``rollout_buffer_class`` is a stock buffer of SB3 or sb3-contrib (which do not store the rollout
+    distribution).
+    """
     saved = data.get("rollout_buffer_class")
-    return isinstance(saved, dict) and saved.get("__module__") == SB3_BUFFERS_MODULE
+    return isinstance(saved, dict) and saved.get("__module__") in STOCK_BUFFER_MODULES
 
 
 def guess_stock_algorithm(data: dict[str, Any]) -> str:
     """The stock algorithm that most likely saved ``data`` (for messages only)."""
+    policy_class = data.get("policy_class")
+    policy_module = policy_class.get("__module__", "") if isinstance(policy_class, dict) else ""
+    if policy_module.startswith("sb3_contrib.common.recurrent"):
+        return "RecurrentPPO"
+    if policy_module.startswith("sb3_contrib.common.maskable"):
+        return "MaskablePPO"
     if "cg_max_steps" in data:
         return "TRPO"
     if "clip_range" in data:
