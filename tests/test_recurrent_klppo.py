@@ -304,6 +304,59 @@ def test_recurrent_reference_is_rerun_over_the_same_sequences(tmp_path):
     assert np.isfinite(loaded.logger.name_to_value["train/ref_kl"])
 
 
+class StopOrSaveAt(BaseCallback):
+    """At the ``call``-th step: stop ``learn()`` (no ``path``), or save the model to ``path`` and go on."""
+
+    def __init__(self, call, path=None):
+        super().__init__()
+        self.call, self.path = call, path
+
+    def _on_step(self) -> bool:
+        if self.n_calls == self.call:
+            if self.path is None:
+                return False
+            self.model.save(self.path)
+        return True
+
+
+def _largest_difference(first, second) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(first, second, strict=True))
+
+
+def test_a_recurrent_reference_acts_alongside_on_a_rollout_left_or_saved_within():
+    """
+    The reference is the initial policy itself, so its carried LSTM state equals the policy's wherever both acted on
+    the same steps: also when learn() stops within a rollout (whose steps never reach train(), while the policy
+    carries its state on from them) and in a model saved within a rollout (CheckpointCallback). Continuing after the
+    stop, the reference KL KL(new||ref) of the next update equals the update KL in the reverse direction.
+    """
+    initial = _model("CartPole-v1", learning_rate=1e-2)
+    kwargs = dict(learning_rate=1e-2, kl_direction="reverse", ref_policy=initial, ref_kl_coef=0.0)
+    model = _model("CartPole-v1", **kwargs)
+    model.learn(256, callback=StopOrSaveAt(23))
+    assert model.rollout_buffer.pos == 22 and model.num_timesteps == 46
+    assert float(model._last_lstm_states.pi[0].abs().max()) > 1e-3
+    assert _largest_difference(model._last_ref_lstm_states, model._last_lstm_states.pi) < 1e-5
+    model.learn(64, reset_num_timesteps=False)
+    values = model.logger.name_to_value
+    assert values["train/kl"] > 1e-4
+    assert values["train/ref_kl"] == pytest.approx(values["train/kl"], rel=1e-5)
+
+
+def test_a_model_saved_within_a_rollout_saves_the_reference_state_of_the_same_steps(tmp_path):
+    initial = _model("CartPole-v1")
+    model = _model("CartPole-v1", ref_policy=initial, ref_kl_coef=0.1)
+    model.learn(64, callback=StopOrSaveAt(23, tmp_path / "within"))  # the rollout and its update go on
+    loaded = RecurrentKLPPO.load(tmp_path / "within", env=_env("CartPole-v1"))
+    assert float(loaded._last_lstm_states.pi[0].abs().max()) > 1e-3
+    assert _largest_difference(loaded._last_ref_lstm_states, loaded._last_lstm_states.pi) < 1e-5
+    # the save changed nothing in the live model: the same training as without it
+    unsaved = _model("CartPole-v1", ref_policy=initial, ref_kl_coef=0.1).learn(64)
+    for key, value in unsaved.policy.state_dict().items():
+        assert th.equal(value, model.policy.state_dict()[key]), key
+    assert _largest_difference(unsaved._last_ref_lstm_states, model._last_ref_lstm_states) == 0.0
+
+
 def test_feed_forward_reference():
     from stable_baselines3 import PPO
 

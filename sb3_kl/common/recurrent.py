@@ -105,39 +105,47 @@ class RolloutSequences:
         return int(self.episode_starts.shape[1])
 
     @classmethod
-    def from_buffer(cls, buffer: Any, with_actions: bool = True) -> "RolloutSequences":
+    def from_buffer(cls, buffer: Any, with_actions: bool = True, partial: bool = False) -> "RolloutSequences":
         """
-        Copy the sequences out of a full sb3-contrib ``RecurrentRolloutBuffer`` (or its Dict variant), whether or not
-        its ``get()`` already flattened it.
+        Copy the sequences out of an sb3-contrib ``RecurrentRolloutBuffer`` (or its Dict variant): a full one, whether
+        or not its ``get()`` already flattened it, or with ``partial`` the steps stored so far.
 
         :param buffer: The rollout buffer
         :param with_actions: Whether to copy the stored actions too (needed for log-probabilities)
+        :param partial: Whether a buffer that is not full (a rollout that ``learn()`` left, or that is still being
+            collected) gives the sequences of the steps it stores so far
         """
-        if not buffer.full:
+        if buffer.full:
+            n_steps = buffer.buffer_size
+        elif partial and buffer.pos > 0 and not buffer.generator_ready:
+            n_steps = buffer.pos
+        else:
             raise RuntimeError("The rollout buffer is not full: the sequences of a partial rollout are not defined.")
         if not hasattr(buffer, "hidden_states_pi"):
             raise TypeError(
                 f"{type(buffer).__name__} stores no LSTM states: a recurrent policy needs sb3-contrib's "
                 "RecurrentRolloutBuffer (RecurrentPPO's) or a subclass."
             )
-        n_steps, n_envs, flattened = buffer.buffer_size, buffer.n_envs, buffer.generator_ready
+        n_envs, flattened = buffer.n_envs, buffer.generator_ready
         device = buffer.device
+
+        def stored(array: np.ndarray) -> np.ndarray:
+            # (only a full buffer is ever flattened; a partial one holds its first n_steps rows)
+            return _env_major(array if flattened else array[:n_steps], n_steps, n_envs, flattened)
+
         if isinstance(buffer.observations, dict):
-            observations: Any = {
-                key: _as_tensor(_env_major(obs, n_steps, n_envs, flattened), device)
-                for key, obs in buffer.observations.items()
-            }
+            observations: Any = {key: _as_tensor(stored(obs), device) for key, obs in buffer.observations.items()}
         else:
-            observations = _as_tensor(_env_major(buffer.observations, n_steps, n_envs, flattened), device)
-        episode_starts = _env_major(buffer.episode_starts, n_steps, n_envs, flattened)
+            observations = _as_tensor(stored(buffer.observations), device)
+        episode_starts = stored(buffer.episode_starts)
         states = []
-        for stored in (buffer.hidden_states_pi, buffer.cell_states_pi):
+        for state in (buffer.hidden_states_pi, buffer.cell_states_pi):
             if flattened:  # (n_envs * n_steps, n_layers, size): each env's first step, -> (n_layers, n_envs, size)
-                first = stored.reshape(n_envs, n_steps, *stored.shape[1:])[:, 0].swapaxes(0, 1)
+                first = state.reshape(n_envs, n_steps, *state.shape[1:])[:, 0].swapaxes(0, 1)
             else:  # (n_steps, n_layers, n_envs, size)
-                first = stored[0]
+                first = state[0]
             states.append(_as_tensor(first, device))
-        actions = _as_tensor(_env_major(buffer.actions, n_steps, n_envs, flattened), device) if with_actions else None
+        actions = _as_tensor(stored(buffer.actions), device) if with_actions else None
         return cls(observations, _as_tensor(episode_starts, device).float(), (states[0], states[1]), actions)
 
     def envs(self, selection: slice) -> "RolloutSequences":

@@ -57,20 +57,34 @@ class RecurrentKLBufferMixin(KLBufferMixin):
     marked by the minibatch's ``mask`` and can be left out of every mean.
 
     - ``old_dist_params``: the rollout policy at every stored step, its LSTM re-run over each env's whole sequence;
-    - ``ref_dist_params``/``ref_log_prob``: the reference policy at the same steps (set by :meth:`store_reference`).
+    - ``ref_dist_params``/``ref_log_prob``: the reference policy at the same steps (set by :meth:`store_reference`);
+    - ``ref_states_steps``: how many of the stored steps the algorithm's carried reference LSTM state has advanced over
+      (all of them once the reference was evaluated for the update, the stored ones when ``learn()`` stopped within
+      the rollout).
     """
 
     ref_dist_params: np.ndarray | None
     ref_log_prob: np.ndarray | None
+    ref_states_steps: int
 
     def _reset_recurrent_kl_fields(self) -> None:
         self._reset_kl_fields()
         self.ref_dist_params = None
         self.ref_log_prob = None
+        self.ref_states_steps = 0
 
-    def sequences(self, with_actions: bool = True) -> RolloutSequences:
-        """One sequence per env, in time order (see :class:`~sb3_kl.common.recurrent.RolloutSequences`)."""
-        return RolloutSequences.from_buffer(self, with_actions=with_actions)
+    @property
+    def stored_steps(self) -> int:
+        """The number of steps stored per env so far (``buffer_size`` once full)."""
+        return self.buffer_size if self.full else self.pos
+
+    def sequences(self, with_actions: bool = True, partial: bool = False) -> RolloutSequences:
+        """
+        One sequence per env, in time order (see :class:`~sb3_kl.common.recurrent.RolloutSequences`).
+
+        :param partial: Whether a rollout that is not complete gives the sequences of the steps stored so far
+        """
+        return RolloutSequences.from_buffer(self, with_actions=with_actions, partial=partial)
 
     @staticmethod
     def _flat(values: th.Tensor) -> np.ndarray:

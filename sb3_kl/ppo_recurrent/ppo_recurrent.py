@@ -7,10 +7,12 @@ from gymnasium import spaces
 from sb3_contrib import RecurrentPPO
 from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
 from sb3_contrib.common.recurrent.type_aliases import RNNStates
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.policies import BaseModel, BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.utils import explained_variance
+from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import attach_sde_features, per_state_kl
@@ -325,11 +327,15 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     def save(self, *args: Any, **kwargs: Any) -> None:
         # the carried LSTM states go into the pickled data, which SB3 loads without a device map: saved on CPU, so that
         # a model trained on GPU loads on a machine without one (``_setup_model`` moves them to the model's device)
-        states, ref_states = self._last_lstm_states, self._last_ref_lstm_states
+        states = self._last_lstm_states
         if states is not None:
             self._last_lstm_states = RNNStates(tuple(t.cpu() for t in states.pi), tuple(t.cpu() for t in states.vf))
-        if ref_states is not None:
-            self._last_ref_lstm_states = tuple(t.cpu() for t in ref_states)  # type: ignore[assignment]
+        # saved within a rollout (e.g. by CheckpointCallback), the policy's state is that after the steps stored so far:
+        # the reference's is saved after the same steps
+        ref_states = self._last_ref_lstm_states
+        saved_ref_states = self._reference_states_after_stored_steps()
+        if saved_ref_states is not None:
+            self._last_ref_lstm_states = tuple(t.cpu() for t in saved_ref_states)  # type: ignore[assignment]
         try:
             super().save(*args, **kwargs)
         finally:
@@ -341,6 +347,52 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         # training exactly, instead of acting its next steps from zero states
         saved = ("_last_lstm_states", "_last_ref_lstm_states")
         return [name for name in [*super()._excluded_save_params(), "_update_evaluation"] if name not in saved]
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Rollouts
+
+    def collect_rollouts(self, env: VecEnv, callback: BaseCallback, rollout_buffer: Any, n_rollout_steps: int) -> bool:
+        """
+        RecurrentPPO's collection. When ``learn()`` stops within the rollout (a callback returned False), its steps
+        never reach ``train()``, but the policy carries its LSTM state on from the last stored one: a recurrent
+        reference's carried state advances over the same steps.
+        """
+        continue_training = super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+        if not continue_training:
+            self._last_ref_lstm_states = self._reference_states_after_stored_steps()
+            self.rollout_buffer.ref_states_steps = self.rollout_buffer.stored_steps
+        return continue_training
+
+    def _reference_start_states(self) -> tuple[th.Tensor, th.Tensor]:
+        """A recurrent reference's LSTM state before the buffer's first step: carried from the previous rollout."""
+        assert self.ref_policy is not None
+        states = self._last_ref_lstm_states
+        expected = zero_lstm_states(self.ref_policy, self.n_envs)
+        if states is None or states[0].shape != expected[0].shape:
+            return expected
+        return states
+
+    @th.no_grad()
+    def _reference_states_after_stored_steps(self) -> tuple[th.Tensor, th.Tensor] | None:
+        """
+        The carried LSTM state of a recurrent reference once it has acted alongside the policy on the steps stored in
+        the buffer so far (its current one when it has already advanced over them, or is not recurrent).
+        """
+        buffer = self.rollout_buffer
+        if (
+            self.ref_policy is None
+            or not is_recurrent_policy(self.ref_policy)
+            or buffer.ref_states_steps >= buffer.stored_steps
+        ):
+            return self._last_ref_lstm_states
+        assert self.ref_dist_params is not None and buffer.ref_states_steps == 0
+        evaluation = evaluate_sequences(
+            self.ref_policy,
+            buffer.sequences(with_actions=False, partial=True),
+            self.ref_dist_params,
+            lstm_states=self._reference_start_states(),
+        )
+        return evaluation.lstm_states
 
     # ----------------------------------------------------------------------------------------------------------
     # Before the update
@@ -356,20 +408,16 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             return
         assert self.ref_dist_params is not None
         sample_estimator = self.ref_kl_settings.estimator != "analytic"
-        states = None
-        if is_recurrent_policy(self.ref_policy):
-            states = self._last_ref_lstm_states
-            expected = zero_lstm_states(self.ref_policy, self.n_envs)
-            if states is None or states[0].shape != expected[0].shape:
-                states = expected
+        recurrent = is_recurrent_policy(self.ref_policy)
         evaluation = evaluate_sequences(
             self.ref_policy,
             self.rollout_buffer.sequences(with_actions=sample_estimator),
             self.ref_dist_params,
-            lstm_states=states,
+            lstm_states=self._reference_start_states() if recurrent else None,
             with_log_prob=sample_estimator,
         )
         self._last_ref_lstm_states = evaluation.lstm_states
+        self.rollout_buffer.ref_states_steps = self.rollout_buffer.stored_steps
         self.rollout_buffer.store_reference(evaluation)
 
     # ----------------------------------------------------------------------------------------------------------
