@@ -796,6 +796,78 @@ def test_gsde_kl_gradient_reaches_the_features():
         assert th.allclose(got[name], want[name], rtol=1e-4, atol=1e-7), name
 
 
+@pytest.mark.parametrize("squash_output", [False, True])
+@pytest.mark.parametrize(("estimator", "direction"), [("k1", "forward"), ("k3", "forward"), ("k3", "reverse")])
+def test_gsde_sample_kl_estimates_reach_the_features(estimator, direction, squash_output):
+    """
+    The sample estimates of the update KL and of the reference KL are built on the log-probabilities of the stored
+    actions, which SB3's gSDE distribution computes with the features detached: in the loss they must be
+    differentiated through the features as the analytic KL is. Checked against a copy of the policy whose distribution
+    keeps them attached (learn_features=True), on which SB3's own log_prob carries that gradient.
+    """
+    kwargs = dict(n_steps=64, batch_size=32, n_epochs=2, use_sde=True, learning_rate=1e-2, seed=0, device="cpu")
+    kwargs.update(kl_estimator=estimator, kl_direction=direction, policy_kwargs=dict(squash_output=squash_output))
+    reference = KLPPO("MlpPolicy", "Pendulum-v1", **{**kwargs, "seed": 1})
+    kwargs.update(ref_policy=reference, ref_kl_coef=0.1, ref_kl_estimator=estimator, ref_kl_direction=direction)
+    model = KLPPO("MlpPolicy", "Pendulum-v1", **kwargs)
+    model.learn(64)
+    data = next(iter(model.rollout_buffer.get(32)))
+    actions = model._actions_for_log_prob(data.actions)
+    _, distribution = model._forward_samples(data)
+    log_prob, log_ratio = model._log_probs_for_kl(distribution, actions, distribution.log_prob(actions), data.old_log_prob)
+    ref_params, ref_log_prob = model._reference_distribution(data.observations, actions)
+
+    independent = type(model.policy)(**model.policy._get_constructor_parameters())
+    independent.load_state_dict(model.policy.state_dict())
+    independent.action_dist.learn_features = True
+    attached = independent.get_distribution(data.observations)
+    attached_log_prob = attached.log_prob(actions)
+    assert th.allclose(log_prob, attached_log_prob, rtol=1e-5, atol=1e-5)
+
+    def terms(policy_distribution, policy_log_prob, policy_log_ratio):
+        kl = model._per_state_kl(data.old_dist_params, policy_distribution, policy_log_ratio).mean()
+        ref_kl = model._reference_kl(ref_params, policy_distribution, policy_log_prob, ref_log_prob, data.old_log_prob)
+        return kl, ref_kl.mean()
+
+    def gradient(value, policy):
+        weight = policy.mlp_extractor.policy_net[0].weight
+        (grad,) = th.autograd.grad(value, [weight], retain_graph=True)
+        return grad
+
+    got = terms(distribution, log_prob, log_ratio)
+    want = terms(attached, attached_log_prob, attached_log_prob - data.old_log_prob)
+    for name, g, w in zip(("update KL", "reference KL"), got, want, strict=True):
+        assert g.item() == pytest.approx(w.item(), rel=1e-4, abs=1e-7), name
+        expected = gradient(w, independent)
+        assert expected.abs().max() > 1e-6, name
+        assert th.allclose(gradient(g, model.policy), expected, rtol=1e-3, atol=1e-7), name
+
+
+@pytest.mark.parametrize("log_ratio_clip", [0.1, 20.0])
+def test_the_clipped_surrogate_is_ppos_whatever_log_ratio_clip(log_ratio_clip):
+    """
+    With ratio clipping the surrogate, its clip fraction and its gradient are SB3's PPO's: log_ratio_clip clamps only
+    the sample KL estimates, and the unclipped surrogate (clip_range=None), where nothing else bounds the ratio.
+    """
+    model = ClipKLPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, log_ratio_clip=log_ratio_clip, device="cpu")
+    generator = th.Generator().manual_seed(0)
+    log_ratio = (th.randn(256, generator=generator) * 2.0).requires_grad_()
+    advantages = th.randn(256, generator=generator)
+    loss, clip_fraction = model._surrogate_loss(log_ratio, advantages, 0.2)
+    ratio = th.exp(log_ratio)  # SB3's PPO
+    expected = -th.min(advantages * ratio, advantages * th.clamp(ratio, 0.8, 1.2)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert clip_fraction == pytest.approx(float((th.abs(ratio - 1) > 0.2).float().mean()))
+    assert clip_fraction > 0.5
+    (got,) = th.autograd.grad(loss, [log_ratio], retain_graph=True)
+    (want,) = th.autograd.grad(expected, [log_ratio])
+    assert th.allclose(got, want, rtol=1e-6, atol=1e-9)
+    # without clipping the ratio is clamped
+    loss, clip_fraction = model._surrogate_loss(log_ratio, advantages, None)
+    clamped = th.exp(th.clamp(log_ratio, -log_ratio_clip, log_ratio_clip))
+    assert clip_fraction is None and loss.item() == pytest.approx(-(advantages * clamped).mean().item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("algo", ["KLPPO", "ClipKLPPO", "KLTRPO", "RecurrentKLPPO"])
 def test_kl_quantiles_come_back_as_the_constructor_stores_them(algo, tmp_path):
     import sb3_kl

@@ -70,7 +70,8 @@ class ClipKLPPO(KLPPO):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
-        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped),
+        and without ratio clipping (``clip_range=None``) the surrogate's ratio; with clipping it is PPO's
     :param kl_stop_factor: The remaining epochs are skipped once the KL of an epoch (mean of its minibatches'
         per-state KLs, each taken before that minibatch's step, as the policy acts when it has dropout or batch norm)
         exceeds ``kl_stop_factor * target_kl`` (default 2.0); None disables the early stop

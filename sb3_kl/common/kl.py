@@ -160,6 +160,33 @@ def attach_sde_features(distribution: Distribution, latent_sde: th.Tensor, log_s
     setattr(distribution, _KL_NORMAL_ATTRIBUTE, (distribution.distribution, normal))
 
 
+def kl_log_prob(distribution: Distribution, actions: th.Tensor, log_prob: th.Tensor) -> th.Tensor:
+    """
+    The log-probabilities of the stored actions that the sample KL estimates (k1, k3, and the reference's importance
+    weights) are built from: ``log_prob`` itself, except for a gSDE distribution with features attached by
+    :func:`attach_sde_features`, where the same values are recomputed on that Normal, so that the sample estimates
+    are differentiated through the features as the analytic KL is. The policy-gradient surrogate keeps ``log_prob``
+    (gSDE's design: the policy gradient does not move the features through the std).
+
+    :param distribution: The current policy's distribution
+    :param actions: The stored actions, as ``distribution.log_prob`` takes them
+    :param log_prob: ``distribution.log_prob(actions)``
+    :return: ``(batch,)``, equal in value to ``log_prob``
+    """
+    normal = kl_normal(distribution) if isinstance(distribution, StateDependentNoiseDistribution) else None
+    if normal is None or normal is distribution.distribution:
+        return log_prob
+    # as StateDependentNoiseDistribution.log_prob, on the attached Normal (the squash correction depends on the
+    # actions only)
+    bijector = distribution.bijector
+    gaussian_actions = bijector.inverse(actions) if bijector is not None else actions
+    attached = normal.log_prob(gaussian_actions)
+    attached = attached.sum(dim=1) if attached.dim() > 1 else attached.sum()
+    if bijector is not None:
+        attached = attached - th.sum(bijector.log_prob_correction(gaussian_actions), dim=1)
+    return attached
+
+
 def kl_normal(distribution: Distribution) -> th.distributions.Normal:
     """
     :param distribution: A Gaussian SB3 distribution (diagonal or gSDE)

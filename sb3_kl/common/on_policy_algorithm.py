@@ -27,7 +27,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
-from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
+from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, as_tuple, make_kl_controller
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
@@ -47,6 +47,7 @@ from sb3_kl.common.kl import (
     GaussianParams,
     KLSettings,
     actions_for_log_prob,
+    kl_log_prob,
     kl_quantiles,
     per_state_kl,
     per_state_kl_to,
@@ -318,7 +319,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
         self.kl_controller = make_kl_controller(
-            kl_controller, kl_coef, kl_adapt_factor, tuple(kl_band), tuple(kl_coef_bounds), kl_window, kl_horizon  # type: ignore[arg-type]
+            # (a list from a config file as a tuple; anything else as given, for the controller's check to name it)
+            kl_controller, kl_coef, kl_adapt_factor, as_tuple(kl_band), as_tuple(kl_coef_bounds), kl_window, kl_horizon
         )
         self._init_reference(
             ref_policy,
@@ -327,7 +329,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             ref_kl_controller,
             ref_kl_direction,
             ref_kl_estimator,
-            tuple(ref_kl_coef_bounds),  # type: ignore[arg-type]
+            as_tuple(ref_kl_coef_bounds),
             kl_reduction,
             log_ratio_clip,
         )
@@ -718,6 +720,24 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         :return: ``(batch,)``
         """
         return per_state_kl_to(self.kl_settings, self.dist_params, old_params, distribution, log_ratio)
+
+    @staticmethod
+    def _log_probs_for_kl(
+        distribution: Distribution, actions: th.Tensor, log_prob: th.Tensor, old_log_prob: th.Tensor
+    ) -> tuple[th.Tensor, th.Tensor]:
+        """
+        The log-probabilities of the stored actions and the log-ratio that the loss's KL terms (the sample estimates
+        of the update KL and the reference KL) are built from: ``log_prob`` and ``log_prob - old_log_prob`` in value,
+        with gSDE differentiable through the features as the analytic KL is (:func:`~sb3_kl.common.kl.kl_log_prob`).
+
+        :param distribution: The current policy's distribution
+        :param actions: The stored actions, as ``distribution.log_prob`` takes them
+        :param log_prob: ``distribution.log_prob(actions)``
+        :param old_log_prob: The rollout policy's log-probabilities of the actions
+        :return: ``(log_prob, log_ratio)`` for the KL terms
+        """
+        attached = kl_log_prob(distribution, actions, log_prob)
+        return attached, attached - old_log_prob
 
     def __setattr__(self, name: str, value: Any) -> None:
         # ``model.target_kl = 0.05`` after construction, as SB3's PPO takes it: checked as the constructor does and

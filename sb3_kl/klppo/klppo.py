@@ -82,7 +82,8 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
-        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped),
+        and without ratio clipping (``clip_range=None``) the surrogate's ratio; with clipping it is PPO's
     :param kl_stop_factor: When set, the remaining epochs are skipped once the epoch's KL exceeds
         ``kl_stop_factor * target_kl``, judged after each epoch on the mean over its minibatches' states of the
         per-state KL to the rollout policy, each taken before that minibatch's step (so it lags: the first minibatch
@@ -365,7 +366,8 @@ class KLPPO(KLOnPolicyAlgorithm):
                 with th.set_grad_enabled(self.ent_coef != 0):
                     entropy = distribution.entropy()
                 log_ratio = log_prob - rollout_data.old_log_prob
-                kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
+                kl_log_prob, kl_log_ratio = self._log_probs_for_kl(distribution, actions, log_prob, rollout_data.old_log_prob)
+                kl = self._per_state_kl(rollout_data.old_dist_params, distribution, kl_log_ratio).mean()
 
                 advantages = self._normalized_advantages(rollout_data.advantages)
                 policy_loss, clip_fraction = self._surrogate_loss(log_ratio, advantages, clip_range)
@@ -382,7 +384,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                         rollout_data.observations,
                         actions,
                         distribution,
-                        log_prob,
+                        kl_log_prob,
                         rollout_data.old_log_prob,
                         self._sample_masks(rollout_data),
                     )
@@ -617,13 +619,16 @@ class KLPPO(KLOnPolicyAlgorithm):
         self, log_ratio: th.Tensor, advantages: th.Tensor, clip_range: float | None
     ) -> tuple[th.Tensor, float | None]:
         """
-        Policy-gradient surrogate ``-E[r A]``, with PPO's clipping when ``clip_range`` is set.
+        Policy-gradient surrogate ``-E[r A]``, with PPO's clipping when ``clip_range`` is set. With clipping, the
+        ratio is SB3's PPO's, ``exp(log_ratio)``; without, where nothing else bounds it, the log-ratio is clamped to
+        ``+/- log_ratio_clip`` before exponentiation (so that one far-off sample cannot overflow the loss).
 
         :return: the loss and the clip fraction (None without clipping)
         """
-        ratio = th.exp(th.clamp(log_ratio, -self.kl_settings.log_ratio_clip, self.kl_settings.log_ratio_clip))
         if clip_range is None:
+            ratio = th.exp(th.clamp(log_ratio, -self.kl_settings.log_ratio_clip, self.kl_settings.log_ratio_clip))
             return -(advantages * ratio).mean(), None
+        ratio = th.exp(log_ratio)
         policy_loss_1 = advantages * ratio
         policy_loss_2 = advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)
         clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float()).item()
@@ -677,8 +682,11 @@ class KLPPO(KLOnPolicyAlgorithm):
     ) -> float:
         """The gradient ratio on the last minibatch seen, with the final parameters (when the update stopped early)."""
         _, distribution = self._forward_samples(rollout_data)
-        log_ratio = distribution.log_prob(self._actions_for_log_prob(rollout_data.actions)) - rollout_data.old_log_prob
-        kl = self._per_state_kl(rollout_data.old_dist_params, distribution, log_ratio).mean()
+        actions = self._actions_for_log_prob(rollout_data.actions)
+        log_prob = distribution.log_prob(actions)
+        log_ratio = log_prob - rollout_data.old_log_prob
+        _, kl_log_ratio = self._log_probs_for_kl(distribution, actions, log_prob, rollout_data.old_log_prob)
+        kl = self._per_state_kl(rollout_data.old_dist_params, distribution, kl_log_ratio).mean()
         advantages = self._normalized_advantages(rollout_data.advantages)
         policy_loss, _ = self._surrogate_loss(log_ratio, advantages, clip_range)
         return self._gradient_ratio(self._kl_penalty(kl, kl_coef, target_kl), policy_loss)

@@ -101,7 +101,8 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
-        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped),
+        and without ratio clipping (``clip_range=None``) the surrogate's ratio; with clipping it is PPO's
     :param kl_stop_factor: Skip the remaining epochs once an epoch's KL exceeds ``kl_stop_factor * target_kl``
         (None, the default, as in KLPPO: no early stop)
     :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds``, the update ends before

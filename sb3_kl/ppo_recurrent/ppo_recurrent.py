@@ -93,7 +93,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param kl_direction: ``"forward"`` = KL(old||new) (default) or ``"reverse"`` = KL(new||old)
     :param kl_reduction: ``"sum"`` (joint KL, default) or ``"mean"`` over action dimensions
     :param log_ratio_clip: Log-ratios are clamped to +/- this value before exponentiation (the sample estimators that
-        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped)
+        exponentiate them, k3 and the reverse direction, are evaluated at the clamped value; forward k1 is never clamped),
+        and without ratio clipping (``clip_range=None``) the surrogate's ratio; with clipping it is PPO's
     :param kl_stop_factor: When set, the remaining epochs are skipped once the KL of the states seen in an epoch
         exceeds ``kl_stop_factor * target_kl`` (judged once per epoch)
     :param kl_saturation_stop_factor: While beta sits at the upper end of ``kl_coef_bounds`` (an adapting controller
@@ -478,7 +479,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         with th.set_grad_enabled(self.ent_coef != 0):
             entropy = distribution.entropy()
         log_ratio = log_prob - data.old_log_prob
-        kl = self._per_state_kl(data.old_dist_params, distribution, log_ratio)[mask].mean()
+        kl_log_prob, kl_log_ratio = self._log_probs_for_kl(distribution, actions, log_prob, data.old_log_prob)
+        kl = self._per_state_kl(data.old_dist_params, distribution, kl_log_ratio)[mask].mean()
         advantages = self._normalized_advantages(data.advantages[mask])
         policy_loss, clip_fraction = self._surrogate_loss(log_ratio[mask], advantages, clip_range)
         kl_loss = self._kl_penalty(kl, kl_coef, target_kl)
@@ -487,9 +489,9 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         loss = policy_loss + kl_loss + self.vf_coef * value_loss
         if ref_kl_coef > 0:
             assert data.ref_dist_params is not None
-            ref_kl = self._reference_kl(data.ref_dist_params, distribution, log_prob, data.ref_log_prob, data.old_log_prob)[
-                mask
-            ].mean()
+            ref_kl = self._reference_kl(
+                data.ref_dist_params, distribution, kl_log_prob, data.ref_log_prob, data.old_log_prob
+            )[mask].mean()
             loss = loss + ref_kl_coef * ref_kl
         if self.ent_coef != 0:
             loss = loss + self.ent_coef * entropy_loss
