@@ -261,6 +261,14 @@ def test_optimize_two_trials_and_reload_trial(zoo, tmp_path):
             "train", "--algo", "klppo", *common[:-len(FAST_PARAMS)], "-n", "256",
             "--storage", storage, "--study-name", "klppo-test", "--trial-id", "99",
         )  # fmt: skip
+    # a trial tuned for klppo reloaded for another algorithm: refused, as export refuses it, before any run folder
+    for algo in ("kltrpo", "clip_klppo"):
+        with pytest.raises(SystemExit, match=rf"not tuned for --algo {algo}: its trial 0 has .*Pass the --algo it was"):
+            zoo_main(
+                "train", "--algo", algo, *common[:-len(FAST_PARAMS)], "-n", "256",
+                "--storage", storage, "--study-name", "klppo-test", "--trial-id", "0",
+            )  # fmt: skip
+        assert not (tmp_path / algo).exists()
 
 
 @pytest.mark.slow
@@ -390,6 +398,22 @@ def test_none_and_numbers_yaml_reads_as_strings_reach_the_model(zoo, tmp_path):
     model = zoo.SB3_KL_ALGOS["klppo"].load(tmp_path / "klppo" / "CartPole-v1_1" / "CartPole-v1.zip")
     assert model.clip_range is None and model.clip_range_vf is None
     assert model.target_kl(1.0) == pytest.approx(0.02)
+
+
+def test_clip_range_none_written_in_a_yaml_config_reaches_the_model(zoo, tmp_path):
+    # docs/zoo.md tells a user to write `clip_range: None`, which YAML reads as the string "None" (its null is `null`)
+    conf = tmp_path / "klppo.yml"
+    conf.write_text(
+        "CartPole-v1:\n  n_timesteps: 256\n  policy: MlpPolicy\n  n_envs: 2\n  n_steps: 256\n  batch_size: 128\n"
+        "  policy_kwargs: dict(net_arch=[16])\n  clip_range: None\n  clip_range_vf: null\n"
+    )
+    zoo_main(
+        "train", "--algo", "klppo", "--env", "CartPole-v1", "--seed", "0", "-f", str(tmp_path), "--eval-freq", "-1",
+        "--verbose", "0", "-conf", str(conf),
+    )  # fmt: skip
+    model = zoo.SB3_KL_ALGOS["klppo"].load(tmp_path / "klppo" / "CartPole-v1_1" / "CartPole-v1.zip")
+    assert model.clip_range is None and model.clip_range_vf is None
+    assert zoo.preprocess_schedules({"clip_range": "None"})["clip_range"] is None
 
 
 def test_an_env_without_a_shipped_config_is_one_line_naming_conf(zoo, tmp_path, monkeypatch):

@@ -608,7 +608,9 @@ def patch_experiment_manager() -> None:
     """
     from rl_zoo3 import exp_manager
 
-    from sb3_kl.zoo.registry import install_patch, is_patched  # called from registry.register(): no import cycle
+    from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
+
+    from sb3_kl.zoo.registry import SB3_KL_ALGOS, install_patch, is_patched  # called from registry.register(): no cycle
 
     manager_class = exp_manager.ExperimentManager
     original = manager_class.hyperparameters_optimization
@@ -636,9 +638,16 @@ def patch_experiment_manager() -> None:
                     "Check the name (optuna studies --storage URL lists them)."
                 )
         try:
-            return original_load_trial(self, storage, study_name, trial_id, convert)
+            params = original_load_trial(self, storage, study_name, trial_id, convert=False)
         except IndexError as e:
             raise StorageError(f"--trial-id {trial_id}: study {study_name!r} has no trial with that number.") from e
+        if self.algo in SB3_KL_ALGOS:
+            # a study tuned for another algorithm: its hyperparameters would be refused, or silently missing
+            from sb3_kl.zoo.export import check_params_match_algo  # export imports this module
+
+            trial = "best trial" if trial_id is None else f"trial {trial_id}"
+            check_params_match_algo(params, trial, study_name, self.algo)
+        return HYPERPARAMS_CONVERTER[self.algo](params) if convert else params
 
     original_init = manager_class.__init__
 

@@ -45,15 +45,26 @@ def check_trial_matches_algo(trial: optuna.trial.FrozenTrial, study_name: str, a
     :param trial: The trial to export
     :param study_name: Its study's name (for the message)
     :param algo: The ``--algo`` it is exported for
+    :raises distributed.StorageError: the trial was not drawn by ``algo``'s sampler (see :func:`check_params_match_algo`)
+    """
+    check_params_match_algo(trial.params, f"trial {trial.number}", study_name, algo)
+
+
+def check_params_match_algo(params: dict[str, Any], trial: str, study_name: str, algo: str) -> None:
+    """
+    :param params: A trial's raw Optuna parameters (``trial.params``)
+    :param trial: Which trial, for the message (``"trial 3"``)
+    :param study_name: Its study's name (for the message)
+    :param algo: The ``--algo`` it is used for (exported, or reloaded by the zoo's ``--trial-id``)
     :raises distributed.StorageError: the trial was not drawn by ``algo``'s sampler (a study tuned for another
         algorithm: its hyperparameters would be refused, or silently missing, when the entry trains)
     """
     expected = sampled_parameter_names(algo)
-    extra, missing = sorted(set(trial.params) - expected), sorted(expected - set(trial.params))
+    extra, missing = sorted(set(params) - expected), sorted(expected - set(params))
     if extra or missing:
-        found = [name for name in SB3_KL_ALGOS if sampled_parameter_names(name) == set(trial.params)]
+        found = [name for name in SB3_KL_ALGOS if sampled_parameter_names(name) == set(params)]
         raise distributed.StorageError(
-            f"study {study_name!r} was not tuned for --algo {algo}: its trial {trial.number} has "
+            f"study {study_name!r} was not tuned for --algo {algo}: its {trial} has "
             + ", ".join(
                 part
                 for part in (

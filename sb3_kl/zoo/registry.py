@@ -148,19 +148,22 @@ def parse_linear_schedule(key: str, value: str) -> LinearSchedule:
     if kind != "lin" or len(values) not in (1, 2):
         raise ValueError(
             f"Invalid value for `{key}`: {value!r}. Use a number, 'lin_<start>' (e.g. 'lin_3e-4', linear decay to 0) "
-            "or 'lin_<start>_<end>' (e.g. 'lin_0.02_0.005', linear from start to end over training)."
+            "or 'lin_<start>_<end>' (e.g. 'lin_0.02_0.005', linear from start to end over training), or None."
         )
     start, end = values[0], values[1] if len(values) == 2 else 0.0
     return LinearSchedule(start=start, end=end, end_fraction=1.0)
 
 
-def schedule_value(key: str, value: str) -> float | LinearSchedule:
+def schedule_value(key: str, value: str) -> float | LinearSchedule | None:
     """
     :param key: Name of the hyperparameter, used in error messages
     :param value: A string of a zoo config for one of :data:`SCHEDULE_KEYS`
-    :return: The number, for a number YAML read as a string (``2e-2``: YAML 1.1 needs a dot, ``2.0e-2``), else the
-        schedule of :func:`parse_linear_schedule`
+    :return: None for ``"None"`` (Python's spelling, which YAML reads as a string: its null is ``null`` or ``~``; a
+        zoo config's ``clip_range: None``), the number for a number YAML read as a string (``2e-2``: YAML 1.1 needs a
+        dot, ``2.0e-2``), else the schedule of :func:`parse_linear_schedule`
     """
+    if value.strip() == "None":
+        return None
     try:
         return float(value)
     except ValueError:
