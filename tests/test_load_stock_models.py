@@ -180,3 +180,45 @@ def test_recurrent_klppo_names_stock_recurrent_ppo(tmp_path):
     model, message = load_with_one_warning(RecurrentKLPPO, tmp_path / "recurrent_ppo.zip", env=make_vec_env("CartPole-v1"))
     assert "saved by RecurrentPPO" in message
     assert_same_policy(stock, model)
+
+
+def test_kltrpo_loads_a_trpo_zip_in_trpos_constraint_or_says_it_changes(tmp_path):
+    """
+    A TRPO zip holds no KL convention: ``load()``'s KL options are built as the constructor would, so that
+    ``kl_reduction="sb3_contrib"`` keeps TRPO's constraint (its very updates, without the growing line search);
+    without it the warning says that the same target_kl now bounds another KL.
+    """
+    from stable_baselines3.common.utils import set_random_seed
+
+    env_id = "LunarLanderContinuous-v3"  # two action dimensions: TRPO's averaged KL is not the joint one
+    TRPO("MlpPolicy", make_vec_env(env_id, n_envs=1, seed=0), **TINY).learn(32).save(tmp_path / "trpo")
+
+    def continued(cls, **load_kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = cls.load(tmp_path / "trpo.zip", env=make_vec_env(env_id, n_envs=1, seed=1), **load_kwargs)
+        set_random_seed(3)
+        model.learn(32, reset_num_timesteps=False)
+        return model, " ".join(str(w.message) for w in caught if "without a KL state" in str(w.message))
+
+    trpo, _ = continued(TRPO)
+    kept, message = continued(KLTRPO, kl_reduction="sb3_contrib", line_search_grow_iter=0)
+    assert kept.kl_settings.convention == "reverse/analytic/mean" and "sb3_contrib" not in message
+    for (name, a), b in zip(trpo.policy.named_parameters(), kept.policy.parameters(), strict=True):
+        assert th.allclose(a, b, atol=1e-5), name
+    default, message = continued(KLTRPO)
+    assert default.kl_settings.convention == "forward/analytic/sum"
+    assert "pass kl_reduction='sb3_contrib' to load()" in message and "kl_coef" not in message
+    # a KLTRPO zip keeps its convention: another one given to load() is still refused
+    default.save(tmp_path / "kltrpo")
+    with pytest.raises(ValueError, match="kl_reduction"):
+        KLTRPO.load(tmp_path / "kltrpo.zip", kl_reduction="sb3_contrib")
+
+
+def test_kl_options_given_to_load_apply_to_a_stock_ppo_zip(tmp_path):
+    PPO("MlpPolicy", "CartPole-v1", **PPO_TINY).save(tmp_path / "ppo")
+    model, message = load_with_one_warning(
+        KLPPO, tmp_path / "ppo.zip", kl_direction="reverse", kl_band=(0.5, 2.0), kl_coef=0.3
+    )
+    assert model.kl_settings.direction == "reverse" and model.kl_controller.kl_band == (0.5, 2.0)
+    assert model.kl_coef == 0.3 and "reverse/analytic/sum" in message

@@ -84,7 +84,8 @@ class ClipKLPPO(KLPPO):
     :param kl_hinge_factor: Where the hinge starts, as a multiple of the target
     :param min_std: Variance floor for Gaussian policies: after every optimizer step std >= min_std
         (``log_std`` clamped in place: the std parameter that ``train/std`` averages; without gSDE that is the action
-        std in every state, with gSDE the std of the exploration weights, and the per-state action std
+        std in every state, with gSDE the std of the exploration weights (with ``use_expln``, expln(log_std), which
+        ``train/std``, SB3's mean of exp(log_std), does not show), and the per-state action std
         ``train/action_std_min`` is then not floored). None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``; with a
         sample ``kl_estimator``, quantiles of the one-action estimates, of which only the mean estimates the KL)

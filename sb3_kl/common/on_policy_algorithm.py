@@ -525,11 +525,42 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             force_reset=force_reset,
             **kwargs,
         )
-        model._check_fixed_kl_options(fixed_options)
+        if stock and fixed_options:
+            model._build_kl_state(fixed_options, given_coefficients={"kl_coef", "ref_kl_coef"} & set(kwargs))
+        else:
+            model._check_fixed_kl_options(fixed_options)
         model._apply_loaded_reference_options(reference_options)
         if stock:
             model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
         return model
+
+    #: Whether the KL of each update is measured in float64 (KLTRPO, whose bound must hold at targets near 0)
+    _update_kl_in_float64: ClassVar[bool] = False
+    #: The attributes the constructor builds from the KL options (:data:`FIXED_AT_CONSTRUCTION`)
+    _kl_state_attributes: ClassVar[tuple[str, ...]] = ("kl_settings", "kl_controller", "ref_kl_settings", "ref_kl_controller")
+
+    def _build_kl_state(self, options: dict[str, Any], given_coefficients: set[str]) -> None:
+        """
+        A model loaded from a stock zip (no KL state) got the constructor's default KL convention and controllers:
+        build them from ``load()``'s KL options instead, as the constructor would (with its checks), e.g.
+        ``KLTRPO.load("trpo.zip", kl_reduction="sb3_contrib")`` to keep TRPO's constraint.
+
+        :param options: The options taken from ``load()``'s arguments by :func:`take_fixed_kl_options`
+        :param given_coefficients: Which of ``kl_coef``/``ref_kl_coef`` ``load()`` was given (already applied to the
+            default controllers: carried over to the new ones)
+        """
+        built = type(self)(policy=self.policy_class, env=None, device=self.device, _init_setup_model=False, **options)
+        old = {name: getattr(self, name) for name in ("kl_controller", "ref_kl_controller")}
+        for name in self._kl_state_attributes:
+            setattr(self, name, getattr(built, name))
+        self._resolve_kl_convention()
+        for name in ("kl_controller", "ref_kl_controller"):
+            coefficient = name.replace("_controller", "_coef")
+            if coefficient in given_coefficients and old[name] is not None and getattr(self, name) is not None:
+                getattr(self, name).kl_coef = old[name].kl_coef
+
+    def _resolve_kl_convention(self) -> None:
+        """Resolve a KL convention that depends on the action space, once it is known (none here)."""
 
     def _check_fixed_kl_options(self, options: dict[str, Any]) -> None:
         """
@@ -579,11 +610,19 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         :param given: Names of the attributes set by the saved data or by ``load()``'s keyword arguments
         """
         name = getattr(path, "name", path)
+        if self.has_kl_coef:
+            fresh = (
+                f"the KL control starts fresh (kl_coef={self.kl_coef:g}"
+                + ("" if "kl_coef" in given else ", pass kl_coef= to load() to choose it")
+                + f", a new {type(self.kl_controller).__name__}, target_kl={self._current_target_kl():g}, on the KL "
+                f"{self.kl_settings.convention})."
+            )
+        else:
+            fresh = f"its KL constraint is target_kl={self._current_target_kl():g} on the KL {self.kl_settings.convention}."
         notes = [
             f"{name} was saved by {saved_by}, without a KL state: its weights, optimizer state and hyperparameters are "
-            f"loaded into {type(self).__name__} and the KL control starts fresh (kl_coef={self.kl_coef:g}"
-            + ("" if "kl_coef" in given else ", pass kl_coef= to load() to choose it")
-            + f", a new {type(self.kl_controller).__name__}, target_kl={self._current_target_kl():g})."
+            f"loaded into {type(self).__name__} and {fresh}",
+            *self._stock_convention_notes(saved_by, given),
         ]
         # e.g. an A2C model has no batch_size or n_epochs: the algorithm's defaults apply
         defaults = [
@@ -602,6 +641,14 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             )
         notes.append("Saving the model stores the KL state with it.")
         warnings.warn(" ".join(notes), UserWarning, stacklevel=3)
+
+    def _stock_convention_notes(self, saved_by: str, given: set[str]) -> list[str]:
+        """
+        :param saved_by: The stock algorithm that most likely saved the loaded zip
+        :param given: Names of the attributes set by the saved data or by ``load()``'s keyword arguments
+        :return: what the stock-load warning says about a KL convention other than the stock algorithm's (none here)
+        """
+        return []
 
     def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
         warn_if_many_threads(self.policy, self.device)  # once per process: see sb3_kl.common.threads
@@ -770,7 +817,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """
         One no-grad pass over the whole buffer with the updated policy (eval mode, as it will act).
 
-        :return: the per-state KL in the algorithm's convention, and the updated policy's distribution parameters
+        :return: the per-state KL in the algorithm's convention (float64 where :attr:`_update_kl_in_float64`), and the
+            updated policy's distribution parameters
         """
         kls, params = [], []
         with acting_mode(self.policy):
@@ -778,8 +826,11 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 distribution = self._samples_distribution(self.policy, data)
                 log_ratio = distribution.log_prob(self._actions_for_log_prob(data.actions)) - data.old_log_prob
                 new_params = self.dist_params.extract(distribution)
-                kls.append(per_state_kl(self.kl_settings, self.dist_params, data.old_dist_params, new_params, log_ratio))
-                params.append(new_params)
+                old_params = data.old_dist_params
+                if self._update_kl_in_float64:
+                    old_params, new_params, log_ratio = old_params.double(), new_params.double(), log_ratio.double()
+                kls.append(per_state_kl(self.kl_settings, self.dist_params, old_params, new_params, log_ratio))
+                params.append(new_params.float())
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
 
     def _record_update_kl(

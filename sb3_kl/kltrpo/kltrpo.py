@@ -135,7 +135,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
     :param min_std: Variance floor for Gaussian policies: std >= min_std after every accepted step (``log_std`` of
         each candidate of the line search is clamped, so the constraints hold for the floored policy; a std that starts
         below the floor is never lowered further). With gSDE it floors the std of the exploration weights (what
-        ``train/std`` averages), not the per-state action std ``train/action_std_min``. None = no floor
+        ``train/std`` averages; with ``use_expln`` that std is expln(log_std), which ``train/std``, SB3's mean of
+        exp(log_std), does not show), not the per-state action std ``train/action_std_min``. None = no floor
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
     :param ref_policy: Reference policy to anchor to while learning (e.g. a new reward): the path of a saved SB3
         model (any on-policy algorithm), a model or an ``ActorCriticPolicy``. A frozen copy is kept as
@@ -333,7 +334,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
 
     def _resolve_kl_convention(self) -> None:
         """With ``kl_reduction="sb3_contrib"``, set the constrained (and reference) KL's reduction for the action space."""
-        if getattr(self, "sb3_contrib_kl", False) and self.action_space is not None:
+        if getattr(self, "sb3_contrib_kl", False) and getattr(self, "action_space", None) is not None:
             reduction = sb3_contrib_kl_reduction(self.action_space)
             self.kl_settings = dataclasses.replace(self.kl_settings, reduction=reduction)
             self.ref_kl_settings = dataclasses.replace(self.ref_kl_settings, reduction=reduction)
@@ -636,7 +637,10 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     objective -= ref_kl_coef * candidate_ref_kl.mean().item()
                 if full_observations is not None:
                     candidate_distribution = self.policy.get_distribution(full_observations)
-                per_state = self._constrained_kl(constraint_old_params, candidate_distribution)
+                # in float64: near 0 the float32 KL loses its digits to cancellation, and the bound must hold at any
+                # target (a schedule's last update has MIN_TARGET_KL = 1e-8)
+                candidate_params = self.dist_params.extract(candidate_distribution).double()
+                per_state = per_state_kl(self.kl_settings, self.dist_params, constraint_old_params.double(), candidate_params)
                 tail = th.quantile(per_state, self.tail_quantile).item() if self.tail_kl is not None else None
                 return objective, per_state.mean().item(), tail
 
@@ -684,6 +688,19 @@ class KLTRPO(KLOnPolicyAlgorithm):
             self.logger.record("train/tail_kl", self.tail_kl)
         self._record_update_kl(update_kl, new_params, target_kl)
         self._record_reference_kl()
+
+    _kl_state_attributes: ClassVar[tuple[str, ...]] = (*KLOnPolicyAlgorithm._kl_state_attributes, "sb3_contrib_kl")
+    #: The KL of the accepted step is logged in float64, as the line search measures it
+    _update_kl_in_float64: ClassVar[bool] = True
+
+    def _stock_convention_notes(self, saved_by: str, given: set[str]) -> list[str]:
+        """A TRPO zip: TRPO bounded another KL with the same ``target_kl`` (unless ``kl_reduction`` keeps it)."""
+        if saved_by != "TRPO" or self.sb3_contrib_kl:
+            return []
+        return [
+            "TRPO bounded KL(new||old) averaged over action dimensions at this target_kl; pass "
+            "kl_reduction='sb3_contrib' to load() to keep TRPO's constraint."
+        ]
 
     def _same_kl_option(self, name: str, value: Any) -> bool:
         # ``kl_reduction="sb3_contrib"`` was resolved for the action space (with KL(new||old)); ``kl_direction=None``
