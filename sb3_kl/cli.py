@@ -75,9 +75,15 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     size = (float(args.size[0]), float(args.size[1]))
     if min(size) <= 0 or args.dpi <= 0:
         raise DiagnosticsError("--size and --dpi must be positive")
+    if args.out.endswith(("/", os.sep)) or os.path.isdir(args.out):
+        folder = args.out.rstrip("/" + os.sep)
+        raise DiagnosticsError(f"cannot write --out {args.out}: it is a directory, give a file name (e.g. {folder}/kl.png)")
     runs, status = _load(args.logdir)
     groups = [runs] if args.overlay else [[run] for run in runs]
-    for group, path in zip(groups, output_paths(args.out, runs, args.overlay), strict=True):
+    paths = output_paths(args.out, runs, args.overlay)
+    for path in paths:
+        _check_writable(path, "--out")
+    for group, path in zip(groups, paths, strict=True):
         try:
             draw_timeline(group, path, band=band, size=size, dpi=args.dpi, target_kl=args.target)
         except OSError as error:

@@ -194,11 +194,12 @@ def output_paths(out: str, runs: list[RunLog], overlay: bool) -> list[str]:
     :param out: The ``--out`` path
     :param runs: The runs to draw
     :param overlay: Whether all runs go in one figure
-    :return: One path per figure: ``out`` itself for one figure, else ``<stem>-<run name><ext>`` per run
+    :return: One path per figure, ``.png`` when ``out`` names no extension (as matplotlib writes it): ``out`` itself
+        for one figure, else ``<stem>-<run name><ext>`` per run
     """
-    if overlay or len(runs) == 1:
-        return [out]
     stem, ext = os.path.splitext(out)
+    if overlay or len(runs) == 1:
+        return [out if ext else f"{out}.png"]
     return [f"{stem}-{run.name.replace(os.sep, '_')}{ext or '.png'}" for run in runs]
 
 

@@ -292,3 +292,63 @@ def test_a_diverged_update_without_a_target_is_not_claimed_above_the_band(tmp_pa
     (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
     assert main(["report", str(tmp_path / "progress.csv"), "--markdown", os.devnull]) == 0  # an existing file
     assert "not judged against the band (no target at those steps)" in capsys.readouterr().out
+
+
+def test_a_nan_p99_leaves_the_phase_p99_max_of_the_finite_values(tmp_path):
+    rows = ["time/total_timesteps,train/kl,train/kl_p99,train/target_kl"]
+    rows += [f"{100 * (t + 1)},{'nan' if t == 1 else 0.01},{'nan' if t == 1 else 0.02 + t / 100},0.01" for t in range(9)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    report = summarize_run(load_run("run", str(tmp_path / "progress.csv"), "csv"))
+    assert report.phases[0].kl_p99_max == pytest.approx(0.04)  # updates 0..2 of 9, the NaN at update 1 left out
+
+
+def test_lead_lag_states_its_lag_in_updates_when_the_kl_is_measured_every_other_update(tmp_path):
+    """The same planted log (return falls 2 updates after each KL spike), the KL logged at every dump or every other."""
+    rng = np.random.default_rng(0)
+    n = 120
+    kl = np.exp(rng.normal(-4.0, 0.2, n))
+    spikes = rng.choice(np.arange(10, n - 5), 12, replace=False)
+    kl[spikes] *= 20
+    returns = 100 + rng.normal(0, 1, n)
+    returns[spikes + 2] -= 30
+    for every in (1, 2):
+        rows = ["time/total_timesteps,train/kl,train/target_kl,rollout/ep_rew_mean"]
+        rows += [
+            f"{256 * (t + 1)},{kl[t] if t % every == 0 else ''},{0.02 if t % every == 0 else ''},{returns[t]}"
+            for t in range(n)
+        ]
+        (tmp_path / f"every{every}.csv").write_text("\n".join(rows) + "\n")
+        lead = summarize_run(load_run("run", str(tmp_path / f"every{every}.csv"), "csv")).lead
+        assert lead.found and lead.updates_per_lag == every, (every, lead.summary())
+        assert lead.best_lag * every == 2 and "by 2 updates, ~512 steps" in lead.summary()
+
+
+def test_states_say_whether_the_observations_are_normalized(tmp_path, capsys):
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from sb3_kl.callbacks import KLMonitorCallback
+
+    for normalize in (False, True):
+        env = make_vec_env("Pendulum-v1", n_envs=1, seed=0)
+        env = VecNormalize(env) if normalize else env
+        path = tmp_path / f"top_{normalize}.npz"
+        PPO("MlpPolicy", env, n_steps=64, batch_size=64, n_epochs=1, seed=0).learn(
+            128, callback=KLMonitorCallback(top_k=8, top_k_path=path)
+        )
+        assert load_states(str(path)).normalized is normalize
+        assert main(["states", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert ("normalized by VecNormalize" in out) is normalize
+
+
+def test_plot_writes_and_names_the_png_matplotlib_writes(tmp_path, capsys):
+    rows = ["time/total_timesteps,train/kl,train/target_kl"] + [f"{100 * (t + 1)},0.01,0.01" for t in range(5)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    assert main(["plot", str(tmp_path / "progress.csv"), "--out", str(tmp_path / "kl")]) == 0
+    assert (tmp_path / "kl.png").exists() and f"wrote {tmp_path / 'kl.png'}" in capsys.readouterr().out
+    (tmp_path / "figures").mkdir()
+    for out in (tmp_path / "figures", f"{tmp_path / 'figures'}/"):
+        assert main(["plot", str(tmp_path / "progress.csv"), "--out", str(out)]) == 1
+        assert "it is a directory, give a file name" in capsys.readouterr().err
+    assert not list((tmp_path / "figures").iterdir())

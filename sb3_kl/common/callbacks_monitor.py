@@ -15,6 +15,7 @@ import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.logger import TensorBoardOutputFormat
+from stable_baselines3.common.vec_env import unwrap_vec_normalize
 
 from sb3_kl.common.kl import (
     KL_DIRECTIONS,
@@ -213,7 +214,9 @@ class KLMonitorCallback(BaseCallback):
       ``env_index`` ``(n,)``, ``step_index`` ``(n,)``: the high-KL states;
     - ``background_observations``, ``background_kl``, ``background_update``: ordinary states for comparison;
     - ``convention``: the KL convention string, ``obs_keys``: the observation keys (Dict observation spaces, whose
-      observations are stored as ``observations/<key>`` and ``background_observations/<key>``; empty otherwise).
+      observations are stored as ``observations/<key>`` and ``background_observations/<key>``; empty otherwise);
+    - ``obs_normalized``: whether the observations are ``VecNormalize``'s normalized ones, as the rollout buffer
+      stores them (the policy's input, in units whose statistics move during training), not the env's raw values.
 
     Action masks of ``MaskablePPO`` are applied to both policies (taken from the rollout buffer). Recurrent policies
     (sb3-contrib's ``RecurrentPPO``, ``RecurrentKLPPO``) are measured on their sequences: each policy's LSTM is re-run
@@ -793,6 +796,11 @@ class KLMonitorCallback(BaseCallback):
             }
         )
 
+    def _observations_normalized(self) -> bool:
+        """Whether the stored observations are VecNormalize's normalized ones (the policy's input)."""
+        vec_normalize = unwrap_vec_normalize(self.model.get_env()) if self.model is not None else None
+        return bool(vec_normalize is not None and vec_normalize.norm_obs)
+
     def save_top_states(self, path: str | os.PathLike) -> None:
         """
         Save the kept high-KL states and the background sample to a ``.npz`` (keys in the class docstring); missing
@@ -826,6 +834,7 @@ class KLMonitorCallback(BaseCallback):
             background_kl=np.concatenate([entry["background_kl"] for entry in self.top_states]),
             background_update=repeat("update", "background_kl"),
             convention=np.array(self.settings.convention),
+            obs_normalized=np.array(self._observations_normalized()),
             obs_keys=np.array(sorted(first_obs) if isinstance(first_obs, dict) else [], dtype=str),
         )
         if self.verbose >= 1:

@@ -46,6 +46,8 @@ class LeadLagResult:
     :param reason: Why the test could not run (empty when it ran)
     :param steps_per_update: Median environment steps between dumps (to state the lag in steps)
     :param confidence: The quantile of the null used as ``threshold``
+    :param updates_per_lag: Updates between two points of the series (2 when the KL was measured every other update,
+        ``KLMonitorCallback(every=2)``): the lags above count points, the summary states updates
     """
 
     n_updates: int
@@ -60,6 +62,7 @@ class LeadLagResult:
     reason: str = ""
     steps_per_update: float = float("nan")
     confidence: float = 0.95
+    updates_per_lag: int = 1
 
     def summary(self) -> str:
         """:return: One sentence with the finding."""
@@ -71,8 +74,10 @@ class LeadLagResult:
         in_steps = f", ~{self.best_lag * self.steps_per_update:.0f} steps" if np.isfinite(self.steps_per_update) else ""
         if self.best_lag == 0:
             return f"KL spikes coincide with return drops (same update) (correlation {strength})"
-        unit = "update" if self.best_lag == 1 else "updates"
-        return f"KL spikes lead return drops by {self.best_lag} {unit}{in_steps} (correlation {strength})"
+        updates = self.best_lag * self.updates_per_lag
+        unit = "update" if updates == 1 else "updates"
+        sampled = f", the KL measured every {self.updates_per_lag} updates" if self.updates_per_lag > 1 else ""
+        return f"KL spikes lead return drops by {updates} {unit}{in_steps}{sampled} (correlation {strength})"
 
 
 def spike_series(kl: np.ndarray, trend_window: int = TREND_WINDOW) -> np.ndarray:

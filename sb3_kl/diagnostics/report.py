@@ -189,6 +189,7 @@ def summarize_run(
         phase.n_nonfinite = len(values) - len(finite)
         if p99 is not None:
             in_phase = p99.values[(p99.steps >= first) & (p99.steps <= last)]
+            in_phase = in_phase[np.isfinite(in_phase)]  # (of the finite values, as the KL max)
             phase.kl_p99_max = float(np.max(in_phase)) if len(in_phase) else float("nan")
         in_phase = (steps_t >= first) & (steps_t <= last)
         if np.any(in_phase):
@@ -235,6 +236,10 @@ def summarize_run(
     else:
         steps, (kl_r, returns_r) = align(kl, returns)
         report.lead = lead_lag(kl_r, returns_r, steps=steps, max_lag=max_lag, seed=seed)
+        # a KL measured every n-th update (KLMonitorCallback(every=n)) keeps every n-th dump: one lag is n updates
+        dump_steps, kept_steps = np.diff(returns.steps), np.diff(steps)
+        if len(dump_steps) and len(kept_steps) and np.median(dump_steps) > 0:
+            report.lead.updates_per_lag = max(1, round(float(np.median(kept_steps) / np.median(dump_steps))))
     return report
 
 

@@ -58,6 +58,8 @@ class StatesReport:
     :param updates: Update indices of the high-KL states (may be empty)
     :param convention: The KL convention the monitor saved (e.g. ``forward/analytic/sum``), None when the file has none
     :param nonfinite_dims: Dimensions with a NaN or infinite value in either group (their statistics mean nothing)
+    :param normalized: Whether the observations are VecNormalize's normalized ones (the policy's input, in units whose
+        statistics moved during training), None when the file does not say
     """
 
     dims: list[DimensionComparison]
@@ -69,6 +71,7 @@ class StatesReport:
     updates: np.ndarray
     convention: str | None = None
     nonfinite_dims: list[str] = field(default_factory=list)
+    normalized: bool | None = None
 
 
 def _auc(high: np.ndarray, ref: np.ndarray) -> float:
@@ -208,11 +211,13 @@ def load_states(path: str) -> StatesReport:
             "no background saved" if saved == 0 else f"only {saved} background state(s) saved, fewer than {MIN_GROUP}"
         ) + ": the lower-KL half of the saved top states (a weaker contrast)"
     convention = str(arrays["convention"]) if "convention" in arrays else None
+    normalized = bool(arrays["obs_normalized"]) if "obs_normalized" in arrays else None
     finite = np.isfinite(high).all(axis=0) & np.isfinite(ref).all(axis=0)
     nonfinite = [name for name, ok in zip(names, finite, strict=True) if not ok]
     return StatesReport(
-        compare(high, ref, names), len(high), len(ref), reference, high_kl, ref_kl, updates, convention, nonfinite
-    )
+        compare(high, ref, names), len(high), len(ref), reference, high_kl, ref_kl, updates, convention, nonfinite,
+        normalized,
+    )  # fmt: skip
 
 
 def format_states(report: StatesReport, top: int = 20) -> str:
@@ -226,10 +231,17 @@ def format_states(report: StatesReport, top: int = 20) -> str:
         return "/".join(f"{v:.3g}" for v in values)
 
     lines = [
-        f"high-KL states: {report.n_high} (KL {report.high_kl.min():.3g}..{report.high_kl.max():.3g}, "
+        f"high-KL states: {report.n_high} (KL {np.nanmin(report.high_kl):.3g}..{np.nanmax(report.high_kl):.3g}, "
         f"{report.convention or 'convention not saved'}"
         + (f", updates {int(report.updates.min())}..{int(report.updates.max())}" if len(report.updates) else "")
         + ")",
+        "observations: "
+        + {
+            True: "normalized by VecNormalize (the policy's input, not the env's raw values; its statistics moved "
+            "during training)",
+            False: "as the env returned them (no VecNormalize of observations)",
+            None: "as the rollout buffer stored them (normalized if the run used VecNormalize; the file does not say)",
+        }[report.normalized],
         f"reference: {report.n_ref} {report.reference}"
         + (f" (KL median {np.median(report.ref_kl):.3g})" if len(report.ref_kl) else ""),
         "dimensions sorted by separation (KS = largest gap between the two empirical CDFs); "
