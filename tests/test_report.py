@@ -352,3 +352,19 @@ def test_plot_writes_and_names_the_png_matplotlib_writes(tmp_path, capsys):
         assert main(["plot", str(tmp_path / "progress.csv"), "--out", str(out)]) == 1
         assert "it is a directory, give a file name" in capsys.readouterr().err
     assert not list((tmp_path / "figures").iterdir())
+
+
+def test_a_damaged_tensorboard_event_file_is_one_clear_error(tmp_path, capsys):
+    """TensorBoard's reader stops quietly at a record whose checksum fails: the report must not read the run short."""
+    model = KLPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1, seed=0)
+    model.set_logger(configure(str(tmp_path / "run"), ["tensorboard"]))
+    model.learn(64 * 12)
+    model.logger.close()
+    (event_file,) = (tmp_path / "run").glob("events.out.tfevents.*")
+    assert main(["report", str(tmp_path / "run")]) == 0
+    assert "updates with KL: 11" in capsys.readouterr().out  # (the last update is dumped by the next rollout)
+    data = bytearray(event_file.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 50] = b"\xff" * 50
+    event_file.write_bytes(bytes(data))
+    assert main(["report", str(tmp_path / "run")]) == 1
+    assert f"{event_file} is corrupt" in capsys.readouterr().err

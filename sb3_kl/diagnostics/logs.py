@@ -15,8 +15,11 @@ of a run (mean, p99, target, beta) all come from one source, so that they are in
 
 import csv
 import fnmatch
+import glob
 import math
 import os
+import struct
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,6 +172,40 @@ def _make_series(pairs: dict[int, float]) -> Series:
     return Series(steps=steps, values=np.array([pairs[s] for s in steps], dtype=np.float64))
 
 
+def _check_event_file(path: str) -> None:
+    """
+    Check that TensorBoard reads every complete record of an event file: the records' framing (length and its
+    checksum) is walked to the end, and the events TensorBoard's loader yields are counted against it (the loader stops
+    at the first record whose checksum fails, without an error). An incomplete last record (a run still writing) is
+    not counted.
+
+    :raises DiagnosticsError: naming the file and the first record that cannot be read
+    """
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    with open(path, "rb") as file:
+        data = file.read()
+    position, complete, damaged = 0, 0, False
+    while position + 12 <= len(data):
+        header = data[position : position + 8]
+        if masked_crc32c(header) != struct.unpack("<I", data[position + 8 : position + 12])[0]:
+            damaged = True
+            break
+        end = position + 12 + struct.unpack("<Q", header)[0] + 4
+        if end > len(data):  # the last record is still being written
+            break
+        position, complete = end, complete + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        read = sum(1 for _ in EventFileLoader(path).Load())
+    if damaged or read < complete:
+        raise DiagnosticsError(
+            f"{path} is corrupt: TensorBoard reads {read} of its records and stops at a damaged one, so the run would "
+            "read short. Use another copy of the log, or the run's progress.csv"
+        )
+
+
 def read_tensorboard(run_dir: str, name: str) -> RunLog:
     """
     Read every scalar of a TensorBoard run directory with TensorBoard's ``EventAccumulator``.
@@ -185,6 +222,9 @@ def read_tensorboard(run_dir: str, name: str) -> RunLog:
         accumulator.Reload()
     except Exception as error:  # a corrupt record raises DataLossError or a protobuf DecodeError
         raise DiagnosticsError(f"cannot read TensorBoard events in {run_dir}: {type(error).__name__}: {error}") from None
+    # TensorBoard's reader stops quietly at a record that fails its checksum: the run would read short
+    for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+        _check_event_file(path)
     run = RunLog(name=name, path=run_dir, source="tensorboard")
     for tag in accumulator.Tags().get(SCALARS, []):
         pairs: dict[int, float] = {}
