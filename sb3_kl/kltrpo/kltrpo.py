@@ -694,8 +694,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
     _update_kl_in_float64: ClassVar[bool] = True
 
     def _stock_convention_notes(self, saved_by: str, given: set[str]) -> list[str]:
-        """A TRPO zip: TRPO bounded another KL with the same ``target_kl`` (unless ``kl_reduction`` keeps it)."""
-        if saved_by != "TRPO" or self.sb3_contrib_kl:
+        """A TRPO zip: TRPO bounded another KL with the same ``target_kl`` (unless ``load()`` chose the reduction)."""
+        if saved_by != "TRPO" or self.sb3_contrib_kl or "kl_reduction" in given:
             return []
         return [
             "TRPO bounded KL(new||old) averaged over action dimensions at this target_kl; pass "
