@@ -7,6 +7,7 @@ told once; and a corrupt zip is one sentence naming the file.
 import warnings
 import zipfile
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
@@ -182,6 +183,23 @@ def test_recurrent_klppo_names_stock_recurrent_ppo(tmp_path):
     assert_same_policy(stock, model)
 
 
+class TwoDimensionalActions(gym.Env):
+    """Reward ``-||a - x||^2`` for an observed point ``x`` in [-1, 1]^2; episodes of 16 steps (no MuJoCo or Box2D)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.x = 0, self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        return self.x, {}
+
+    def step(self, action):
+        reward = -float(np.sum((np.clip(action, -1, 1) - self.x) ** 2))
+        self.t, self.x = self.t + 1, self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        return self.x, reward, False, self.t >= 16, {}
+
+
 def test_kltrpo_loads_a_trpo_zip_in_trpos_constraint_or_says_it_changes(tmp_path):
     """
     A TRPO zip holds no KL convention: ``load()``'s KL options are built as the constructor would, so that
@@ -190,7 +208,7 @@ def test_kltrpo_loads_a_trpo_zip_in_trpos_constraint_or_says_it_changes(tmp_path
     """
     from stable_baselines3.common.utils import set_random_seed
 
-    env_id = "LunarLanderContinuous-v3"  # two action dimensions: TRPO's averaged KL is not the joint one
+    env_id = TwoDimensionalActions  # TRPO's KL averaged over the action dimensions is not the joint one
     TRPO("MlpPolicy", make_vec_env(env_id, n_envs=1, seed=0), **TINY).learn(32).save(tmp_path / "trpo")
 
     def continued(cls, **load_kwargs):
