@@ -253,7 +253,7 @@ def warn_unused_arguments(kl_controller: str, **arguments: tuple[Any, Any]) -> N
         )
 
 
-def as_tuple(value: Any) -> Any:
+def _as_tuple(value: Any) -> Any:
     """A list or tuple as a tuple (how a pair compares with its default); anything else unchanged."""
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
@@ -279,8 +279,8 @@ def make_kl_controller(
     arguments = {
         "kl_coef": (kl_coef, 1.0),
         "kl_adapt_factor": (kl_adapt_factor, 1.5),
-        "kl_band": (as_tuple(kl_band), (0.8, 1.25)),
-        "kl_coef_bounds": (as_tuple(kl_coef_bounds), (1e-4, 10.0)),
+        "kl_band": (_as_tuple(kl_band), (0.8, 1.25)),
+        "kl_coef_bounds": (_as_tuple(kl_coef_bounds), (1e-4, 10.0)),
         "kl_window": (kl_window, 1),
         "kl_horizon": (kl_horizon, 10_000),
     }

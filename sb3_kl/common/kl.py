@@ -43,6 +43,7 @@ from stable_baselines3.common.distributions import (
     Distribution,
     MultiCategoricalDistribution,
     StateDependentNoiseDistribution,
+    sum_independent_dims,
 )
 from torch.nn import functional as F
 
@@ -180,8 +181,7 @@ def kl_log_prob(distribution: Distribution, actions: th.Tensor, log_prob: th.Ten
     # actions only)
     bijector = distribution.bijector
     gaussian_actions = bijector.inverse(actions) if bijector is not None else actions
-    attached = normal.log_prob(gaussian_actions)
-    attached = attached.sum(dim=1) if attached.dim() > 1 else attached.sum()
+    attached = sum_independent_dims(normal.log_prob(gaussian_actions))
     if bijector is not None:
         attached = attached - th.sum(bijector.log_prob_correction(gaussian_actions), dim=1)
     return attached

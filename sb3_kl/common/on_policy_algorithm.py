@@ -27,7 +27,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
-from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, as_tuple, make_kl_controller
+from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
@@ -319,8 +319,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
         self.kl_controller = make_kl_controller(
-            # (a list from a config file as a tuple; anything else as given, for the controller's check to name it)
-            kl_controller, kl_coef, kl_adapt_factor, as_tuple(kl_band), as_tuple(kl_coef_bounds), kl_window, kl_horizon
+            # (the controllers check the pairs, lists from a config file included, and name a value that is no pair)
+            kl_controller, kl_coef, kl_adapt_factor, kl_band, kl_coef_bounds, kl_window, kl_horizon
         )
         self._init_reference(
             ref_policy,
@@ -329,7 +329,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             ref_kl_controller,
             ref_kl_direction,
             ref_kl_estimator,
-            as_tuple(ref_kl_coef_bounds),
+            ref_kl_coef_bounds,
             kl_reduction,
             log_ratio_clip,
         )
