@@ -1,3 +1,4 @@
+import copy
 import os
 
 import gymnasium as gym
@@ -397,3 +398,69 @@ def test_a_measured_reference_leaves_the_training_unchanged(algo, saved_referenc
     without = make_model(algo).learn(128)
     measured = make_model(algo, ref_policy=saved_reference, ref_kl_coef=0.0).learn(128)
     assert _state_equal(without.policy, measured.policy)
+
+
+def test_kltrpo_gsde_anchor_gradient_is_the_reference_kls(monkeypatch):
+    """
+    With gSDE, KLTRPO's natural-gradient right-hand side carries -beta_ref * grad KL(pi || pi_ref), the gradient of
+    the exact KL of the Gaussians the policies act with, std through the features included (the constraint keeps
+    SB3's detached features, as TRPO's does). Checked against central finite differences of that KL.
+    """
+    import sb3_kl.kltrpo.kltrpo as kltrpo_module
+
+    reference = PPO("MlpPolicy", "Pendulum-v1", n_steps=64, use_sde=True, seed=1, policy_kwargs=dict(net_arch=[16]))
+    with th.no_grad():  # a reference away from the policy: its own weights, a larger exploration std
+        reference.policy.log_std.add_(0.5)
+    solver = kltrpo_module.conjugate_gradient_solver
+
+    def right_hand_side(ref_kl_coef: float) -> tuple[th.Tensor, KLTRPO]:
+        model = KLTRPO(
+            "MlpPolicy",
+            "Pendulum-v1",
+            n_steps=64,
+            use_sde=True,
+            seed=3,
+            ref_policy=reference,
+            ref_kl_coef=ref_kl_coef,
+            policy_kwargs=dict(net_arch=[16]),
+        )
+        captured = {}
+
+        def capture(fvp, b, **kwargs):
+            if "b" not in captured:
+                captured["b"], captured["state"] = b.detach().clone(), copy.deepcopy(model.policy.state_dict())
+            return solver(fvp, b, **kwargs)
+
+        monkeypatch.setattr(kltrpo_module, "conjugate_gradient_solver", capture)
+        model.learn(64)
+        model.policy.load_state_dict(captured["state"])
+        return captured["b"], model
+
+    coef = 2.0
+    anchored, model = right_hand_side(coef)
+    free, _ = right_hand_side(0.0)
+    gradient = (free - anchored) / coef  # grad KL_ref as the algorithm uses it
+    observations = th.as_tensor(model.rollout_buffer.observations.reshape(-1, 3))
+    parameters = model._actor_parameters()
+    assert sum(p.numel() for p in parameters) == gradient.numel()
+    model.policy.set_training_mode(False)
+
+    def exact_kl() -> float:
+        with th.no_grad():
+            p = model.policy.get_distribution(observations).distribution
+            q = model.ref_policy.get_distribution(observations).distribution
+            p = th.distributions.Normal(p.loc.double(), p.scale.double())
+            q = th.distributions.Normal(q.loc.double(), q.scale.double())
+            return float(th.distributions.kl_divergence(p, q).sum(-1).mean())
+
+    flat = th.nn.utils.parameters_to_vector(parameters).detach().clone()
+    generator = th.Generator().manual_seed(0)
+    for _ in range(3):
+        direction = th.randn(flat.numel(), generator=generator)
+        values = []
+        for sign in (1.0, -1.0):
+            th.nn.utils.vector_to_parameters(flat + sign * 1e-3 * direction, parameters)
+            values.append(exact_kl())
+        th.nn.utils.vector_to_parameters(flat, parameters)
+        expected = (values[0] - values[1]) / 2e-3
+        assert float(gradient @ direction) == pytest.approx(expected, rel=1e-2, abs=1e-5)

@@ -10,6 +10,7 @@ import torch as th
 from gymnasium import spaces
 from sb3_contrib.common.utils import conjugate_gradient_solver
 from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.distributions import Distribution, StateDependentNoiseDistribution
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.utils import explained_variance
@@ -17,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
-from sb3_kl.common.kl import per_state_kl, sb3_contrib_kl_reduction
+from sb3_kl.common.kl import attach_sde_features, per_state_kl, sb3_contrib_kl_reduction
 from sb3_kl.common.modes import RUNNING_STATISTICS_MODULES, acting_mode, has_mode_dependent_modules, modules_run_by
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
@@ -461,6 +462,27 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 self.policy.optimizer.step()
         return value_losses
 
+    def _anchor_distribution(self, observations: Any, distribution: Distribution) -> Distribution:
+        """
+        The policy's distribution as the reference term of the objective differentiates it. With gSDE, SB3 builds the
+        std from detached features, and the constraint keeps that (as sb3-contrib's TRPO does); the anchor's gradient
+        must also move the std through the features, as it does in KLPPO: a shallow copy of ``distribution`` (the
+        same values, the policy's distribution object left as it is) carries a Normal whose std is differentiable in
+        the latent features (:func:`~sb3_kl.common.kl.attach_sde_features`). Other distributions are returned as
+        they are.
+
+        :param observations: The states ``distribution`` was built on
+        :param distribution: ``self.policy.get_distribution(observations)``
+        """
+        if not isinstance(distribution, StateDependentNoiseDistribution) or distribution.learn_features:
+            return distribution
+        features = self.policy.extract_features(observations)  # type: ignore[arg-type]
+        pi_features = features if self.policy.share_features_extractor else features[0]
+        latent_pi = self.policy.mlp_extractor.forward_actor(pi_features)
+        anchored = copy.copy(distribution)
+        attach_sde_features(anchored, latent_pi, self.policy.log_std)
+        return anchored
+
     def _budget_used(self, mean_kl: float, tail: float | None, target_kl: float) -> float:
         """
         The fraction of the trust region a candidate uses: its measured mean KL over ``target_kl`` or, with
@@ -577,7 +599,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
         if ref_kl_coef > 0:
             ref_params, ref_log_prob = self._reference_distribution(observations, actions)
-            ref_kl = self._reference_kl(ref_params, distribution, log_prob, ref_log_prob, old_log_prob).mean()
+            anchored = self._anchor_distribution(observations, distribution)
+            anchored_log_prob, _ = self._log_probs_for_kl(anchored, actions, log_prob, old_log_prob)
+            ref_kl = self._reference_kl(ref_params, anchored, anchored_log_prob, ref_log_prob, old_log_prob).mean()
             policy_objective = policy_objective - ref_kl_coef * ref_kl
         kl_div = self._constrained_kl(old_params, distribution).mean()
 
