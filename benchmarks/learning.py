@@ -39,7 +39,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-RESULTS = Path(os.environ.get("SB3_KL_BENCHMARK_RESULTS", HERE / "results"))
+#: The main results folder: the grid's records (``runs/<tier>/``), its report, and the side experiments' folders
+MAIN_RESULTS = HERE / "results"
+RESULTS = Path(os.environ.get("SB3_KL_BENCHMARK_RESULTS", MAIN_RESULTS))
 
 MAIN_ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5", "Hopper-v5"]
 # ppo_target_kl: stock PPO with SB3's KL early stop at KLPPO's target (see settings.settings_for);
@@ -194,7 +196,12 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
     :param spec: the run: ``algo``, ``env``, ``seed``, ``lr_mult``, ``tier``, optional ``overrides`` and ``code_version``
     :param probes: more callbacks to train with (they must not change the training: no random draws, no writes to
         the model or the environment)
-    :return: its record (not written: :func:`run_one` or the distributed grid does)
+    :return: its record (not written: :func:`run_one` or the distributed grid does). ``learn(budget)`` ends with the
+        rollout in which the budget is reached, so a run trains up to one rollout (``n_steps`` x ``n_envs``) more than
+        ``budget``: ``trained_steps`` holds the steps it trained (the model's ``num_timesteps``), and
+        ``env_steps_per_second`` is ``trained_steps / train_seconds``. Records made before ``trained_steps`` was stored
+        hold ``budget / train_seconds`` there, which undercounts by the last rollout's overshoot (they were not re-made;
+        :func:`trained_steps` reads their step count from the learning curve).
     """
     import torch as th
 
@@ -244,6 +251,7 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
     start = time.perf_counter()
     model.learn(budget, callback=CallbackList(callbacks))
     train_seconds = time.perf_counter() - start
+    steps = int(model.num_timesteps)  # past the budget: learn() ends with the rollout in which it is reached
 
     eval_env = make_vec_env(env_id, n_envs=1, seed=10_000 + seed)
     if setting["normalize"]:
@@ -271,6 +279,7 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
         lr_mult=lr_mult,
         tier=tier,
         budget=budget,
+        trained_steps=steps,
         n_envs=setting["n_envs"],
         normalize=setting["normalize"],
         hyperparameters=describe(kwargs),
@@ -284,7 +293,7 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
         # the lag, in updates, of the kl_updates' drift (the policy drift_lag updates before the updated one)
         drift_lag=monitor.drift_lag if monitor is not None else None,
         train_seconds=train_seconds,
-        env_steps_per_second=budget / train_seconds,
+        env_steps_per_second=steps / train_seconds,
         torch_threads=1,
         # the commit checked out when the batch started (the workers import the code then)
         code_version=spec.get("code_version") or code_version(),
@@ -464,6 +473,113 @@ def load_records(tier: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.exists() else []
 
 
+def trained_steps(record: dict[str, Any]) -> int | None:
+    """
+    The environment steps a run trained: ``learn(budget)`` ends with the rollout in which the budget is reached, so up
+    to one rollout (``n_steps`` x ``n_envs``, which depends on the algorithm's settings) more than ``budget``.
+
+    :param record: a run's record
+    :return: its ``trained_steps`` (the model's ``num_timesteps`` after training) where the record stores it; in
+        records made before it was stored, the step count of the last point of the learning curve or of the last KL
+        update, whichever is later (both are taken after a rollout, the last ones after the last rollout); None when
+        the record holds neither
+    """
+    if "trained_steps" in record:
+        return int(record["trained_steps"])
+    points = [point[0] for point in record.get("curve", [])[-1:]]
+    points += [update["timesteps"] for update in (record.get("kl_updates") or [])[-1:]]
+    return int(max(points)) if points else None
+
+
+def budgets_and_trained_steps(records: list[dict[str, Any]]) -> str:
+    """
+    The report's sentences on the step budgets, from the records: each environment's budget (``learn``'s
+    ``total_timesteps``) and the steps its runs actually trained (:func:`trained_steps`), which exceed the budget by an
+    amount that depends on the algorithm's rollout size, with the algorithms that trained each count.
+    """
+    budgets, trained = [], []
+    for env in MAIN_ENVS:
+        runs = [r for r in records if r["env"] == env]
+        if not runs:
+            continue
+        budgets.append(f"{env} " + " / ".join(f"{b:,}" for b in sorted({r["budget"] for r in runs})))
+        labels: dict[tuple[int, int | None], list[str]] = {}
+        for algo in ALL_ALGOS:
+            own = [r for r in runs if r["algo"] == algo]
+            counts = {(r["budget"], trained_steps(r)) for r in own}
+            for mult in sorted({r["lr_mult"] for r in own}):
+                # the algorithm's name alone where all its runs on the environment trained as many steps
+                cell = {(r["budget"], trained_steps(r)) for r in own if r["lr_mult"] == mult}
+                for count in sorted(cell, key=lambda c: (c[0], c[1] or 0)):
+                    label = algo if len(counts) == 1 else f"{algo} x{mult:g}"
+                    if label not in labels.setdefault(count, []):
+                        labels[count].append(label)
+        cells = [
+            (f"{steps:,} ({steps - budget:+,}" if steps is not None else "unknown (") + f": {', '.join(algos)})"
+            for (budget, steps), algos in sorted(labels.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
+        ]
+        trained.append(f"{env} {', '.join(cells)}")
+    stored = [("trained_steps" in r) for r in records]
+    if all(stored):
+        source = "each record's `trained_steps`, the model's step count after training"
+    else:
+        source = (
+            "each run's step count at its last learning-curve point or last KL update, whichever is later; both are"
+            " taken after a rollout, the last ones after the last rollout"
+            + ("; or the record's `trained_steps` where it stores it" if any(stored) else "")
+        )
+    return (
+        "Budgets (`total_timesteps` passed to `learn`, one per environment for every algorithm and learning rate): "
+        + ", ".join(budgets)
+        + ". `learn` does not stop inside a rollout: it ends with the rollout in which the budget is reached, so every"
+        " run trained past its budget, by up to one rollout (`n_steps` x `n_envs`, which differs between algorithms)."
+        f" Steps the runs trained, from the records ({source}), beyond the budget, and the algorithms that trained"
+        " them: " + "; ".join(trained) + ". The AUC averages each run's curve over its own span."
+    )
+
+
+def results_folder_label(path: Path | None = None) -> str:
+    """
+    :param path: a results folder (default: ``RESULTS``, the one the report reads)
+    :return: the folder as the reports name it: ``benchmarks/results[/...]`` where it lies in the main results folder
+        (``MAIN_RESULTS``), else its absolute path
+    """
+    folder, main = (path or RESULTS).resolve(), MAIN_RESULTS.resolve()
+    if folder == main or main in folder.parents:
+        return (Path("benchmarks") / "results" / folder.relative_to(main)).as_posix()
+    return folder.as_posix()
+
+
+def is_side_folder() -> bool:
+    """
+    Whether ``RESULTS`` (``$SB3_KL_BENCHMARK_RESULTS``) is a side experiment's folder: one inside the main results
+    folder, whose records the main report sets beside the grid's. Its report covers only its own records: the
+    sections that compare side experiments with the main grid, and the goals, which are stated over the main grid, are
+    left to the main report. (A results folder elsewhere is a grid of its own, reported as the main one is.)
+    """
+    return MAIN_RESULTS.resolve() in RESULTS.resolve().parents
+
+
+def side_folder_scope(records: list[dict[str, Any]], tier: str) -> str:
+    """The paragraph that opens a side folder's report (:func:`is_side_folder`): what it covers and what it does not."""
+    name = RESULTS.resolve().relative_to(MAIN_RESULTS.resolve()).as_posix()
+    cells = []
+    for env in MAIN_ENVS:
+        for mult in sorted({r["lr_mult"] for r in records if r["env"] == env}):
+            runs = [r for r in records if r["env"] == env and r["lr_mult"] == mult]
+            algos = [a for a in ALL_ALGOS if any(r["algo"] == a for r in runs)]
+            cells.append(f"{env} x{mult:g}: {', '.join(algos)}, seeds {seed_range(runs)}")
+    uses = [f"*{env} collapses over more seeds*" for env, (folder, _) in MORE_SEEDS_RUNS.items() if folder == name]
+    return (
+        f"This report covers only the {len(records)} records of this side folder ({'; '.join(cells)}), not the main"
+        f" grid's in `benchmarks/results/runs/{tier}/`: its tables, comparisons and collapses are those of these runs"
+        " alone. The sections that set side experiments beside the main grid, and the goals, which are stated over"
+        " the main grid, are left to the main report, `benchmarks/results/learning.md`, which reads these records"
+        + (f" in {', '.join(uses)}" if uses else " where a section names this folder")
+        + "."
+    )
+
+
 def fmt(values: list[float], digits: int = 1, percent: bool = False) -> str:
     if not values or any(v is None or (isinstance(v, float) and math.isnan(v)) for v in values):
         return "n/a"
@@ -555,7 +671,11 @@ def verdict(ours: list[float], theirs: list[float], higher_is_better: bool = Tru
 
 
 def report(tier: str) -> str:
-    """Write ``results/learning[_<tier>].md`` and the figures from the records of a tier."""
+    """
+    Write ``learning[_<tier>].md`` and the figures into ``RESULTS`` from the records of a tier there. The report names
+    the folder it read; in a side experiment's folder (:func:`is_side_folder`) it covers only that folder's records:
+    the sections that set side experiments beside the main grid and the goals are left to the main report.
+    """
     records = load_records(tier)
     if not records:
         raise SystemExit(f"No records under {RESULTS / 'runs' / tier}: run the grid first.")
@@ -563,11 +683,16 @@ def report(tier: str) -> str:
     envs = [e for e in MAIN_ENVS if any(k[0] == e for k in groups)]
     algos = [a for a in ALL_ALGOS if any(k[1] == a for k in groups)]
     suffix = "" if tier == "full" else f"_{tier}"
+    folder, side = results_folder_label(), is_side_folder()
+    command = f"python benchmarks/learning.py --report --tier {tier}"
+    if RESULTS.resolve() != MAIN_RESULTS.resolve():
+        command = f"SB3_KL_BENCHMARK_RESULTS={folder} {command}"
     lines = [
-        f"# Learning benchmark ({tier} tier)",
+        f"# Learning benchmark ({tier} tier)" + (f": the records of `{folder}/` only" if side else ""),
         "",
-        "Generated by `python benchmarks/learning.py --report --tier " + tier + "` from the JSON records in "
-        f"`benchmarks/results/runs/{tier}/`. Hyperparameters: rl-baselines3-zoo's tuned settings (`benchmarks/settings.py`); "
+        *([side_folder_scope(records, tier), ""] if side else []),
+        f"Generated by `{command}` from the JSON records in `{folder}/runs/{tier}/`. "
+        "Hyperparameters: rl-baselines3-zoo's tuned settings (`benchmarks/settings.py`); "
         "`klppo` is the drop-in swap (PPO's entry unchanged: where it sets `clip_range`, KLPPO clips and penalizes); "
         "`klppo_noclip` is KLPPO with its own default `clip_range=None` (run only where PPO's entry clips: elsewhere "
         "`klppo` is that run); `ppo_target_kl` is stock PPO with SB3's KL early stop, `target_kl` set to the target "
@@ -587,16 +712,21 @@ def report(tier: str) -> str:
         f"is not significantly different from the best (two-sided Welch t-test, p ≥ {SIGNIFICANCE}): a difference "
         "inside the seed noise is a tie.",
         "",
-        "KLTRPO and TRPO get the same `target_kl` but do not constrain the same number: KLTRPO holds the joint"
-        " KL(old||new), summed over action dimensions, at or below it, while sb3-contrib's TRPO holds KL(new||old)"
-        " averaged over action dimensions. On a d-dimensional action space TRPO's joint KL per update can reach about"
-        " d times the target (see the KL tables: Hopper has 3 action dimensions, HalfCheetah 6), so at equal settings"
-        ' KLTRPO takes smaller steps; `kl_reduction="mean"` gives it TRPO\'s budget per dimension, and `kltrpo_matched`'
-        " TRPO's measured step size.",
-        "",
-        "Budgets (environment steps per run, the same for every algorithm and learning rate): "
-        + ", ".join(f"{env} {steps:,}" for env, steps in BUDGETS[tier].items())
-        + ". rl-zoo trains LunarLanderContinuous and the MuJoCo tasks for 1M steps; these runs are shorter so that"
+        *(
+            [
+                "KLTRPO and TRPO get the same `target_kl` but do not constrain the same number: KLTRPO holds the joint"
+                " KL(old||new), summed over action dimensions, at or below it, while sb3-contrib's TRPO holds KL(new||old)"
+                " averaged over action dimensions. On a d-dimensional action space TRPO's joint KL per update can reach"
+                " about d times the target (see the KL tables: Hopper has 3 action dimensions, HalfCheetah 6), so at equal"
+                ' settings KLTRPO takes smaller steps; `kl_reduction="mean"` gives it TRPO\'s budget per dimension, and'
+                " `kltrpo_matched` TRPO's measured step size.",
+                "",
+            ]
+            if not side or any(a in algos for a in ("trpo", "kltrpo", "kltrpo_matched"))
+            else []
+        ),
+        budgets_and_trained_steps(records)
+        + " rl-zoo trains LunarLanderContinuous and the MuJoCo tasks for 1M steps; these runs are shorter so that"
         " the grid fits a 2-core machine, so MuJoCo returns are those of early training. One torch thread per run.",
         "",
         "Code versions of the records (commit of sb3-kl that produced them: run count). sb3-kl algorithms: "
@@ -618,34 +748,40 @@ def report(tier: str) -> str:
     ]
     for lr_mult in sorted({k[2] for k in groups}):
         title = "Main grid (base learning rate)" if lr_mult == 1.0 else f"Stress grid: learning rate x{lr_mult:g}"
+        if side:  # not the grids: this folder's cells at that learning rate
+            title = "Base learning rate" if lr_mult == 1.0 else f"Learning rate x{lr_mult:g}"
         lines += [f"## {title}", ""]
         lines += grid_tables(groups, envs, algos, lr_mult)
         lines.append("")
-    lines += baseline_comparison(groups, envs), ""
-    lines += budget_use(groups, envs), ""
-    lines += saturation_stop_comparison(groups), ""
-    lines += kl_stop_comparison(), ""
-    kltrpo_direction = kltrpo_direction_comparison(tier)
-    if kltrpo_direction:
-        lines += kltrpo_direction, ""
-    initial_kl_coef = initial_kl_coef_comparison(tier)
-    if initial_kl_coef:
-        lines += initial_kl_coef, ""
-    lower_target = lower_target_comparison(groups, tier)
-    if lower_target:
-        lines += lower_target, ""
-    lines += collapse_table(groups), ""
-    for section in (drift_table(groups), *(collapse_rates(groups, tier, env) for env in MORE_SEEDS_RUNS)):
+    if not side or any(algo == "ppo_target_kl" for (_, algo, _) in groups):
+        lines += baseline_comparison(groups, envs), ""
+    # the sections that set side experiments' folders beside the grid: a side folder's report leaves them out
+    sections = [budget_use(groups, envs)]
+    if not side:
+        sections += [
+            saturation_stop_comparison(groups),
+            kl_stop_comparison(),
+            kltrpo_direction_comparison(tier),
+            initial_kl_coef_comparison(tier),
+            lower_target_comparison(groups, tier),
+        ]
+    sections += [collapse_table(groups, "this folder's records" if side else "both grids"), drift_table(groups)]
+    if not side:
+        sections += [collapse_rates(groups, tier, env) for env in MORE_SEEDS_RUNS]
+    for section in sections:
         if section:
             lines += section, ""
-    replicated = replication(tier)
-    note = (
-        "The cells whose earlier records do not name their machine are judged again on this machine's records alone"
-        " under *Records that do not name their machine, beside this machine's* below."
-    )
-    lines += goals(groups, note if replicated else None), ""
-    if replicated:
-        lines += replicated, ""
+    if side:
+        lines += side_folder_checks(groups), ""
+    else:
+        replicated = replication(tier)
+        note = (
+            "The cells whose earlier records do not name their machine are judged again on this machine's records alone"
+            " under *Records that do not name their machine, beside this machine's* below."
+        )
+        lines += goals(groups, note if replicated else None), ""
+        if replicated:
+            lines += replicated, ""
     text = "\n".join(lines)
     (RESULTS / f"learning{suffix}.md").write_text(text)
     plot(groups, envs, algos, suffix)
@@ -741,7 +877,10 @@ def baseline_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]
 
 
 def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str]) -> str:
-    """How much of its KL budget each KLTRPO variant (and TRPO, in the joint convention) uses per update."""
+    """
+    How much of its KL budget each KLTRPO variant (and TRPO, in the joint convention) uses per update; empty without
+    their records.
+    """
     out = [
         "## KLTRPO's KL budget use",
         "",
@@ -758,7 +897,7 @@ def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs:
                 uses = [summarize(r).get("budget_use") for r in runs]
                 targets = sorted({f"{r['target_kl']:.4g}" for r in runs})
                 out.append(f"| {env} | {algo} | {', '.join(targets)} | {fmt(uses, digits=2)} |")
-    return "\n".join(out)
+    return "\n".join(out) if not out[-1].startswith("|---") else ""
 
 
 # Stock algorithms: their records do not depend on the sb3-kl version
@@ -929,9 +1068,11 @@ def kl_stop_comparison() -> str:
     KLPPO's per-epoch early stop at 1.5 x target, measured as a default and not adopted: cell by cell, the grid's
     records from before the stop at beta's bound (``results/before_saturation_stop/``, no early stop) beside the same
     runs with ``kl_stop_factor=1.5`` (``results/kl_stop_1.5_per_epoch/``), on the same seeds; then SB3's per-minibatch
-    rule (``results/kl_stop_minibatch_judge/``).
+    rule (``results/kl_stop_minibatch_judge/``). Empty without the records of the runs with the stop.
     """
     with_stop = load_folder("kl_stop_1.5_per_epoch")
+    if not with_stop:
+        return ""
     versions = ", ".join(sorted(code_versions([r for runs in with_stop.values() for r in runs])))
     lines = [
         "## KLPPO's early stop at 1.5 x target: measured as a default, not adopted",
@@ -1399,12 +1540,17 @@ def overhead_ratios(ours: str, stock: str) -> dict[str, float]:
     return ratios
 
 
-def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
-    """Every run of the grid that ``count_collapses`` counts, with its learning curve and its evaluation after training."""
+def collapse_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]], scope: str = "both grids") -> str:
+    """
+    Every run of the grid that ``count_collapses`` counts, with its learning curve and its evaluation after training.
+
+    :param groups: the records, by cell
+    :param scope: what the records are, as the section names them
+    """
     out = [
         "## The collapses",
         "",
-        "Every run of both grids with a collapse (`count_collapses`, on the learning curve: the mean return of the last"
+        f"Every run of {scope} with a collapse (`count_collapses`, on the learning curve: the mean return of the last"
         " 100 training episodes, SB3's `ep_info_buffer`, after each rollout, from the stochastic policy), beside the"
         " deterministic evaluation after training (10 episodes) and the mean evaluation of its cell. The curve's window"
         " holds episodes, not steps: where an episode lasts up to 1000 steps (Hopper) it spans up to 100,000 steps, so"
@@ -1579,6 +1725,30 @@ def collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], t
             f"| {algo} | {len(records)} | {len(collapsed)} | {seeds} | {collapsed_evals} |{low} {fmt(evals)} | {p} |"
         )
     return "\n".join(out)
+
+
+def side_folder_checks(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> str:
+    """
+    The goals' section of a side folder's report (:func:`is_side_folder`): the goals are stated over the main grid and
+    not judged on a side folder's records; the standing checks of single cells are, labelled as such.
+    """
+    checks = [line for line in standing_checks(groups) if line.startswith("- ")]
+    return "\n".join(
+        [
+            "## Goals: judged in the main report, not here",
+            "",
+            "The goals are stated over the main grid (all its environments, algorithms and learning rates, and the"
+            " side experiments it sets beside them), so `benchmarks/results/learning.md` judges them on the main"
+            " grid's records; a verdict on this folder's records alone would judge a part of the grid as the whole."
+            + (
+                " The standing checks of single cells, on this folder's records alone (not the main grid's seeds of"
+                " the same cells):"
+                if checks
+                else ""
+            ),
+            *(["", *checks] if checks else []),
+        ]
+    )
 
 
 def status(met: bool | None) -> str:

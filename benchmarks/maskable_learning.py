@@ -30,7 +30,17 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from learning import BAND, code_version, count_collapses, fmt, run_environment, summarize  # noqa: E402
+from learning import (  # noqa: E402
+    BAND,
+    SIGNIFICANCE,
+    code_version,
+    count_collapses,
+    fmt,
+    run_environment,
+    summarize,
+    trained_steps,
+    verdict,
+)
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "maskable_runs"
@@ -62,7 +72,15 @@ def register_env() -> None:
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train, evaluate and write the record of one run (executed in a worker process)."""
+    """
+    Train, evaluate and write the record of one run (executed in a worker process).
+
+    :param spec: the run: ``algo`` and ``seed``
+    :return: its record; ``trained_steps`` is the steps it trained (``learn`` ends with the rollout in which the budget
+        is reached, so up to one rollout more than ``budget``) and ``env_steps_per_second`` is ``trained_steps /
+        train_seconds`` (records made before ``trained_steps`` was stored hold ``budget / train_seconds`` there; the
+        report reads the steps trained with ``learning.trained_steps``)
+    """
     import torch as th
 
     th.set_num_threads(1)
@@ -97,6 +115,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     model.learn(budget, callback=CallbackList([Curve(), monitor]))
     train_seconds = time.perf_counter() - start
+    steps = int(model.num_timesteps)  # past the budget: learn() ends with the rollout in which it is reached
 
     eval_env = make_vec_env(ENV_ID, n_envs=1, seed=10_000 + seed)
     returns, _ = evaluate_policy(
@@ -108,6 +127,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         seed=seed,
         lr_mult=1.0,
         budget=budget,
+        trained_steps=steps,
         n_envs=n_envs,
         hyperparameters={key: repr(value) for key, value in kwargs.items()},
         target_kl=target_kl,
@@ -120,7 +140,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         ],
         kl_source="sb3_kl.callbacks.KLMonitorCallback (exact, forward, summed over sub-actions, masked)",
         train_seconds=train_seconds,
-        env_steps_per_second=budget / train_seconds,
+        env_steps_per_second=steps / train_seconds,
         torch_threads=1,
         code_version=code_version(),
         run_environment=run_environment(),
@@ -135,20 +155,56 @@ def load_records() -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(RUNS.glob("*.json"))] if RUNS.exists() else []
 
 
+#: The report's measures: (label, key of ``learning.summarize``, digits, percent, whether higher is better; None: a
+#: measure without a better side, whose significant differences are called ``differs``)
+MEASURES = [
+    ("evaluation return (10 masked deterministic episodes)", "eval_mean", 1, False, True),
+    ("area under the learning curve (mean training return)", "auc", 1, False, True),
+    ("per-update KL, mean", "kl_mean", 4, False, None),
+    ("per-update KL, p99 (mean over updates)", "kl_p99", 4, False, False),
+    ("updates with KL in [0.5, 2] x 0.02", "in_band", 1, True, True),
+    ("collapses", "collapses", 1, False, False),
+]
+
+
+def difference_cell(ours: list[float], theirs: list[float], higher_is_better: bool | None) -> str:
+    """
+    :return: ``learning.verdict``'s difference of the means (ours - theirs) with its Welch p-value and *better* /
+        *worse* (in bold, as ``learning.py`` marks it) only when p < ``SIGNIFICANCE``, *tie* otherwise; ``differs`` for
+        a significant difference of a measure without a better side
+    """
+    text, result = verdict(ours, theirs, bool(higher_is_better))
+    if higher_is_better is None and result != "tie":
+        result = "differs"
+    return f"{text}: {'**' + result + '**' if result == 'worse' else result}"
+
+
+def steps_per_second(record: dict[str, Any]) -> float:
+    """A run's env-steps/s: the steps it trained (``learning.trained_steps``) over its training time."""
+    return (trained_steps(record) or record["budget"]) / record["train_seconds"]
+
+
+def paired_speed_ratios(by_algo: dict[str, list[dict[str, Any]]]) -> dict[int, float]:
+    """
+    :return: per seed that both algorithms have, MaskableKLPPO's env-steps/s over MaskablePPO's (the runs are queued
+        seed by seed, so a seed's two runs train close in time, under a similar load of the machine)
+    """
+    ppo = {r["seed"]: r for r in by_algo["maskable_ppo"]}
+    return {
+        r["seed"]: steps_per_second(r) / steps_per_second(ppo[r["seed"]])
+        for r in sorted(by_algo["maskable_klppo"], key=lambda r: r["seed"])
+        if r["seed"] in ppo
+    }
+
+
 def report() -> None:
+    """Write ``results/maskable_learning.md`` and ``maskable_learning.png`` from the records in ``RUNS``."""
     records = load_records()
     by_algo = {algo: [r for r in records if r["algo"] == algo] for algo in ALGOS}
     summaries = {algo: [summarize(r) for r in runs] for algo, runs in by_algo.items()}
     kwargs, n_envs, budget = settings()
     versions = sorted({r["code_version"] for r in records})
-    rows = [
-        ("evaluation return (10 masked deterministic episodes)", "eval_mean", 1, False),
-        ("area under the learning curve (mean training return)", "auc", 1, False),
-        ("per-update KL, mean", "kl_mean", 4, False),
-        ("per-update KL, p99 (mean over updates)", "kl_p99", 4, False),
-        ("updates with KL in [0.5, 2] x 0.02", "in_band", 1, True),
-        ("collapses", "collapses", 1, False),
-    ]
+    trained = sorted({trained_steps(r) or r["budget"] for r in records})
     lines = [
         "# MaskableKLPPO beside MaskablePPO on a masked task",
         "",
@@ -157,27 +213,45 @@ def report() -> None:
         "",
         f"Task: `{ENV_ID}`, sb3-contrib's `InvalidActionEnvMultiDiscrete(dims=[10, 10, 10], n_invalid_actions=15)`"
         " (reward 1 when the action equals the observed state, 100 steps per episode, half of the 30 choices masked at"
-        f" each step). {n_envs} envs, {budget:,} steps per run, settings of the shipped zoo config"
-        f" `sb3_kl/hyperparams/klppo_mask.yml` for both: {', '.join(f'{k}={v}' for k, v in kwargs.items())}."
+        f" each step). {n_envs} envs, a budget of {budget:,} steps per run (`learn` ends with the rollout in which it is"
+        f" reached: the runs trained {', '.join(f'{steps:,}' for steps in trained)} steps, from their records),"
+        " settings of the shipped zoo config `sb3_kl/hyperparams/klppo_mask.yml` for both:"
+        f" {', '.join(f'{k}={v}' for k, v in kwargs.items())}."
         " MaskablePPO keeps its `clip_range=0.2` and its `target_kl=None` (no early stop); MaskableKLPPO runs with"
         " no ratio clip and the KL target. KL: exact forward KL(old||new) between the masked rollout and updated"
         f" policies after every update (`KLMonitorCallback`); in-band: share of updates within [{BAND[0]}, {BAND[1]}] x"
         " 0.02 (MaskablePPO's band is the discrete family default). Collapses: `learning.count_collapses`."
-        " Values: mean ± std over seeds (n per column below).",
+        " Values: mean ± std over seeds (n per column below). Difference: the seed means' (maskable_klppo -"
+        " maskable_ppo) with the two-sided Welch p-value (`learning.verdict`); *better* / *worse* only when"
+        f" p < {SIGNIFICANCE}, *tie* otherwise (a difference inside the seed noise is a tie; lower is better for the KL"
+        " tail and collapses; the mean KL has no better side: *differs*); shares differ in percentage points.",
         "",
-        "| measure | " + " | ".join(f"{algo} (n={len(by_algo[algo])})" for algo in ALGOS) + " |",
-        "|---|" + "---|" * len(ALGOS),
+        "| measure | " + " | ".join(f"{algo} (n={len(by_algo[algo])})" for algo in ALGOS) + " | difference |",
+        "|---|" + "---|" * (len(ALGOS) + 1),
     ]
-    for label, key, digits, percent in rows:
-        cells = [fmt([s[key] for s in summaries[algo] if key in s], digits, percent) for algo in ALGOS]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    speed = {algo: [r["env_steps_per_second"] for r in runs] for algo, runs in by_algo.items()}
-    if all(speed.values()):
-        ratio = np.mean(speed["maskable_klppo"]) / np.mean(speed["maskable_ppo"])
+    for label, key, digits, percent, higher_is_better in MEASURES:
+        values = {algo: [s[key] for s in summaries[algo] if key in s] for algo in ALGOS}
+        cells = [fmt(values[algo], digits, percent) for algo in ALGOS]
+        scale = 100.0 if percent else 1.0  # a share's difference in percentage points
+        difference = (
+            difference_cell(
+                [scale * v for v in values["maskable_klppo"]], [scale * v for v in values["maskable_ppo"]], higher_is_better
+            )
+            if all(values.values())
+            else "n/a"
+        )
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {difference} |")
+    ratios = paired_speed_ratios(by_algo)
+    if ratios:
         lines += [
             "",
-            f"Speed (same runs, same machine, runs interleaved on 2 shared cores): MaskableKLPPO's env-steps/s are"
-            f" {ratio:.2f} x MaskablePPO's (both with the KL monitor attached; a loaded machine makes this a rough figure).",
+            "Speed (both with the KL monitor attached; the runs were queued seed by seed to 2 workers on 2 shared cores,"
+            " so a seed's two runs trained close in time, under a similar load, and are compared with each other):"
+            " MaskableKLPPO's env-steps/s (steps trained / training time) over MaskablePPO's, per seed: "
+            + ", ".join(f"s{seed} {ratio:.2f}" for seed, ratio in ratios.items())
+            + f"; median {np.median(list(ratios.values())):.2f} x (from {min(ratios.values()):.2f} to"
+            f" {max(ratios.values()):.2f} over {len(ratios)} seeds: the load of a shared machine makes this a rough"
+            " figure).",
         ]
     lines += ["", "Per seed (evaluation return, collapses):", ""]
     for algo in ALGOS:
