@@ -107,13 +107,13 @@ ROWS: list[Row] = [
     *ok(PPOS, "max_grad_norm", -1.0, 0.0, NAN),
     *ok(ALGOS, "use_sde", "yes", env="box"),
     *ok(ALGOS, "sde_sample_freq", 1.5),
-    Row(ALGOS, "rollout_buffer_class", dict, "OK"),
-    Row(ALGOS, "rollout_buffer_kwargs", 5, "DELEGATED", TypeError),
+    *ok(ALGOS, "rollout_buffer_class", dict, 5, "KLRolloutBuffer"),
+    *ok(ALGOS, "rollout_buffer_kwargs", 5),
     *ok(ALGOS, "stats_window_size", 0, 1.5),
     *ok(ALGOS, "tensorboard_log", 5),
-    Row(ALGOS, "policy_kwargs", "x", "DELEGATED", TypeError),
-    Row(ALGOS, "verbose", "loud", "DELEGATED", TypeError),
-    Row(ALGOS, "seed", "abc", "DELEGATED", TypeError),
+    *ok(ALGOS, "policy_kwargs", "x"),
+    *ok(ALGOS, "verbose", "loud", -1),
+    *ok(ALGOS, "seed", "abc", -1, 1.5),
     Row(ALGOS, "device", "tpu9", "DELEGATED", RuntimeError),
     # --- KL options shared by the three algorithms
     *ok(ALGOS, "target_kl", 0.0, -0.01, INF, "0.01"),
@@ -420,3 +420,105 @@ def write_docs_table() -> None:
 if __name__ == "__main__":
     write_docs_table()
     print(f"rewrote the bad-inputs table in {DOCS}", file=sys.stderr)
+
+
+@pytest.mark.parametrize(
+    "algo, name, value",
+    [
+        (KLPPO, "max_grad_norm", -1.0),
+        (KLPPO, "gamma", 2.0),
+        (KLPPO, "normalize_advantage", "yes"),
+        (KLPPO, "n_epochs", 0),
+        (KLPPO, "n_steps", 0),
+        (KLPPO, "min_std", NAN),
+        (KLPPO, "kl_quantiles", (0.5, 1.5)),
+        (ClipKLPPO, "clip_range", None),
+        (KLTRPO, "target_kl", None),
+        (KLTRPO, "cg_damping", -5.0),
+    ],
+)
+def test_load_checks_constructor_arguments_as_the_constructor(algo, name, value, tmp_path):
+    env = make_vec_env("Pendulum-v1", n_envs=1)
+    algo("MlpPolicy", env, n_steps=32, batch_size=16, device="cpu").save(tmp_path / "model")
+    with pytest.raises((TypeError, ValueError), match=f"`{name}`|{name}"):
+        algo.load(tmp_path / "model.zip", env=env, **{name: value})
+    # custom_objects replaces saved objects: rl-zoo's placeholders for a model loaded to act still load
+    placeholders = {"learning_rate": 0.0, "lr_schedule": lambda _: 0.0, "clip_range": lambda _: 0.0}
+    algo.load(tmp_path / "model.zip", env=env, custom_objects=placeholders)
+
+
+def test_load_refuses_a_saved_kl_state_it_cannot_unpickle(tmp_path, monkeypatch):
+    import cloudpickle
+
+    from sb3_kl.common.controllers import AdaptiveKLController
+
+    class MovedController(AdaptiveKLController):
+        """Stands for a user's controller class whose module has moved since the model was saved."""
+
+    env = make_vec_env("CartPole-v1", n_envs=1)
+    controller = MovedController(kl_coef=0.3)
+    KLPPO("MlpPolicy", env, n_steps=32, batch_size=16, kl_controller=controller, device="cpu").save(tmp_path / "model")
+    original_loads = cloudpickle.loads
+
+    def loads(data, *args, **kwargs):
+        if b"MovedController" in data:
+            raise AttributeError("Can't get attribute 'MovedController'")
+        return original_loads(data, *args, **kwargs)
+
+    monkeypatch.setattr(cloudpickle, "loads", loads)
+    with pytest.raises(ValueError, match=r"saved `kl_controller` cannot be restored.*custom_objects"):
+        KLPPO.load(tmp_path / "model.zip", env=env)
+    # replaced at load, as the message says: no error
+    model = KLPPO.load(tmp_path / "model.zip", env=env, custom_objects={"kl_controller": AdaptiveKLController(kl_coef=0.3)})
+    assert model.kl_coef == pytest.approx(0.3)
+
+
+def test_numpy_numbers_are_taken_as_python_numbers():
+    env = make_vec_env("Pendulum-v1", n_envs=1)
+    model = KLPPO(
+        "MlpPolicy",
+        env,
+        n_steps=32,
+        batch_size=16,
+        target_kl=np.float32(0.02),
+        clip_range=np.float32(0.2),
+        kl_window=np.int64(3),
+        min_std=np.float32(0.5),
+        log_ratio_clip=np.float32(20.0),
+        device="cpu",
+    )
+    monitor = KLMonitorCallback(drift_lag=np.int64(2))
+    callbacks = [monitor, KLAdaptiveLRCallback(np.float32(0.01), monitor=monitor)]
+    callbacks.append(KLAlarmCallback(target_kl=np.float32(0.01), monitor=monitor))
+    model.learn(64, callback=callbacks)
+    assert model.target_kl(1.0) == pytest.approx(0.02) and model.min_std == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name", ["learning_rate", "clip_range", "clip_range_vf"])
+@pytest.mark.parametrize("bad", [-0.01, NAN])
+def test_a_schedule_value_is_checked_where_it_is_used(name, bad):
+    def schedule(progress_remaining: float) -> float:
+        # valid at the start and the end (where the constructor samples it), not in between
+        return 0.01 if progress_remaining in (0.0, 1.0) else bad
+
+    model = KLPPO("MlpPolicy", make_vec_env("Pendulum-v1", n_envs=1), n_steps=32, batch_size=16, **{name: schedule})
+    with pytest.raises(ValueError, match=f"schedule of `{name}` returned"):
+        model.learn(96)
+
+
+def test_a_callback_target_schedule_is_checked_where_it_is_used():
+    monitor = KLMonitorCallback()
+    alarm = KLAlarmCallback(target_kl=lambda progress: 0.01 if progress in (0.0, 1.0) else NAN, monitor=monitor)
+    model = KLPPO("MlpPolicy", make_vec_env("Pendulum-v1", n_envs=1), n_steps=32, batch_size=16)
+    with pytest.raises(ValueError, match="schedule of `target_kl` returned nan"):
+        model.learn(96, callback=[monitor, alarm])
+
+
+def test_reference_coefficient_outside_its_bounds_names_the_reference_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"`ref_kl_coef`=20\.0 lies outside `ref_kl_coef_bounds`"):
+        KLPPO("MlpPolicy", make_vec_env("CartPole-v1"), ref_policy=KLPPO("MlpPolicy", "CartPole-v1"), ref_kl_coef=20.0)
+
+
+def test_reference_options_without_a_reference_warn():
+    with pytest.warns(UserWarning, match="`ref_target_kl`=0.01 set without `ref_policy`"):
+        KLPPO("MlpPolicy", make_vec_env("CartPole-v1"), ref_target_kl=0.01)

@@ -46,8 +46,10 @@ def test_near_upper_bound_is_one_step_below_it():
     assert not adaptive.near_upper_bound
     # 10 / 1.5 * 1.5 is not exactly 10 in floating point
     assert AdaptiveKLController(kl_coef=10 / 1.5, kl_adapt_factor=1.5).near_upper_bound
-    proportional = ProportionalKLController(kl_coef=3.9, kl_coef_bounds=(0.25, 4.0))
-    assert not proportional.near_upper_bound
+    # the proportional controller's largest step is a factor 1 + kl_error_clip (1.2)
+    assert ProportionalKLController(kl_coef=3.9, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
+    assert ProportionalKLController(kl_coef=4.0 / 1.2, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
+    assert not ProportionalKLController(kl_coef=3.0, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
     assert ProportionalKLController(kl_coef=4.0, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
     assert not FixedKLController(kl_coef=4.0, kl_coef_bounds=(0.25, 4.0)).near_upper_bound
 

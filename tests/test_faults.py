@@ -312,3 +312,30 @@ def test_check_changes_nothing_on_a_clean_run(algo: type, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(KLOnPolicyAlgorithm, "collect_rollouts", unchecked)
     np.testing.assert_array_equal(checked, run())
+
+
+@pytest.mark.parametrize("algo", [KLPPO, KLTRPO])
+def test_one_nonfinite_critic_gradient_is_skipped_and_counted(algo: type) -> None:
+    # One NaN gradient on the value head in the whole run: the step is skipped (KLTRPO's critic fit as KLPPO's
+    # optimizer step), counted, and the critic stays finite, so the rewards bootstrapped with its values do too
+    model = algo("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, seed=0, policy_kwargs=dict(net_arch=[16]))
+    calls = {"n": 0}
+
+    def poison(grad: th.Tensor) -> th.Tensor:
+        calls["n"] += 1
+        return grad * float("nan") if calls["n"] == 3 else grad
+
+    model.policy.value_net.bias.register_hook(poison)
+    model.learn(64 * 4)
+    assert calls["n"] > 3
+    assert model.nonfinite_steps_total == 1
+    assert all(bool(th.isfinite(p).all()) for p in model.policy.parameters())
+    assert "train/nonfinite_steps" in model.logger.name_to_value
+
+
+def test_kltrpo_raises_when_every_critic_step_is_nonfinite() -> None:
+    model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, seed=0, policy_kwargs=dict(net_arch=[16]))
+    model.policy.value_net.bias.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(NonFiniteUpdateError, match="critic"):
+        model.learn(64)
+    assert all(bool(th.isfinite(p).all()) for p in model.policy.parameters())

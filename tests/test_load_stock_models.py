@@ -240,3 +240,28 @@ def test_kl_options_given_to_load_apply_to_a_stock_ppo_zip(tmp_path):
     )
     assert model.kl_settings.direction == "reverse" and model.kl_controller.kl_band == (0.5, 2.0)
     assert model.kl_coef == 0.3 and "reverse/analytic/sum" in message
+
+
+def test_a_zip_of_another_policy_family_is_refused_at_load(tmp_path):
+    from sb3_contrib import MaskablePPO, RecurrentPPO
+
+    from sb3_kl import MaskableKLPPO, RecurrentKLPPO
+
+    small = dict(n_steps=32, batch_size=32, n_epochs=1, seed=0, device="cpu")
+    RecurrentPPO("MlpLstmPolicy", "CartPole-v1", **small).save(tmp_path / "recurrent")
+    MaskablePPO("MlpPolicy", "CartPole-v1", **small).save(tmp_path / "maskable")
+    PPO("MlpPolicy", "CartPole-v1", **small).save(tmp_path / "feed_forward")
+    for cls, name, family, loader in (
+        (KLPPO, "recurrent", "recurrent", "RecurrentKLPPO"),
+        (KLTRPO, "maskable", "maskable", "MaskableKLPPO"),
+        (RecurrentKLPPO, "feed_forward", "feed-forward", "KLPPO"),
+        (MaskableKLPPO, "recurrent", "recurrent", "RecurrentKLPPO"),
+    ):
+        with pytest.raises(ValueError, match=f"holds a {family} policy.*load it with {loader}"):
+            cls.load(tmp_path / f"{name}.zip", env=make_vec_env("CartPole-v1"))
+
+
+def test_kltrpo_refuses_a_zip_with_a_sample_kl_estimator(tmp_path):
+    KLPPO("MlpPolicy", "CartPole-v1", n_steps=32, batch_size=32, kl_estimator="k3", device="cpu").save(tmp_path / "k3")
+    with pytest.raises(ValueError, match="estimator is 'k3'"):
+        KLTRPO.load(tmp_path / "k3.zip", env=make_vec_env("CartPole-v1"))

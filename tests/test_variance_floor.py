@@ -3,6 +3,7 @@ The variance floor: the algorithms' ``min_std`` and ``VarianceFloorCallback`` sh
 ``log_std`` (gSDE's ``expln`` with SB3's epsilon included), and a floored std equals ``min_std`` to float precision.
 """
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
@@ -100,3 +101,58 @@ def test_callback_floor_is_exact_and_the_algorithms(use_sde, use_expln, min_std)
         policy_kwargs=policy_kwargs(use_sde, use_expln),
     )
     assert callback._floor == algorithm._min_log_std_parameter()
+
+
+class SmallActionsPay(gym.Env):
+    """Reward ``-10 ||a||^2``: the Gaussian's std shrinks fast. Episodes of 16 steps."""
+
+    observation_space = gym.spaces.Box(-5.0, 5.0, (3,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.np_random.normal(size=3).astype(np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        reward = -10.0 * float(np.sum(np.square(action)))
+        return self.np_random.normal(size=3).astype(np.float32), reward, False, self.t >= 16, {}
+
+
+@pytest.mark.parametrize("algo", ["TRPO", "KLTRPO"])
+def test_callback_floor_holds_after_line_search_steps_without_critic_steps(algo):
+    # A line search writes the parameters without an optimizer step, and with n_critic_updates=0 no step follows:
+    # every step of every rollout must still act with std >= min_std
+    from sb3_contrib import TRPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from sb3_kl import KLTRPO
+
+    class ActingStd(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.values = []
+
+        def _on_step(self) -> bool:
+            self.values.append(float(th.exp(self.model.policy.log_std.detach()).min()))
+            return True
+
+    cls = TRPO if algo == "TRPO" else KLTRPO
+    min_std = 0.55
+    env = make_vec_env(SmallActionsPay, n_envs=2, seed=0)
+    model = cls(
+        "MlpPolicy",
+        env,
+        n_steps=128,
+        batch_size=64,
+        n_critic_updates=0,
+        target_kl=0.05,
+        seed=0,
+        policy_kwargs=dict(net_arch=[16], log_std_init=-0.5),
+    )
+    acting = ActingStd()
+    model.learn(128 * 2 * 6, callback=[VarianceFloorCallback(min_std=min_std), acting])
+    assert len(acting.values) == 128 * 6
+    assert min(acting.values) >= min_std * (1 - 1e-6)

@@ -11,12 +11,19 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.type_aliases import Schedule
-from stable_baselines3.common.utils import FloatSchedule
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, is_trust_region_family, model_target_kl
 from sb3_kl.common.controllers import FixedKLController
 from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
-from sb3_kl.common.validation import check_bool, check_int, check_pair, check_positive, check_schedule
+from sb3_kl.common.validation import (
+    as_schedule,
+    check_bool,
+    check_int,
+    check_pair,
+    check_positive,
+    check_schedule,
+    scheduled_value,
+)
 
 #: ``max_kl_factor``'s default: a single update whose mean KL exceeds this many times the target raises ``kl_spike``
 #: at once. Chosen by ``benchmarks/alarm_spike_rule.py`` from the committed benchmark runs' per-update KLs (the
@@ -175,7 +182,7 @@ class KLAlarmCallback(MonitorUser):
         check_positive("negative_tol", negative_tol)
         check_positive("min_kl", min_kl)
         check_bool("stop_training", stop_training)
-        self.target_kl = FloatSchedule(target_kl) if target_kl is not None else None
+        self.target_kl = as_schedule(target_kl) if target_kl is not None else None
         self.spike_factor = float(spike_factor)
         self.max_kl_factor = None if max_kl_factor is None else float(max_kl_factor)
         self.patience = patience
@@ -199,7 +206,7 @@ class KLAlarmCallback(MonitorUser):
             (:func:`~sb3_kl.common.callbacks_monitor.target_kl_settings`)
         """
         if self.target_kl is not None:
-            return float(self.target_kl(self.model._current_progress_remaining)), "mean"
+            return scheduled_value("target_kl", self.target_kl, self.model._current_progress_remaining), "mean"
         target = model_target_kl(self.model)
         if target is not None:
             return target, "mean_in_target_convention"

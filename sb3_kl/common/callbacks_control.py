@@ -12,10 +12,10 @@ import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import DiagGaussianDistribution, StateDependentNoiseDistribution
 from stable_baselines3.common.type_aliases import Schedule
-from stable_baselines3.common.utils import FloatSchedule, update_learning_rate
+from stable_baselines3.common.utils import update_learning_rate
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
-from sb3_kl.common.validation import check_int, check_pair, check_positive, check_schedule
+from sb3_kl.common.validation import as_schedule, check_int, check_pair, check_positive, check_schedule, scheduled_value
 from sb3_kl.common.variance import min_log_std_parameter
 
 
@@ -84,7 +84,7 @@ class KLAdaptiveLRCallback(MonitorUser):
         check_positive("factor", factor)
         if factor <= 1.0:
             raise ValueError(f"`factor` must be > 1 (the learning rate is multiplied or divided by it), got {factor!r}.")
-        self.target_kl = FloatSchedule(target_kl)
+        self.target_kl = as_schedule(target_kl)
         self.factor = float(factor)
         self.band = check_pair("band", band)
         self.lr_bounds = check_pair("lr_bounds", lr_bounds)
@@ -112,7 +112,7 @@ class KLAdaptiveLRCallback(MonitorUser):
         if not self._active or self.learning_rate is None or self._schedule is None:
             return
         kl = record["mean"]
-        target = float(self.target_kl(self.model._current_progress_remaining))
+        target = scheduled_value("target_kl", self.target_kl, self.model._current_progress_remaining)
         old = self.learning_rate
         if not math.isfinite(kl) or kl > self.band[1] * target:
             self.learning_rate = self._clip(old / self.factor)
@@ -206,9 +206,13 @@ class VarianceFloorCallback(BaseCallback):
         self.logger.record("variance/floored_dims", floored)
 
     def _on_rollout_start(self) -> None:
+        # A line search (TRPO, KLTRPO) writes the policy's parameters without an optimizer step, so the hook does not
+        # see it; with n_critic_updates=0 no step follows either: the floor is applied before every rollout
+        self._clamp()
         self._record()
 
     def _on_training_end(self) -> None:
+        self._clamp()
         self._record()
         if self._handle is not None:
             self._handle.remove()

@@ -316,7 +316,7 @@ class KLMonitorCallback(BaseCallback):
         self._has_tensorboard = False
         self._normalization: RolloutNormalization | None = None
         # the weights of the last ``drift_lag`` rollout policies (oldest first) and a frozen copy to evaluate them in
-        self._lagged_weights: deque[dict[str, th.Tensor]] = deque(maxlen=drift_lag or 1)
+        self._lagged_weights: deque[dict[str, th.Tensor]] = deque(maxlen=int(drift_lag or 1))
         self._lagged_policy: Any = None
 
     # ----------------------------------------------------------------------------------------------------------

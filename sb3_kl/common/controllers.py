@@ -139,7 +139,7 @@ class AdaptiveKLController(KLController):
         self.kl_band = check_pair("kl_band", kl_band)
         check_int("kl_window", kl_window, 1)
         self.kl_window = kl_window
-        self.recent_kls: deque[float] = deque(maxlen=kl_window)
+        self.recent_kls: deque[float] = deque(maxlen=int(kl_window))
 
     def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
         self.recent_kls.append(kl)
@@ -182,6 +182,11 @@ class ProportionalKLController(KLController):
         super().__init__(kl_coef, kl_coef_bounds)
         self.kl_horizon = check_positive("kl_horizon", kl_horizon)
         self.kl_error_clip = check_positive("kl_error_clip", kl_error_clip)
+
+    @property
+    def near_upper_bound(self) -> bool:
+        """Whether beta is at its upper bound or one largest step (a factor ``1 + kl_error_clip``) below it."""
+        return self.kl_coef * (1.0 + self.kl_error_clip) >= self.kl_coef_bounds[1] * (1.0 - 1e-9)
 
     def _next_coef(self, kl: float, target_kl: float, n_steps: int) -> float:
         error = min(max(kl / target_kl - 1.0, -self.kl_error_clip), self.kl_error_clip)

@@ -47,7 +47,7 @@ from stable_baselines3.common.distributions import (
 )
 from torch.nn import functional as F
 
-from sb3_kl.common.validation import check_choice  # re-exported: sb3_kl.common.kl.check_choice is used elsewhere
+from sb3_kl.common.validation import check_choice, is_number  # check_choice: re-exported, used elsewhere
 
 KL_ESTIMATORS = ("analytic", "k1", "k3")
 KL_DIRECTIONS = ("forward", "reverse")
@@ -438,7 +438,7 @@ class KLSettings:
         check_choice("kl_direction", self.direction, KL_DIRECTIONS)
         check_choice("kl_reduction", self.reduction, KL_REDUCTIONS)
         if (
-            not (isinstance(self.log_ratio_clip, (int, float)) and math.isfinite(self.log_ratio_clip))
+            not (is_number(self.log_ratio_clip) and math.isfinite(self.log_ratio_clip))
             or self.log_ratio_clip <= 0
         ):
             raise ValueError(f"`log_ratio_clip` must be a positive finite number, got {self.log_ratio_clip!r}.")

@@ -4,6 +4,7 @@ the KL rollout buffer with its policy-version check, the frozen rollout distribu
 measurement after each update with its logs, the variance floor and the count of non-finite steps.
 """
 
+import base64
 import functools
 import inspect
 import io
@@ -12,6 +13,7 @@ import pathlib
 import warnings
 from typing import Any, ClassVar, TypeVar
 
+import cloudpickle
 import numpy as np
 import torch as th
 from gymnasium import spaces
@@ -22,7 +24,6 @@ from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
 from stable_baselines3.common.save_util import load_from_zip_file
 from stable_baselines3.common.type_aliases import GymEnv, PyTorchObs, Schedule
-from stable_baselines3.common.utils import FloatSchedule
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
@@ -36,9 +37,12 @@ from sb3_kl.common.validation import (
     check_bool,
     check_int,
     check_path,
+    is_number,
     check_probability,
     check_quantiles,
     check_schedule,
+    scheduled_value,
+    as_schedule,
 )
 from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
@@ -97,6 +101,13 @@ def take_fixed_kl_options(kwargs: dict[str, Any], custom_objects: dict[str, Any]
     return taken
 
 
+def _zip_name(path: Any) -> str:
+    """How messages name a saved model given to ``load()`` as a path or an open file."""
+    if isinstance(path, (str, pathlib.Path)):
+        return str(path)
+    return str(getattr(path, "name", None) or "The saved model")
+
+
 SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
@@ -122,7 +133,7 @@ def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
         check_schedule("learning_rate", arguments["learning_rate"], allow_zero_at_end=True)
     if "n_steps" in arguments:
         n_steps = check_int("n_steps", arguments["n_steps"])
-        if n_steps < 0:
+        if n_steps < 0:  # 0: SB3's assert on n_steps * n_envs, once the env is known (kept for SB3's tests)
             raise ValueError(f"`n_steps` must be a positive integer (steps per env per rollout), got {n_steps!r}.")
     for name in ("gamma", "gae_lambda"):
         if name in arguments:
@@ -135,6 +146,18 @@ def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
         check_int("stats_window_size", arguments["stats_window_size"], 1)
     if "tensorboard_log" in arguments:
         check_path("tensorboard_log", arguments["tensorboard_log"])
+    if "verbose" in arguments:
+        check_int("verbose", arguments["verbose"], 0)
+    if arguments.get("seed") is not None:
+        check_int("seed", arguments["seed"], 0)
+    for name in ("policy_kwargs", "rollout_buffer_kwargs"):
+        if arguments.get(name) is not None and not isinstance(arguments[name], dict):
+            raise TypeError(f"`{name}` must be a dict of keyword arguments (or None), got {arguments[name]!r}.")
+    if arguments.get("rollout_buffer_class") is not None and not isinstance(arguments["rollout_buffer_class"], type):
+        raise TypeError(
+            "`rollout_buffer_class` must be a class (a subclass of sb3-kl's KLRolloutBuffer), or None for the one "
+            f"that fits the observation space; got {arguments['rollout_buffer_class']!r}."
+        )
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -334,12 +357,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             log_ratio_clip,
         )
         if min_std is not None:
-            if (
-                isinstance(min_std, bool)
-                or not isinstance(min_std, (int, float))
-                or not math.isfinite(min_std)
-                or min_std <= 0
-            ):
+            if not is_number(min_std) or not math.isfinite(min_std) or min_std <= 0:
                 raise ValueError(
                     f"`min_std` must be a positive finite number (or None to disable the floor), got {min_std!r}."
                 )
@@ -351,7 +369,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 )
         kl_quantiles = check_quantiles("kl_quantiles", kl_quantiles)
         self.target_kl = target_kl
-        self.min_std = min_std
+        self.min_std = None if min_std is None else float(min_std)
         self.kl_quantiles = kl_quantiles
         # Incremented each time the policy's parameters change; the rollout buffer records the version that acted
         self.policy_version = 0
@@ -503,7 +521,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """
         data = read_saved_data(path)
         stock = saved_without_kl_state(data)
+        cls._check_saved_policy_family(path, data)
         custom_objects = dict(custom_objects or {})
+        cls._check_saved_kl_state_restores(path, data, {**custom_objects, **kwargs})
         fixed_options = take_fixed_kl_options(kwargs, custom_objects)
         reference_options = {
             name: source.pop(name)
@@ -514,6 +534,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         for name in ("kl_coef", "ref_kl_coef"):
             if name in custom_objects:
                 kwargs.setdefault(name, custom_objects.pop(name))
+        cls._check_load_overrides(kwargs)
         if stock and saved_with_sb3_buffer(data) and "rollout_buffer_class" not in {**custom_objects, **kwargs}:
             custom_objects["rollout_buffer_class"] = None  # _setup_model picks the KL buffer for the observation space
         model = super().load(
@@ -533,6 +554,98 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         if stock:
             model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
         return model
+
+    #: Saved entries that hold the KL state: restored as saved, or ``load()`` refuses (never a silent default)
+    _saved_kl_state: ClassVar[tuple[str, ...]] = (
+        "kl_controller",
+        "kl_settings",
+        "target_kl",
+        "ref_kl_controller",
+        "ref_kl_settings",
+    )
+
+    @classmethod
+    def _check_load_overrides(cls, overrides: dict[str, Any]) -> None:
+        """
+        Check the constructor arguments given to ``load()`` as keyword overrides as the constructor checks them:
+        SB3's ``load`` sets them on the model unchecked, so a value the constructor refuses (``max_grad_norm=-1``,
+        ``n_epochs=0``, ``min_std=nan``, ...) would otherwise train, or fail later without naming the argument.
+        Entries that are not constructor arguments (SB3 lets ``load`` set any attribute) are left to SB3, and
+        ``kl_coef``/``ref_kl_coef`` are checked against the saved bounds once loaded. ``custom_objects`` is not
+        checked: it replaces saved objects that may not unpickle, and placeholders such as rl-zoo's
+        ``learning_rate=0.0`` for a model loaded to act are its common use.
+
+        :param overrides: ``load()``'s keyword arguments
+        :raises TypeError, ValueError: as the constructor would, naming the argument
+        """
+        parameters = inspect.signature(cls.__init__).parameters
+        skipped = {"self", "policy", "env", "device", "_init_setup_model", "kl_coef", "ref_kl_coef"}
+        given = {name: value for name, value in overrides.items() if name in parameters and name not in skipped}
+        if not given:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the constructor's advice on unused options is not about the saved model
+            cls(policy=cls._default_policy_class(), env=None, device="cpu", _init_setup_model=False, **given)
+        if "n_steps" in given and given["n_steps"] < 1:  # the constructor leaves it to SB3's assert, which needs an env
+            raise ValueError(f"`n_steps` must be a positive integer (steps per env per rollout), got {given['n_steps']!r}.")
+
+    @classmethod
+    def _default_policy_class(cls) -> type[BasePolicy]:
+        """The class of the algorithm's first policy alias (e.g. ``MlpPolicy``, ``MlpLstmPolicy``)."""
+        return next(iter(cls.policy_aliases.values()))
+
+    @classmethod
+    def _check_saved_policy_family(cls, path: Any, data: dict[str, Any]) -> None:
+        """
+        Refuse a zip whose policy is of another family (recurrent, maskable, feed-forward) than this algorithm's:
+        SB3's ``load`` would build the model, which then fails in ``learn()`` with an error that does not say why.
+
+        :raises ValueError: naming the algorithm that saved it and the class to load it with
+        """
+        saved = data.get("policy_class")
+        module = saved.get("__module__", "") if isinstance(saved, dict) else ""
+        families = {"sb3_contrib.common.recurrent": "recurrent", "sb3_contrib.common.maskable": "maskable"}
+        saved_family = next((family for prefix, family in families.items() if module.startswith(prefix)), None)
+        if saved_family is None and module == "stable_baselines3.common.policies":
+            saved_family = "feed-forward"
+        if saved_family is None:
+            return  # a custom policy class: SB3's own checks apply
+        own_module = cls._default_policy_class().__module__
+        own_family = next((family for prefix, family in families.items() if own_module.startswith(prefix)), "feed-forward")
+        if saved_family != own_family:
+            loaders = {
+                "recurrent": "RecurrentKLPPO",
+                "maskable": "MaskableKLPPO",
+                "feed-forward": "KLPPO, ClipKLPPO or KLTRPO",
+            }
+            raise ValueError(
+                f"{_zip_name(path)} holds a {saved_family} policy ({module}); {cls.__name__} trains a {own_family} "
+                f"one: load it with {loaders[saved_family]}."
+            )
+
+    @classmethod
+    def _check_saved_kl_state_restores(cls, path: Any, data: dict[str, Any], given: dict[str, Any]) -> None:
+        """
+        SB3's ``load`` drops, with a warning, a saved object it cannot unpickle (a controller class or a schedule
+        function that was moved or renamed, a lambda saved under another Python): the model would then continue with
+        the constructor's default controller, beta and target instead of its saved KL state. Refuse that instead.
+
+        :param given: ``load()``'s keyword arguments and ``custom_objects``: an entry given there replaces the saved one
+        :raises ValueError: naming the entry and how to supply it
+        """
+        for name in cls._saved_kl_state:
+            item = data.get(name)
+            if name in given or not isinstance(item, dict) or ":serialized:" not in item:
+                continue
+            try:
+                cloudpickle.loads(base64.b64decode(item[":serialized:"].encode()))
+            except Exception as error:
+                raise ValueError(
+                    f"{_zip_name(path)}: the saved `{name}` cannot be restored ({type(error).__name__}: "
+                    f"{error}). Without it the model would go on with the constructor's default instead of its saved KL "
+                    f"state. Make the class or function it names importable again, or replace it at load: "
+                    f"load(..., custom_objects={{'{name}': ...}})."
+                ) from error
 
     #: Whether the KL of each update is measured in float64 (KLTRPO, whose bound must hold at targets near 0)
     _update_kl_in_float64: ClassVar[bool] = False
@@ -801,7 +914,26 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """
         if target_kl is None:
             target_kl = DEFAULT_TARGET_KL["continuous" if isinstance(self.action_space, spaces.Box) else "discrete"]
-        return target_kl if isinstance(target_kl, FloatSchedule) else FloatSchedule(target_kl)
+        return as_schedule(target_kl)
+
+    def _update_learning_rate(self, optimizers: list[th.optim.Optimizer] | th.optim.Optimizer) -> None:
+        # the schedule's value is checked where it is used (a negative one would ascend the loss)
+        scheduled_value("learning_rate", self.lr_schedule, self._current_progress_remaining, allow_zero=True)
+        super()._update_learning_rate(optimizers)
+
+    def _current_clip_ranges(self) -> tuple[float | None, float | None]:
+        """
+        ``clip_range`` and ``clip_range_vf`` (the PPO family's) at the current progress, None where not set: the
+        schedules' values are checked where they are used (a linear schedule may reach 0 at the end).
+        """
+        progress = self._current_progress_remaining
+        return tuple(  # type: ignore[return-value]
+            None if schedule is None else scheduled_value(name, schedule, progress, allow_zero=True)
+            for name, schedule in (
+                ("clip_range", getattr(self, "clip_range", None)),
+                ("clip_range_vf", getattr(self, "clip_range_vf", None)),
+            )
+        )
 
     def _current_target_kl(self) -> float:
         target = float(self.target_kl(self._current_progress_remaining))

@@ -17,6 +17,7 @@ This module holds what the algorithms share for it:
 import copy
 import math
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,7 @@ from sb3_kl.common.policy_copy import (
     reference_spec,
 )
 from sb3_kl.common.recurrent import is_recurrent_policy
-from sb3_kl.common.validation import check_existing_file, check_pair, check_positive
+from sb3_kl.common.validation import check_existing_file, check_pair, check_positive, is_number, user_stacklevel
 
 #: Reference options that ``load()`` takes out of its arguments and applies or refuses once the model is loaded
 #: (:meth:`ReferenceKLMixin._apply_loaded_reference_options`)
@@ -136,6 +137,11 @@ def check_reference_spaces(reference: ActorCriticPolicy, observation_space: spac
         )
 
 
+def _given_reference_options(**options: tuple[Any, Any]) -> list[str]:
+    """:return: ```name`=value`` of the options of ``name=(value, default)`` whose value is not their default"""
+    return [f"`{name}`={value!r}" for name, (value, default) in options.items() if value != default]
+
+
 class ReferenceKLMixin:
     """
     Reference-policy KL for :class:`~sb3_kl.common.on_policy_algorithm.KLOnPolicyAlgorithm`.
@@ -180,7 +186,7 @@ class ReferenceKLMixin:
         if isinstance(ref_policy, (str, os.PathLike)):
             check_existing_file("ref_policy", ref_policy, suffix=".zip")  # SB3's load adds a missing .zip
         self.ref_kl_settings = KLSettings(ref_kl_estimator, ref_kl_direction, kl_reduction, log_ratio_clip)
-        if isinstance(ref_kl_coef, bool) or not isinstance(ref_kl_coef, (int, float)) or not math.isfinite(ref_kl_coef):
+        if not is_number(ref_kl_coef) or not math.isfinite(ref_kl_coef):
             raise ValueError(f"`ref_kl_coef` must be a finite number >= 0, got {ref_kl_coef!r}.")
         ref_target_kl = check_positive("ref_target_kl", ref_target_kl, allow_none=True, hint=REF_TARGET_KL_HINT)
         if ref_kl_coef < 0:
@@ -191,6 +197,30 @@ class ReferenceKLMixin:
             raise ValueError(
                 "`ref_kl_coef`=0 only measures the KL to the reference: a controller cannot adapt it, pass ref_kl_coef > 0."
             )
+        if ref_kl_coef > 0 and not isinstance(ref_kl_controller, KLController):
+            low, high = ref_kl_coef_bounds
+            if not low <= ref_kl_coef <= high:
+                raise ValueError(
+                    f"`ref_kl_coef`={ref_kl_coef!r} lies outside `ref_kl_coef_bounds`={tuple(ref_kl_coef_bounds)}: "
+                    "pass a coefficient within the bounds, or widen them."
+                )
+        if ref_policy is None:
+            unused = _given_reference_options(
+                ref_kl_coef=(ref_kl_coef, 1.0),
+                ref_target_kl=(ref_target_kl, None),
+                ref_kl_controller=(ref_kl_controller, "adaptive"),
+                ref_kl_coef_bounds=(tuple(ref_kl_coef_bounds), (1e-4, 10.0)),
+                ref_kl_direction=(ref_kl_direction, "reverse"),
+                ref_kl_estimator=(ref_kl_estimator, "analytic"),
+            )
+            if unused:
+                warnings.warn(
+                    f"{', '.join(unused)} set without `ref_policy`: there is no reference to anchor to, so "
+                    f"{'it is' if len(unused) == 1 else 'they are'} ignored. Pass ref_policy= (a saved model, a model "
+                    "or a policy) to anchor the policy to it.",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
         self.ref_target_kl = ref_target_kl
         controller: KLController | None
         if isinstance(ref_kl_controller, KLController):
@@ -238,11 +268,13 @@ class ReferenceKLMixin:
             controller = self.ref_kl_controller
             if target is not None and target != self.ref_target_kl:
                 if controller is None or isinstance(controller, FixedKLController):
-                    built = (
-                        "ref_kl_coef=0 (the KL to the reference only measured)"
-                        if controller is None
-                        else "ref_target_kl=None (a fixed reference coefficient)"
-                    )
+                    if controller is None:
+                        built = "ref_kl_coef=0 (the KL to the reference only measured)"
+                    elif self.ref_target_kl is None:
+                        built = "ref_target_kl=None (a fixed reference coefficient)"
+                    else:
+                        built = "ref_kl_controller='fixed' (a fixed reference coefficient)"
+
                     raise ValueError(
                         f"`ref_target_kl`={target!r} cannot be applied by load(): the model was built with {built}, "
                         "which no target adapts; pass an adapting controller as well (ref_kl_controller="

@@ -13,6 +13,7 @@ from typing import Any
 from collections.abc import Callable
 
 import numpy as np
+from stable_baselines3.common.utils import FloatSchedule
 
 
 def is_number(value: Any) -> bool:
@@ -206,6 +207,37 @@ def check_schedule(name: str, value: Any, allow_none: bool = False, allow_zero_a
         zero_ok = allow_zero_at_end and schedule is not None and progress == 0.0
         if not math.isfinite(sample) or sample < 0 or (sample == 0 and not zero_ok):
             raise ValueError(f"`{name}` must be positive and finite, got {sample!r} at progress_remaining={progress}.")
+
+
+def as_schedule(value: Any) -> FloatSchedule:
+    """
+    SB3's picklable ``FloatSchedule`` of a number or a schedule already checked by :func:`check_schedule`; a numpy
+    number becomes a Python float first (``FloatSchedule`` asserts a Python ``float`` or ``int``).
+    """
+    if isinstance(value, FloatSchedule):
+        return value
+    return FloatSchedule(float(value) if is_number(value) else value)
+
+
+def scheduled_value(
+    name: str, schedule: Callable[[float], Any], progress_remaining: float, allow_zero: bool = False
+) -> float:
+    """
+    The value of a schedule at ``progress_remaining``, checked where it is used: :func:`check_schedule` samples only
+    the start and the end, and a value in between that is NaN or negative would otherwise train silently (a negative
+    learning rate ascends the loss, a negative clip range clips everything).
+
+    :param allow_zero: Whether 0 is a valid value (a linear schedule's end)
+    :raises ValueError: naming the argument and the progress, unless the value is a finite number > 0 (>= 0 with
+        ``allow_zero``)
+    """
+    value = schedule(progress_remaining)
+    if not is_number(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(
+            f"The schedule of `{name}` returned {value!r} at progress_remaining={progress_remaining:.6g}: it must stay "
+            f"a {'finite number >= 0' if allow_zero else 'positive finite number'} over the whole training."
+        )
+    return float(value)
 
 
 def check_path(name: str, value: Any, allow_none: bool = True) -> None:

@@ -10,7 +10,7 @@ from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
-from stable_baselines3.common.utils import FloatSchedule, explained_variance
+from stable_baselines3.common.utils import explained_variance
 from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
@@ -19,12 +19,14 @@ from sb3_kl.common.modes import acting_mode, has_mode_dependent_modules
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
+    as_schedule,
     check_bool,
     check_finite,
     check_int,
     check_non_negative,
     check_positive,
     check_schedule,
+    is_number,
 )
 from sb3_kl.klppo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
@@ -319,12 +321,12 @@ class KLPPO(KLOnPolicyAlgorithm):
 
         # Initialize schedules for policy/value clipping
         if self.clip_range is not None:
-            self.clip_range = FloatSchedule(self.clip_range)
+            self.clip_range = as_schedule(self.clip_range)
         if self.clip_range_vf is not None:
-            if isinstance(self.clip_range_vf, (float, int)):
+            if is_number(self.clip_range_vf):
                 assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, " "pass `None` to deactivate vf clipping"
 
-            self.clip_range_vf = FloatSchedule(self.clip_range_vf)
+            self.clip_range_vf = as_schedule(self.clip_range_vf)
 
     def train(self) -> None:
         """
@@ -335,9 +337,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         self.policy.set_training_mode(True)
         # Update optimizer learning rate
         self._update_learning_rate(self.policy.optimizer)
-        progress = self._current_progress_remaining
-        clip_range = self.clip_range(progress) if self.clip_range is not None else None  # type: ignore[operator]
-        clip_range_vf = self.clip_range_vf(progress) if self.clip_range_vf is not None else None  # type: ignore[operator]
+        clip_range, clip_range_vf = self._current_clip_ranges()
         target_kl = self._current_target_kl()
         kl_coef = self.kl_coef
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0

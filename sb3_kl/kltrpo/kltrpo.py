@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import attach_sde_features, per_state_kl, sb3_contrib_kl_reduction
 from sb3_kl.common.modes import RUNNING_STATISTICS_MODULES, acting_mode, has_mode_dependent_modules, modules_run_by
-from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_range
 from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
@@ -341,6 +341,13 @@ class KLTRPO(KLOnPolicyAlgorithm):
             self.ref_kl_settings = dataclasses.replace(self.ref_kl_settings, reduction=reduction)
 
     def _setup_model(self) -> None:
+        # checked here too for a loaded model: a zip of KLPPO with a sample estimator loads into KLTRPO
+        if self.kl_settings.estimator != "analytic":
+            raise ValueError(
+                f"This model's KL estimator is {self.kl_settings.estimator!r} (a KLPPO zip?): KLTRPO's trust region "
+                "needs the exact KL and its Hessian. Load it with the algorithm that saved it, or build a KLTRPO with "
+                "kl_estimator='analytic' and load the weights with set_parameters()."
+            )
         self._resolve_kl_convention()
         super()._setup_model()
 
@@ -430,7 +437,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
             return None
         return th.clamp(self.policy.log_std.detach(), max=floor).clone()
 
-    def _fit_critic(self, actor_params: list[nn.Parameter]) -> list[float]:
+    def _fit_critic(self, actor_params: list[nn.Parameter]) -> tuple[list[float], int, int]:
         """
         ``n_critic_updates`` epochs of Adam on random minibatches of the whole buffer, with the actor's gradients
         removed so the critic cannot move the policy. The minibatches are those ``rollout_buffer.get(batch_size)``
@@ -438,9 +445,11 @@ class KLTRPO(KLOnPolicyAlgorithm):
         draw), sliced from the whole buffer read once in that order.
 
         :param actor_params: The parameters of the policy step (their gradients are dropped before each Adam step)
-        :return: the value loss of every minibatch
+        :return: the value loss of every minibatch, the number of steps skipped for a non-finite loss or gradient and
+            the number applied
         """
         value_losses = []
+        nonfinite_steps, applied_steps = 0, 0
         n_samples = self.rollout_buffer.buffer_size * self.rollout_buffer.n_envs
         whole_buffer = next(self.rollout_buffer.ordered_samples(chunk_size=n_samples))
         all_observations, all_returns = whole_buffer.observations, whole_buffer.returns
@@ -459,8 +468,15 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 value_loss.backward()
                 for param in actor_params:
                     param.grad = None
+                # A non-finite loss or gradient skips the step, as in KLPPO: applied, it would make the critic NaN
+                grads = [param.grad for param in self.policy.parameters() if param.grad is not None]
+                if not all(bool(th.isfinite(grad).all()) for grad in grads):
+                    self.policy.optimizer.zero_grad()
+                    nonfinite_steps += 1
+                    continue
                 self.policy.optimizer.step()
-        return value_losses
+                applied_steps += 1
+        return value_losses, nonfinite_steps, applied_steps
 
     def _anchor_distribution(self, observations: Any, distribution: Distribution) -> Distribution:
         """
@@ -687,7 +703,14 @@ class KLTRPO(KLOnPolicyAlgorithm):
             else:
                 _copy_flat_to_parameters(original_flat, actor_params)
 
-        value_losses = self._fit_critic(actor_params)
+        value_losses, nonfinite_steps, applied_steps = self._fit_critic(actor_params)
+        if applied_steps == 0 and nonfinite_steps > 0:
+            raise NonFiniteUpdateError(
+                f"All {nonfinite_steps} optimizer steps of the critic in this update had a non-finite loss or gradient, "
+                "so none was applied. Check the environment's observations and rewards for NaN/inf (wrap it with "
+                "VecCheckNan), normalize them (VecNormalize), or lower the learning rate."
+            )
+        self.nonfinite_steps_total += nonfinite_steps
 
         self._n_updates += 1
         update_kl, new_params = self._measure_update_kl()
@@ -707,6 +730,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self.logger.record("train/line_search_steps", steps_tried)
         self.logger.record("train/step_size", step_size)
         self.logger.record("train/step_size_ratio", step_size / max_step_size if max_step_size > 0 else 0.0)
+        self.logger.record("train/nonfinite_steps", nonfinite_steps)
         if self.tail_kl is not None:
             self.logger.record("train/kl_tail", float(np.quantile(update_kl, self.tail_quantile)))
             self.logger.record("train/tail_kl", self.tail_kl)

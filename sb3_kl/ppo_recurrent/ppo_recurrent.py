@@ -515,9 +515,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         self._prepare_reference_distribution()
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
-        progress = self._current_progress_remaining
-        clip_range = self.clip_range(progress) if self.clip_range is not None else None  # type: ignore[operator]
-        clip_range_vf = self.clip_range_vf(progress) if self.clip_range_vf is not None else None  # type: ignore[operator]
+        clip_range, clip_range_vf = self._current_clip_ranges()
         target_kl = self._current_target_kl()
         kl_coef = self.kl_coef
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
