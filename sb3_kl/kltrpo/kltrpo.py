@@ -469,8 +469,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 for param in actor_params:
                     param.grad = None
                 # A non-finite loss or gradient skips the step, as in KLPPO: applied, it would make the critic NaN
+                # (one sum per tensor and one host sync: a NaN or inf in any gradient makes the total non-finite)
                 grads = [param.grad for param in self.policy.parameters() if param.grad is not None]
-                if not all(bool(th.isfinite(grad).all()) for grad in grads):
+                if not math.isfinite(float(th.stack([grad.sum() for grad in grads]).sum())):
                     self.policy.optimizer.zero_grad()
                     nonfinite_steps += 1
                     continue
