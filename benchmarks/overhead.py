@@ -8,17 +8,22 @@ which side starts alternates from pair to pair), one torch thread, same seed and
 Pairs: KLPPO vs PPO, ClipKLPPO vs PPO, KLTRPO vs sb3-contrib TRPO (also both with sub_sampling_factor=8), PPO +
 KLMonitorCallback vs PPO,
 on CartPole-v1 and Pendulum-v1; sb3-contrib RecurrentPPO + KLMonitorCallback vs RecurrentPPO (``monitor_lstm``) on
-their velocity-masked variants with rl-zoo's ``ppo_lstm`` settings. Writes ``benchmarks/results/overhead.md``
-(median ratio, min-max, per-pair ratios).
+their velocity-masked variants with rl-zoo's ``ppo_lstm`` settings. Writes ``benchmarks/results/overhead.json``
+(every pair's measured steps and wall-clock and CPU seconds per side, the ratios, the command, ``code_version`` and
+``run_environment``) and, from it, ``benchmarks/results/overhead.md`` (median ratio, min-max, per-pair ratios);
+``--out`` names the markdown, the JSON goes beside it with the same stem. ``--report`` only rewrites the markdown from
+that JSON.
 For the monitor, a third figure that other load on the machine does not disturb: the share of ``learn()``'s wall-clock
 time spent inside the monitor's own hooks (snapshot and measurement, and on the recurrent tasks, which ``VecNormalize``
 wraps, the raw observations kept at each step and the normalization shift), whose complement is the steps/s ratio it
 implies.
 
     python benchmarks/overhead.py [--pairs 5] [--steps-scale 1.0] [--comparisons klppo clip_klppo kltrpo monitor]
+    python benchmarks/overhead.py --report [--out benchmarks/results/overhead.md]
 """
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -213,14 +218,16 @@ class Turns:
             self.condition.notify_all()
 
 
-def timed_pair(comparison: str, env_id: str, seed: int, steps: int, first: str) -> dict[str, tuple[float, float, float]]:
+def timed_pair(comparison: str, env_id: str, seed: int, steps: int, first: str) -> dict[str, dict[str, Any]]:
     """
     Train both sides of a pair at once, taking turns one rollout (and its update) at a time (:class:`Turns`).
 
     :param first: The side ("ours" or "stock") whose rollout comes first in each round
-    :return: per side: environment steps per second over its turns (model construction and ``learn()``'s setup
-        before the first rollout excluded), by wall clock and by its thread's CPU time, and the share of that
-        wall-clock time spent in the KL monitor's hooks (``nan`` without a monitor)
+    :return: per side (``"ours"``, ``"stock"``): ``steps`` (the budget passed to ``learn()``, the numerator of the
+        speeds), ``trained_steps`` (the model's ``num_timesteps`` after it), ``wall_seconds`` and ``cpu_seconds`` (its
+        turns' wall-clock time and its thread's CPU time; model construction and ``learn()``'s setup before the first
+        rollout excluded), ``steps_per_second`` and ``cpu_steps_per_second`` (``steps`` over each), and ``hook_share``,
+        the share of that wall-clock time spent in the KL monitor's hooks (None without a monitor)
     """
     from stable_baselines3.common.callbacks import CallbackList
 
@@ -248,56 +255,126 @@ def timed_pair(comparison: str, env_id: str, seed: int, steps: int, first: str) 
         raise errors[0]
     result = {}
     for side in sides:
-        clock, monitor = clocks[side], built[side][1]
-        share = monitor.hook_time / clock.wall if hasattr(monitor, "hook_time") else float("nan")
-        result[side] = (steps / clock.wall, steps / clock.cpu, share)
+        clock, (model, monitor) = clocks[side], built[side]
+        result[side] = dict(
+            steps=steps,
+            trained_steps=int(model.num_timesteps),
+            wall_seconds=clock.wall,
+            cpu_seconds=clock.cpu,
+            steps_per_second=steps / clock.wall,
+            cpu_steps_per_second=steps / clock.cpu,
+            hook_share=monitor.hook_time / clock.wall if hasattr(monitor, "hook_time") else None,
+        )
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    import torch as th
+def command(pairs: int, steps_scale: float, comparisons: list[str], envs: list[str], out: Path) -> str:
+    """The command line of a measurement (options left at their defaults omitted)."""
+    try:
+        out_text = str(out.resolve().relative_to(HERE.parent))
+    except ValueError:
+        out_text = str(out)
+    default_out = (HERE / "results" / "overhead.md").resolve()
+    return (
+        f"python benchmarks/overhead.py --pairs {pairs}"
+        + (f" --steps-scale {steps_scale:g}" if steps_scale != 1.0 else "")
+        + (f" --comparisons {' '.join(comparisons)}" if comparisons != list(LABELS) else "")
+        + (f" --envs {' '.join(envs)}" if envs != ENVS else "")
+        + (f" --out {out_text}" if out.resolve() != default_out else "")
+    )
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply the per-run step counts")
-    parser.add_argument("--comparisons", nargs="+", choices=list(LABELS), default=list(LABELS))
-    parser.add_argument("--envs", nargs="+", choices=ENVS, default=ENVS)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "overhead.md")
-    args = parser.parse_args(argv)
-    th.set_num_threads(1)
-    os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3-kl-benchmarks")
+
+def measure(pairs: int, steps_scale: float, comparisons: list[str], envs: list[str], out: Path) -> dict[str, Any]:
+    """
+    Time every pair of every comparison and environment.
+
+    :param pairs: Pairs of runs per comparison and environment (pair ``i`` uses seed ``i``)
+    :param steps_scale: Multiplies the per-run step counts
+    :param comparisons: Keys of :data:`LABELS`
+    :param envs: Environments (the recurrent comparison runs their velocity-masked versions)
+    :param out: The markdown the measurement is for (named in the command)
+    :return: the JSON record: the command and its arguments, ``code_version``, ``run_environment``, the load average
+        when the measurement ended and, per comparison and environment, every pair's measurements and the ratios
+    """
     import learning
 
     version = learning.code_version("overhead.py", "settings.py")  # the checkout the runs start from
-
     rows = []
-    for comparison in args.comparisons:
-        for env_id in args.envs:
-            steps = int(STEPS[env_id] * STEPS_SCALE.get(comparison, 1) * args.steps_scale)
-            ratios, cpu_ratios, ours_sps, stock_sps, shares = [], [], [], [], []
-            for pair in range(args.pairs):
+    for comparison in comparisons:
+        for env_id in envs:
+            steps = int(STEPS[env_id] * STEPS_SCALE.get(comparison, 1) * steps_scale)
+            measured = []
+            for pair in range(pairs):
                 first = "ours" if pair % 2 == 0 else "stock"
                 result = timed_pair(comparison, env_id, seed=pair, steps=steps, first=first)
-                ours_sps.append(result["ours"][0])
-                stock_sps.append(result["stock"][0])
-                ratios.append(result["ours"][0] / result["stock"][0])
-                cpu_ratios.append(result["ours"][1] / result["stock"][1])
-                shares.append(result["ours"][2])
+                ours, stock = result["ours"], result["stock"]
+                measured.append(
+                    dict(
+                        pair=pair,
+                        seed=pair,
+                        first=first,
+                        ours=ours,
+                        stock=stock,
+                        ratio=ours["steps_per_second"] / stock["steps_per_second"],
+                        cpu_ratio=ours["cpu_steps_per_second"] / stock["cpu_steps_per_second"],
+                    )
+                )
                 print(
-                    f"{comparison} {env_id} pair {pair}: ours {ours_sps[-1]:.0f} steps/s, stock {stock_sps[-1]:.0f} "
-                    f"steps/s, ratio {ratios[-1]:.3f} (CPU-time ratio {cpu_ratios[-1]:.3f})",
+                    f"{comparison} {env_id} pair {pair}: ours {ours['steps_per_second']:.0f} steps/s, stock "
+                    f"{stock['steps_per_second']:.0f} steps/s, ratio {measured[-1]['ratio']:.3f} "
+                    f"(CPU-time ratio {measured[-1]['cpu_ratio']:.3f})",
                     flush=True,
                 )
-            rows.append((comparison, env_id, steps, ratios, cpu_ratios, ours_sps, stock_sps, shares))
+            ratios = [m["ratio"] for m in measured]
+            rows.append(
+                dict(
+                    comparison=comparison,
+                    env=env_id,
+                    task=env_label(comparison, env_id),
+                    ours=LABELS[comparison][0],
+                    stock=LABELS[comparison][1],
+                    steps=steps,
+                    goal=GOALS.get(comparison),
+                    pairs=measured,
+                    ratio_median=float(np.median(ratios)),
+                    ratio_min=min(ratios),
+                    ratio_max=max(ratios),
+                    cpu_ratio_median=float(np.median([m["cpu_ratio"] for m in measured])),
+                )
+            )
+    return dict(
+        question="env-steps/s of each sb3-kl algorithm against its stock counterpart, in pairs that take turns",
+        command=command(pairs, steps_scale, comparisons, envs, out),
+        arguments=dict(pairs=pairs, steps_scale=steps_scale, comparisons=comparisons, envs=envs),
+        torch_threads=1,
+        cpu_count=os.cpu_count(),
+        load_average_end=list(os.getloadavg()),
+        code_version=version,
+        run_environment=learning.run_environment(),
+        rows=rows,
+    )
+
+
+def json_path(out: Path) -> Path:
+    """The JSON record beside the markdown ``out`` (same stem)."""
+    return out.with_suffix(".json")
+
+
+def render(record: dict[str, Any], json_name: str) -> str:
+    """
+    The markdown report of a measurement, from its JSON record only.
+
+    :param record: What :func:`measure` returned (or its JSON file holds)
+    :param json_name: How the report names the JSON file
+    """
+    import learning
 
     lines = [
         "# Overhead of KL control",
         "",
-        f"Generated by `python benchmarks/overhead.py --pairs {args.pairs}"
-        + (f" --steps-scale {args.steps_scale:g}" if args.steps_scale != 1.0 else "")
-        + (f" --comparisons {' '.join(args.comparisons)}" if args.comparisons != list(LABELS) else "")
-        + (f" --envs {' '.join(args.envs)}" if args.envs != ENVS else "")
-        + f"` on the code of commit {version}. Paired runs in one process that take turns one rollout (and the update"
+        f"Generated by `{record['command']}` on the code of commit {record['code_version']}; every pair's measured"
+        f" steps, wall-clock and CPU seconds per side and the ratios are in `{json_name}`, from which this report is"
+        " written. Paired runs in one process that take turns one rollout (and the update"
         " after it) at a time, each side's clock running only during its turns, so that the machine's speed drifts"
         " (10-20 % over seconds on this shared host, for the same code) fall on both sides alike; which side starts"
         " alternates from pair to pair. One torch thread, same seed and"
@@ -309,28 +386,28 @@ def main(argv: list[str] | None = None) -> None:
         " `KLOnPolicyAlgorithm._use_fused_adam`); the rows against *PPO with fused Adam* give stock PPO that kernel too,"
         " so they show what the KL machinery itself costs.",
         "",
-        f"Machine: {os.cpu_count()} cores; " + learning.describe_run_environment(learning.run_environment()) + ".",
+        f"Machine: {record['cpu_count']} cores; " + learning.describe_run_environment(record["run_environment"]) + ".",
         "",
-        f"Load average when the run ended: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (wall-clock ratios are only"
-        " meaningful on an otherwise idle machine; the CPU-time ratio divides each side's thread CPU seconds instead)."
-        " Steps/s count the time from the first rollout to the end of training (model construction and `learn()`'s"
-        " setup excluded).",
+        f"Load average when the run ended: {', '.join(f'{x:.1f}' for x in record['load_average_end'])} (wall-clock ratios"
+        " are only meaningful on an otherwise idle machine; the CPU-time ratio divides each side's thread CPU seconds"
+        " instead). Steps/s count the time from the first rollout to the end of training (model construction and"
+        " `learn()`'s setup excluded).",
         "",
         "| ours | stock | env | steps per run | ours steps/s (median) | stock steps/s (median) | ratio median | ratio min-max "
         "| CPU-time ratio median | goal | met (wall) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for comparison, env_id, steps, ratios, cpu_ratios, ours_sps, stock_sps, _ in rows:
-        ours, stock = LABELS[comparison]
-        env_id = env_label(comparison, env_id)
-        median = float(np.median(ratios))
-        goal = GOALS.get(comparison)
+    for row in record["rows"]:
+        median, goal = row["ratio_median"], row["goal"]
         goal_text, met = (f"≥ {goal}", "yes" if median >= goal else "NO") if goal is not None else ("-", "-")
+        ours_sps = np.median([m["ours"]["steps_per_second"] for m in row["pairs"]])
+        stock_sps = np.median([m["stock"]["steps_per_second"] for m in row["pairs"]])
         lines.append(
-            f"| {ours} | {stock} | {env_id} | {steps:,} | {np.median(ours_sps):.0f} | {np.median(stock_sps):.0f} | "
-            f"{median:.3f} | {min(ratios):.3f}-{max(ratios):.3f} | {np.median(cpu_ratios):.3f} | {goal_text} | {met} |"
+            f"| {row['ours']} | {row['stock']} | {row['task']} | {row['steps']:,} | {ours_sps:.0f} | {stock_sps:.0f} | "
+            f"{median:.3f} | {row['ratio_min']:.3f}-{row['ratio_max']:.3f} | {row['cpu_ratio_median']:.3f} | {goal_text} "
+            f"| {met} |"
         )
-    monitor_rows = [row for row in rows if row[0] in ("monitor", "monitor_lstm")]
+    monitor_rows = [row for row in record["rows"] if row["comparison"] in ("monitor", "monitor_lstm")]
     if monitor_rows:
         lines += [
             "",
@@ -343,24 +420,55 @@ def main(argv: list[str] | None = None) -> None:
             "| monitored | env | runs | hook share median | implied ratio median | implied ratio min-max | goal | met |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for comparison, env_id, _, _, _, _, _, shares in monitor_rows:
+        for row in monitor_rows:
+            shares = [m["ours"]["hook_share"] for m in row["pairs"]]
             implied = [1.0 - share for share in shares]
-            goal = GOALS[comparison]
+            goal = row["goal"]
             lines.append(
-                f"| {LABELS[comparison][1]} | {env_label(comparison, env_id)} | {len(shares)} | {np.median(shares):.4f} | "
+                f"| {row['stock']} | {row['task']} | {len(shares)} | {np.median(shares):.4f} | "
                 f"{np.median(implied):.3f} | {min(implied):.3f}-{max(implied):.3f} | ≥ {goal} | "
                 f"{'yes' if np.median(implied) >= goal else 'NO'} |"
             )
     lines += ["", "Per-pair ratios:", ""]
-    for comparison, env_id, _, ratios, _, _, _, _ in rows:
+    for row in record["rows"]:
         lines.append(
-            f"- {LABELS[comparison][0]} / {LABELS[comparison][1]}, {env_label(comparison, env_id)}: "
-            + ", ".join(f"{r:.3f}" for r in ratios)
+            f"- {row['ours']} / {row['stock']}, {row['task']}: " + ", ".join(f"{m['ratio']:.3f}" for m in row["pairs"])
         )
-    text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path) -> str:
+    """Rewrite the markdown ``out`` from the JSON record beside it; :return: the markdown"""
+    path = json_path(out)
+    try:
+        json_name = str(path.resolve().relative_to(HERE.parent))
+    except ValueError:
+        json_name = path.name
+    text = render(json.loads(path.read_text()), json_name)
+    out.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch as th
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply the per-run step counts")
+    parser.add_argument("--comparisons", nargs="+", choices=list(LABELS), default=list(LABELS))
+    parser.add_argument("--envs", nargs="+", choices=ENVS, default=ENVS)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "overhead.md", help="the markdown report")
+    parser.add_argument(
+        "--report", action="store_true", help="only rewrite --out from the JSON record beside it (no measurement)"
+    )
+    args = parser.parse_args(argv)
+    if not args.report:
+        th.set_num_threads(1)
+        os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3-kl-benchmarks")
+        record = measure(args.pairs, args.steps_scale, args.comparisons, args.envs, args.out)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        json_path(args.out).write_text(json.dumps(record, indent=1))
+    print(write_report(args.out))
 
 
 if __name__ == "__main__":

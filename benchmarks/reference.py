@@ -22,15 +22,26 @@ so an interrupted benchmark resumes where it stopped):
 3. report: benchmarks/results/reference_<task>.md (table) and reference_<task>.png (KL to the reference, beta_ref and
    training returns over fine-tuning), where <task> is e.g. ``cost0.5`` or ``limit1.0``.
 
+Every record names the commit of sb3-kl that made it (``code_version``, ``+modified`` with uncommitted changes of the
+package or of this script) and the machine and library versions (``run_environment``); the report names them. Records
+made before records named their commit are reported with the commit that added them to the repository (``git log``).
+``--report`` only rewrites the markdown from the records of the given task, steps, seeds and targets (no training;
+``--plot`` redraws the figure too):
+
+    python benchmarks/reference.py --report --task action-cost --action-cost 0.5 --steps 81920 --seeds 0 1 2
+
 Evaluation: 20 deterministic episodes per task with fixed reset seeds (1000..1019), same for every policy.
 """
 
 import argparse
+import functools
 import json
 import os
+import subprocess
 import sys
 import time
 from multiprocessing import Pool
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -42,6 +53,11 @@ from stable_baselines3.common.env_util import make_vec_env
 
 from sb3_kl import KLPPO
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import learning  # noqa: E402
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = os.path.join(RESULTS, "reference_runs")
 PRETRAINED = os.path.join(RUNS, "pretrained_ppo_pendulum.zip")
@@ -49,6 +65,46 @@ ZOO_SETTINGS: dict[str, Any] = dict(
     n_steps=1024, gae_lambda=0.95, gamma=0.9, n_epochs=10, ent_coef=0.0, learning_rate=1e-3, use_sde=True, sde_sample_freq=4
 )
 EVAL_SEEDS = list(range(1000, 1020))
+
+
+@functools.cache
+def code_version() -> str:
+    """
+    The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
+    benchmark starts (before its worker processes fork: later edits of the checkout do not change the runs).
+    """
+    return learning.code_version("reference.py")
+
+
+def provenance() -> dict[str, Any]:
+    """What every new record holds about what made it: ``code_version`` and ``run_environment``."""
+    return dict(code_version=code_version(), run_environment=learning.run_environment())
+
+
+def commit_that_added(path: str) -> str | None:
+    """:return: the (short) commit that added ``path`` to the repository, None if no commit has"""
+    try:
+        out = subprocess.run(
+            ["git", "log", "--diff-filter=A", "--format=%h", "--", os.path.abspath(path)],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None  # the latest addition, if the file was ever deleted and added again
+
+
+def record_version(record: dict[str, Any]) -> str:
+    """
+    The code version of a record: its ``code_version``, or for records made before records named their commit, that
+    fact and the commit that added the record's file (found with ``git log``).
+    """
+    if "code_version" in record:
+        return record["code_version"]
+    added = commit_that_added(record_path(record["name"]))
+    return "made before records named their commit; " + (f"committed in {added}" if added else "not committed")
 
 
 class ActionCost(gym.Wrapper):
@@ -159,6 +215,8 @@ def pretrain(task: tuple[str, float]) -> dict[str, Any]:
         "original_return": evaluate(model, None),
         "new_task_return": evaluate(model, task),
         "wall_time_s": pretrain_time,  # None when the zip already existed
+        "zip_trained_here": trained_here,
+        **provenance(),
     }
 
 
@@ -228,6 +286,9 @@ def finetune(job: tuple[str, int, int, tuple[str, float], float]) -> dict[str, A
         "final_ref_kl": trace.trace[-1]["ref_kl"],
         "trace": trace.trace,
         "wall_time_s": time.time() - start,
+        "torch_threads": 1,
+        "niceness": os.nice(0),
+        **provenance(),
     }
 
 
@@ -238,7 +299,29 @@ def run_and_save(job: tuple[str, int, int, tuple[str, float], float]) -> str:
     return f"{result['name']}: {result['wall_time_s']:.0f}s"
 
 
-def report(args: argparse.Namespace, command: str) -> None:
+def task_value(args: argparse.Namespace) -> float:
+    """The value of the chosen task's own option (``--action-cost``, ``--spin-bonus`` or ``--torque-limit``)."""
+    return {"action-cost": args.action_cost, "spin-bonus": args.spin_bonus, "torque-limit": args.torque_limit}[args.task]
+
+
+def run_options(args: argparse.Namespace) -> str:
+    """The options that choose the records (task, steps, seeds, targets), as on the command line."""
+    return (
+        f"--task {args.task} --{args.task} {task_value(args)} --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}"
+        + (f" --jobs {args.jobs}" if args.jobs is not None else "")
+        + f" --ref-target-kl {args.ref_target_kl}"
+        + (f" --extra-targets {' '.join(map(str, args.extra_targets))}" if args.extra_targets else "")
+    )
+
+
+def report(args: argparse.Namespace, command: str, plot_figure: bool = True) -> None:
+    """
+    Write ``reference_<task>.md`` from the records of the runs ``args`` choose (no training).
+
+    :param args: The parsed options (``task_spec`` set to the task)
+    :param command: The command that makes the runs, as the report quotes it
+    :param plot_figure: Whether to also redraw ``reference_<task>.png``
+    """
     task = args.task_spec
     tag = task_tag(task)
     description = {
@@ -246,12 +329,30 @@ def report(args: argparse.Namespace, command: str) -> None:
         "spin-bonus": f"reward r + {task[1]:g}*|angular velocity| (hackable shaping)",
         "torque-limit": f"torque limited to +/-{task[1]:g} (instead of 2)",
     }[task[0]]
-    pre = json.load(open(record_path(f"{tag}_pretrained")))
-    runs = {c: [json.load(open(record_path(f"{tag}_{c}_s{s}"))) for s in args.seeds] for c in conditions(args)}
+    with open(record_path(f"{tag}_pretrained")) as file:
+        pre = json.load(file)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for condition in conditions(args):
+        runs[condition] = []
+        for seed in args.seeds:
+            with open(record_path(f"{tag}_{condition}_s{seed}")) as file:
+                runs[condition].append(json.load(file))
+    records = [pre, *(r for records in runs.values() for r in records)]
+    versions: dict[str, int] = {}
+    for record in records:
+        versions[record_version(record)] = versions.get(record_version(record), 0) + 1
+    per_run_version = len(versions) > 1
+    report_options = run_options(argparse.Namespace(**{**vars(args), "jobs": None}))
     lines = [
         f"# Reference-policy KL on Pendulum-v1 (pretrain, then fine-tune with {description})",
         "",
         f"Command: `{command}`",
+        "",
+        f"Written from the {len(records)} records `benchmarks/results/reference_runs/{tag}_*.json` of these runs "
+        f"(`python benchmarks/reference.py --report {report_options}` rewrites it without training). "
+        "Code version of the records (the commit of sb3-kl that made them): "
+        + "; ".join(f"{version} ({count} records)" for version, count in versions.items())
+        + ".",
         "",
         "- Pretraining: SB3 PPO, 100k steps, rl-zoo settings (n_envs 4, n_steps 1024, gamma 0.9, gae_lambda 0.95, lr 1e-3, "
         "n_epochs 10, batch 64, use_sde, sde_sample_freq 4, clip 0.2), seed 0, "
@@ -263,13 +364,15 @@ def report(args: argparse.Namespace, command: str) -> None:
         + ("; `anchored_t<x>`: the same with ref_target_kl=x." if args.extra_targets else "."),
         "- KL to the reference = `train/ref_kl`: exact mean per-state KL(pi || pi_ref) (reverse/analytic/sum) over the "
         "buffer's states after each update. Returns: 20 deterministic episodes, reset seeds 1000-1019.",
-        "- Machine: 2 shared cores (load average ~12 from other jobs), torch 1 thread, 2 runs at a time under nice 10.",
+        "- Machine and library versions: "
+        + "; ".join(f"{count} records: {machine}" for machine, count in learning.run_environments(records).items())
+        + ". Time (s): the wall-clock time of each run on that machine, beside whatever else ran on it.",
         "",
         f"Pretrained policy: original-task return {pre['original_return']:.1f}, new-task return {pre['new_task_return']:.1f}.",
         "",
         "| condition | seed | new-task return | original-task return | forgetting (pretrained - after) | final KL to ref | "
-        "mean KL to ref (2nd half) | final beta_ref | time (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "mean KL to ref (2nd half) | final beta_ref | time (s) |" + (" code |" if per_run_version else ""),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if per_run_version else ""),
     ]
     summary = {}
     for condition, records in runs.items():
@@ -279,6 +382,7 @@ def report(args: argparse.Namespace, command: str) -> None:
                 f"| {condition} | {r['seed']} | {r['new_task_return']:.1f} | {r['original_return']:.1f} | "
                 f"{pre['original_return'] - r['original_return']:.1f} | {r['final_ref_kl']:.4f} | {np.mean(late):.4f} | "
                 f"{r['trace'][-1]['ref_kl_coef']:.3g} | {r['wall_time_s']:.0f} |"
+                + (f" {record_version(r)} |" if per_run_version else "")
             )
         summary[condition] = {
             key: (float(np.mean([r[key] for r in records])), float(np.std([r[key] for r in records])))
@@ -330,7 +434,8 @@ def report(args: argparse.Namespace, command: str) -> None:
     with open(os.path.join(RESULTS, f"reference_{tag}.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(runs, args, tag, description)
+    if plot_figure:
+        plot(runs, args, tag, description)
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tag: str, description: str) -> None:
@@ -373,8 +478,8 @@ def target_of(args: argparse.Namespace, condition: str) -> float:
     return float(condition[len("anchored_t") :]) if condition.startswith("anchored_t") else args.ref_target_kl
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=81_920)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2)
@@ -384,17 +489,19 @@ def main() -> None:
     parser.add_argument("--torque-limit", type=float, default=1.0)
     parser.add_argument("--ref-target-kl", type=float, default=0.05)
     parser.add_argument("--extra-targets", type=float, nargs="*", default=[], help="more anchored runs, one per target")
-    args = parser.parse_args()
+    parser.add_argument("--report", action="store_true", help="only rewrite the markdown from the records (no training)")
+    parser.add_argument("--plot", action="store_true", help="with --report: redraw the figure too")
+    args = parser.parse_args(argv)
+    task = (args.task, task_value(args))
+    args.task_spec = task
+    command = f"nice -n 10 python benchmarks/reference.py {run_options(args)}"
+    if args.report:
+        report(args, command, plot_figure=args.plot)
+        return
     th.set_num_threads(1)
     os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
     os.makedirs(RUNS, exist_ok=True)
-    command = "nice -n 10 python benchmarks/reference.py " + " ".join(sys.argv[1:])
-
-    task = (
-        args.task,
-        {"action-cost": args.action_cost, "spin-bonus": args.spin_bonus, "torque-limit": args.torque_limit}[args.task],
-    )
-    args.task_spec = task
+    code_version()  # read before the workers fork
     tag = task_tag(task)
     if not os.path.exists(record_path(f"{tag}_pretrained")):
         record = pretrain(task)  # computed before the file is opened: an interrupted run leaves no empty record
