@@ -522,3 +522,35 @@ def test_reference_coefficient_outside_its_bounds_names_the_reference_arguments(
 def test_reference_options_without_a_reference_warn():
     with pytest.warns(UserWarning, match="`ref_target_kl`=0.01 set without `ref_policy`"):
         KLPPO("MlpPolicy", make_vec_env("CartPole-v1"), ref_target_kl=0.01)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_linear_schedules_train_through_the_last_rollout_past_the_budget(algo):
+    # learn() ends with the rollout that reaches the budget: its update runs at progress_remaining < 0, where a
+    # schedule ``progress * initial`` (SB3's docs, rl-zoo's lin_) is negative; SB3 uses that value, and so do we
+    def linear(initial: float):
+        return lambda progress_remaining: progress_remaining * initial
+
+    schedules = {"learning_rate": linear(3e-4)}
+    if algo in PPOS:
+        schedules.update(clip_range=linear(0.2), clip_range_vf=linear(0.2))
+    model = algo("MlpPolicy", make_vec_env("CartPole-v1", n_envs=2), n_steps=32, batch_size=32, **schedules)
+    model.learn(100)  # 2 rollouts of 64 steps: the second update runs at progress 1 - 128/100 < 0
+    assert model._current_progress_remaining < 0
+
+
+def test_sb3_argument_forms_stay_accepted(tmp_path):
+    import types
+
+    env = make_vec_env("CartPole-v1")
+    model = KLPPO(
+        "MlpPolicy",
+        env,
+        n_steps=32,
+        batch_size=32,
+        verbose=False,
+        policy_kwargs=types.MappingProxyType({"net_arch": [8]}),
+        rollout_buffer_kwargs=types.MappingProxyType({}),
+    )
+    model.save(tmp_path / "model")
+    KLPPO.load(tmp_path / "model.zip", env=env, verbose=True, learning_rate=0.0)

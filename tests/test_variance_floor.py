@@ -156,3 +156,52 @@ def test_callback_floor_holds_after_line_search_steps_without_critic_steps(algo)
     model.learn(128 * 2 * 6, callback=[VarianceFloorCallback(min_std=min_std), acting])
     assert len(acting.values) == 128 * 6
     assert min(acting.values) >= min_std * (1 - 1e-6)
+
+
+def test_callback_floor_redraws_gsde_noise_drawn_below_the_floor():
+    # SB3 draws gSDE's exploration matrix just before on_rollout_start: drawn with a std under the floor, the floor
+    # applied at rollout start draws it again, so every rollout acts with the floored std
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from sb3_kl import KLTRPO
+
+    min_std = 1.0
+    env = make_vec_env(SmallActionsPay, n_envs=2, seed=0)
+    model = KLTRPO(
+        "MlpPolicy",
+        env,
+        n_steps=64,
+        n_critic_updates=0,
+        target_kl=0.05,
+        use_sde=True,
+        seed=0,
+        policy_kwargs=dict(net_arch=[16], log_std_init=-1.0),
+    )
+    draws = []  # the std each exploration matrix was drawn with
+    original = model.policy.reset_noise
+
+    def reset_noise(n_envs: int = 1) -> None:
+        draws.append(float(model.policy.action_dist.get_std(model.policy.log_std.detach()).min()))
+        original(n_envs)
+
+    model.policy.reset_noise = reset_noise
+
+    class ActingDraw(BaseCallback):
+        """After the floor: the std of the draw the rollout acts with."""
+
+        def __init__(self):
+            super().__init__()
+            self.values = []
+
+        def _on_rollout_start(self) -> None:
+            self.values.append(draws[-1])
+
+        def _on_step(self) -> bool:
+            return True
+
+    acting = ActingDraw()
+    model.learn(64 * 2 * 5, callback=[VarianceFloorCallback(min_std=min_std), acting])
+    assert len(acting.values) == 5
+    assert min(draws) < min_std  # the line search did take the std under the floor
+    assert min(acting.values) >= min_std * (1 - 1e-6)

@@ -179,12 +179,15 @@ class VarianceFloorCallback(BaseCallback):
             )
         self._floor = min_log_std_parameter(action_dist, self.min_std)
 
-    def _clamp(self) -> None:
+    def _clamp(self) -> bool:
+        """:return: whether some ``log_std`` was below the floor (and is now at it)"""
         with th.no_grad():
             log_std = self.model.policy.log_std
             if bool((log_std < self._floor).any()):
                 self.n_clamps += 1
                 log_std.clamp_(min=self._floor)
+                return True
+        return False
 
     def _on_training_start(self) -> None:
         self._clamp()
@@ -207,8 +210,10 @@ class VarianceFloorCallback(BaseCallback):
 
     def _on_rollout_start(self) -> None:
         # A line search (TRPO, KLTRPO) writes the policy's parameters without an optimizer step, so the hook does not
-        # see it; with n_critic_updates=0 no step follows either: the floor is applied before every rollout
-        self._clamp()
+        # see it; with n_critic_updates=0 no step follows either: the floor is applied before every rollout. SB3 draws
+        # gSDE's exploration matrix just before this hook: drawn with the std below the floor, it is drawn again
+        if self._clamp() and self.model.use_sde:
+            self.model.policy.reset_noise(self.model.env.num_envs)
         self._record()
 
     def _on_training_end(self) -> None:

@@ -11,6 +11,7 @@ import io
 import math
 import pathlib
 import warnings
+from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import cloudpickle
@@ -146,12 +147,12 @@ def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
         check_int("stats_window_size", arguments["stats_window_size"], 1)
     if "tensorboard_log" in arguments:
         check_path("tensorboard_log", arguments["tensorboard_log"])
-    if "verbose" in arguments:
+    if "verbose" in arguments and not isinstance(arguments["verbose"], (bool, np.bool_)):  # SB3 takes True/False
         check_int("verbose", arguments["verbose"], 0)
     if arguments.get("seed") is not None:
         check_int("seed", arguments["seed"], 0)
     for name in ("policy_kwargs", "rollout_buffer_kwargs"):
-        if arguments.get(name) is not None and not isinstance(arguments[name], dict):
+        if arguments.get(name) is not None and not isinstance(arguments[name], Mapping):
             raise TypeError(f"`{name}` must be a dict of keyword arguments (or None), got {arguments[name]!r}.")
     if arguments.get("rollout_buffer_class") is not None and not isinstance(arguments["rollout_buffer_class"], type):
         raise TypeError(
@@ -581,11 +582,16 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         parameters = inspect.signature(cls.__init__).parameters
         skipped = {"self", "policy", "env", "device", "_init_setup_model", "kl_coef", "ref_kl_coef"}
         given = {name: value for name, value in overrides.items() if name in parameters and name not in skipped}
+        if given.get("learning_rate") == 0:
+            del given["learning_rate"]  # a model loaded to act, or to be frozen, as SB3's load takes it
         if not given:
             return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the constructor's advice on unused options is not about the saved model
-            cls(policy=cls._default_policy_class(), env=None, device="cpu", _init_setup_model=False, **given)
+            # verbose=0: the throwaway model prints nothing (SB3 would announce its device)
+            cls(policy=cls._default_policy_class(), env=None, device="cpu", _init_setup_model=False, **{**given, "verbose": 0})
+        if "verbose" in given:
+            check_on_policy_arguments({"verbose": given["verbose"]})
         if "n_steps" in given and given["n_steps"] < 1:  # the constructor leaves it to SB3's assert, which needs an env
             raise ValueError(f"`n_steps` must be a positive integer (steps per env per rollout), got {given['n_steps']!r}.")
 

@@ -227,12 +227,17 @@ def scheduled_value(
     the start and the end, and a value in between that is NaN or negative would otherwise train silently (a negative
     learning rate ascends the loss, a negative clip range clips everything).
 
+    Past the budget (``progress_remaining < 0``: ``learn()`` ends with the rollout in which the budget is reached, and
+    SB3 trains on it) a linear schedule ``progress_remaining * initial`` goes below 0, and SB3's algorithms use that
+    value: there only finiteness is checked, so that training stays the stock algorithm's.
+
     :param allow_zero: Whether 0 is a valid value (a linear schedule's end)
     :raises ValueError: naming the argument and the progress, unless the value is a finite number > 0 (>= 0 with
-        ``allow_zero``)
+        ``allow_zero``; any finite number past the budget)
     """
     value = schedule(progress_remaining)
-    if not is_number(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    out_of_range = progress_remaining >= 0 and (value < 0 or (value == 0 and not allow_zero))
+    if not is_number(value) or not math.isfinite(value) or out_of_range:
         raise ValueError(
             f"The schedule of `{name}` returned {value!r} at progress_remaining={progress_remaining:.6g}: it must stay "
             f"a {'finite number >= 0' if allow_zero else 'positive finite number'} over the whole training."
