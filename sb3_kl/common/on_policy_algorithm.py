@@ -35,15 +35,15 @@ from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, 
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
 from sb3_kl.common.threads import warn_if_many_threads
 from sb3_kl.common.validation import (
+    as_schedule,
     check_bool,
     check_int,
     check_path,
-    is_number,
     check_probability,
     check_quantiles,
     check_schedule,
+    is_number,
     scheduled_value,
-    as_schedule,
 )
 from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
