@@ -100,6 +100,7 @@ ROWS: list[Row] = [
     *ok(PPOS, "clip_range", 0.0, -0.2),
     *ok(PPOS, "clip_range", NAN),
     Row(PPOS, "clip_range_vf", -0.1, "COMPAT"),
+    *ok(PPOS, "clip_range_vf", "0.2", Linear(0.2, -0.2)),
     *ok(PPOS, "normalize_advantage", "yes"),
     *ok((KLTRPO,), "normalize_advantage", "yes"),
     *ok(PPOS, "ent_coef", NAN, "0.01"),

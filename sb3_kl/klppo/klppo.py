@@ -304,6 +304,12 @@ class KLPPO(KLOnPolicyAlgorithm):
         self.batch_size = batch_size
         self.n_epochs = n_epochs
         self.clip_range = clip_range
+        if clip_range_vf is not None and not is_number(clip_range_vf) and not callable(clip_range_vf):
+            raise TypeError(
+                f"`clip_range_vf` must be a positive number, a schedule or None (no value clipping), got {clip_range_vf!r}."
+            )
+        if callable(clip_range_vf):
+            check_schedule("clip_range_vf", clip_range_vf, allow_zero_at_end=True)
         self.clip_range_vf = clip_range_vf
         self.normalize_advantage = normalize_advantage
         self.kl_stop_factor = kl_stop_factor
