@@ -138,7 +138,7 @@ def check_reference_spaces(reference: ActorCriticPolicy, observation_space: spac
 
 
 def _given_reference_options(**options: tuple[Any, Any]) -> list[str]:
-    """:return: ```name`=value`` of the options of ``name=(value, default)`` whose value is not their default"""
+    """:return: the options of ``name=(value, default)`` whose value is not their default, as ``name=value``"""
     return [f"`{name}`={value!r}" for name, (value, default) in options.items() if value != default]
 
 

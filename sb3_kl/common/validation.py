@@ -236,8 +236,10 @@ def scheduled_value(
         ``allow_zero``; any finite number past the budget)
     """
     value = schedule(progress_remaining)
-    out_of_range = progress_remaining >= 0 and (value < 0 or (value == 0 and not allow_zero))
-    if not is_number(value) or not math.isfinite(value) or out_of_range:
+    valid = is_number(value) and math.isfinite(value)
+    if valid and progress_remaining >= 0:
+        valid = value > 0 or (value == 0 and allow_zero)
+    if not valid:
         raise ValueError(
             f"The schedule of `{name}` returned {value!r} at progress_remaining={progress_remaining:.6g}: it must stay "
             f"a {'finite number >= 0' if allow_zero else 'positive finite number'} over the whole training."
