@@ -6,7 +6,6 @@ beside its markdown, ``adaptive_lr.py``'s per-run records, and ``reference.py``'
 import argparse
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,21 +19,6 @@ import overhead  # noqa: E402
 import reference  # noqa: E402
 
 SIDE_KEYS = {"steps", "trained_steps", "wall_seconds", "cpu_seconds", "steps_per_second", "cpu_steps_per_second", "hook_share"}
-
-
-def git_added(path: Path) -> str | None:
-    """The commit that added ``path``, as ``git log`` gives it (None outside a checkout with that history)."""
-    try:
-        out = subprocess.run(
-            ["git", "log", "--diff-filter=A", "--format=%h", "--", str(path)],
-            cwd=BENCHMARKS,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[0] if out else None
 
 
 def test_overhead_writes_the_measured_pairs_beside_the_markdown(tmp_path):
@@ -121,7 +105,7 @@ def test_reference_report_names_the_commit_of_records_made_before_they_named_it(
     args.task_spec = ("action-cost", 0.5)
     reference.report(args, "nice -n 10 python benchmarks/reference.py " + reference.run_options(args), plot_figure=False)
     text = (tmp_path / "reference_cost0.5.md").read_text()
-    added = git_added(Path(reference.record_path("cost0.5_free_s0")))
+    added = reference.commit_that_added(reference.record_path("cost0.5_free_s0"))
     if added is None:
         pytest.skip("no git history of the records")
     assert f"made before records named their commit; committed in {added} (7 records)" in text

@@ -119,13 +119,16 @@ DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
 MIN_TARGET_KL = 1e-8
 
 
-def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
+def check_on_policy_arguments(arguments: dict[str, Any], min_n_steps: int = 0) -> None:
     """
     Check the arguments KLPPO, ClipKLPPO and KLTRPO pass on to SB3's ``OnPolicyAlgorithm`` that SB3 itself does
     not check (or checks only later, with an error not naming them). Arguments absent from ``arguments`` are
     skipped; the ``n_steps * n_envs > 1`` check stays SB3's assert in the algorithms.
 
     :param arguments: The keyword arguments given to ``OnPolicyAlgorithm.__init__``
+    :param min_n_steps: The smallest ``n_steps`` accepted: the constructor leaves 0 to SB3's assert on
+        ``n_steps * n_envs``, once the env is known (SB3's tests expect that assert); ``load()``, whose overrides meet
+        no such assert, passes 1
     :raises TypeError: for a value of the wrong type
     :raises ValueError: for a value out of range
     """
@@ -134,7 +137,7 @@ def check_on_policy_arguments(arguments: dict[str, Any]) -> None:
         check_schedule("learning_rate", arguments["learning_rate"], allow_zero_at_end=True)
     if "n_steps" in arguments:
         n_steps = check_int("n_steps", arguments["n_steps"])
-        if n_steps < 0:  # 0: SB3's assert on n_steps * n_envs, once the env is known (kept for SB3's tests)
+        if n_steps < min_n_steps:
             raise ValueError(f"`n_steps` must be a positive integer (steps per env per rollout), got {n_steps!r}.")
     for name in ("gamma", "gae_lambda"):
         if name in arguments:
@@ -590,10 +593,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             warnings.simplefilter("ignore")  # the constructor's advice on unused options is not about the saved model
             # verbose=0: the throwaway model prints nothing (SB3 would announce its device)
             cls(policy=cls._default_policy_class(), env=None, device="cpu", _init_setup_model=False, **{**given, "verbose": 0})
-        if "verbose" in given:
-            check_on_policy_arguments({"verbose": given["verbose"]})
-        if "n_steps" in given and given["n_steps"] < 1:  # the constructor leaves it to SB3's assert, which needs an env
-            raise ValueError(f"`n_steps` must be a positive integer (steps per env per rollout), got {given['n_steps']!r}.")
+        # the throwaway model's verbose was 0, and its n_steps=0 is left to SB3's assert, which needs an env
+        check_on_policy_arguments({name: given[name] for name in ("verbose", "n_steps") if name in given}, min_n_steps=1)
 
     @classmethod
     def _default_policy_class(cls) -> type[BasePolicy]:
