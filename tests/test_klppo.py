@@ -18,7 +18,7 @@ from stable_baselines3.common.envs import (
 )
 from stable_baselines3.common.utils import LinearSchedule
 
-from sb3_kl import ClipKLPPO, KLPPO
+from sb3_kl import ClipKLPPO, KLPPO, KLTRPO
 from sb3_kl.common.buffers import StalePolicyError
 from sb3_kl.common.on_policy_algorithm import NonFiniteUpdateError
 
@@ -461,7 +461,7 @@ def test_ppo_checks_are_kept():
 
 def test_target_schedule_may_decay_to_zero_like_the_zoo_lin_syntax():
     """rl-zoo's `lin_0.02` decays to 0 at the end of training: accepted, the very last update uses a tiny floor."""
-    from sb3_kl.common.on_policy_algorithm import MIN_TARGET_KL
+    from sb3_kl.common.validation import MIN_TARGET_KL
 
     model = KLPPO("MlpPolicy", "CartPole-v1", target_kl=LinearSchedule(0.02, 0.0, 1.0), **SMALL)
     model.learn(2 * SMALL["n_steps"])
@@ -469,6 +469,28 @@ def test_target_schedule_may_decay_to_zero_like_the_zoo_lin_syntax():
     assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
     with pytest.raises(ValueError, match="target_kl"):
         KLPPO("MlpPolicy", "CartPole-v1", target_kl=LinearSchedule(0.02, -0.01, 1.0))
+
+
+@pytest.mark.parametrize("algo", [KLPPO, KLTRPO])
+def test_target_schedule_past_the_budget_uses_the_floor(algo):
+    """
+    rl-zoo's `lin_0.02` is `progress_remaining * 0.02`, which goes below 0 when the last rollout overshoots the budget
+    (SB3 trains on it at progress_remaining < 0): that update uses the floor, as at progress 0, instead of stopping
+    `learn()` at its very end; the KL callbacks read their targets the same way.
+    """
+    from sb3_kl import KLAdaptiveLRCallback
+    from sb3_kl.common.validation import MIN_TARGET_KL
+
+    kwargs = SMALL if algo is KLPPO else dict(n_steps=64, batch_size=32, policy_kwargs=dict(net_arch=[16]), seed=0)
+    model = algo("MlpPolicy", "CartPole-v1", target_kl=lambda progress: 0.02 * progress, **kwargs)
+    callback = KLAdaptiveLRCallback(target_kl=lambda progress: 0.02 * progress + 0.001) if algo is KLPPO else None
+    model.learn(96, callback=callback)
+    assert model._current_progress_remaining < 0
+    assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
+    with pytest.raises(ValueError, match="target_kl"):  # inside the budget, a negative target is still refused
+        model.target_kl = lambda progress: 0.02 * progress - 0.01
+        model._current_progress_remaining = 0.25
+        model._current_target_kl()
 
 
 def test_adam_uses_the_fused_kernel_unless_the_user_chooses(tmp_path):

@@ -22,7 +22,7 @@ from sb3_kl.common.validation import (
     check_pair,
     check_positive,
     check_schedule,
-    scheduled_value,
+    scheduled_target_kl,
 )
 
 #: ``max_kl_factor``'s default: a single update whose mean KL exceeds this many times the target raises ``kl_spike``
@@ -206,7 +206,7 @@ class KLAlarmCallback(MonitorUser):
             (:func:`~sb3_kl.common.callbacks_monitor.target_kl_settings`)
         """
         if self.target_kl is not None:
-            return scheduled_value("target_kl", self.target_kl, self.model._current_progress_remaining), "mean"
+            return scheduled_target_kl(self.target_kl, self.model._current_progress_remaining), "mean"
         target = model_target_kl(self.model)
         if target is not None:
             return target, "mean_in_target_convention"

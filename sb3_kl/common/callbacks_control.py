@@ -15,7 +15,14 @@ from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import update_learning_rate
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
-from sb3_kl.common.validation import as_schedule, check_int, check_pair, check_positive, check_schedule, scheduled_value
+from sb3_kl.common.validation import (
+    as_schedule,
+    check_int,
+    check_pair,
+    check_positive,
+    check_schedule,
+    scheduled_target_kl,
+)
 from sb3_kl.common.variance import min_log_std_parameter
 
 
@@ -112,7 +119,7 @@ class KLAdaptiveLRCallback(MonitorUser):
         if not self._active or self.learning_rate is None or self._schedule is None:
             return
         kl = record["mean"]
-        target = scheduled_value("target_kl", self.target_kl, self.model._current_progress_remaining)
+        target = scheduled_target_kl(self.target_kl, self.model._current_progress_remaining)
         old = self.learning_rate
         if not math.isfinite(kl) or kl > self.band[1] * target:
             self.learning_rate = self._clip(old / self.factor)

@@ -43,6 +43,7 @@ from sb3_kl.common.validation import (
     check_quantiles,
     check_schedule,
     is_number,
+    scheduled_target_kl,
     scheduled_value,
 )
 from sb3_kl.common.variance import min_log_std_parameter
@@ -113,10 +114,6 @@ SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAl
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
 DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
-#: A ``target_kl`` schedule may decay to 0 at the very end of training (rl-zoo's ``lin_0.02``): the last update then
-#: uses this floor (KLTRPO's step is then almost 0; KLPPO's beta, set after each update, follows the target one update
-#: late, as always)
-MIN_TARGET_KL = 1e-8
 
 
 def check_on_policy_arguments(arguments: dict[str, Any], min_n_steps: int = 0) -> None:
@@ -943,10 +940,13 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         )
 
     def _current_target_kl(self) -> float:
-        target = float(self.target_kl(self._current_progress_remaining))
-        if not math.isfinite(target) or target < 0:
-            raise ValueError(f"`target_kl` must stay positive and finite, its schedule returned {target}.")
-        return max(target, MIN_TARGET_KL)
+        """
+        The KL target of the current update. Where a schedule decays to 0 (rl-zoo's ``lin_0.02``) the last update uses
+        the floor :data:`~sb3_kl.common.validation.MIN_TARGET_KL` (KLTRPO's step is then almost 0; KLPPO's beta, set
+        after each update, follows the target one update late, as always), also past the budget, where the schedule
+        goes below 0.
+        """
+        return scheduled_target_kl(self.target_kl, self._current_progress_remaining)
 
     # ----------------------------------------------------------------------------------------------------------
     # After the update

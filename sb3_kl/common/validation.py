@@ -247,6 +247,22 @@ def scheduled_value(
     return float(value)
 
 
+#: The smallest KL target used: where a ``target_kl`` schedule reaches 0 (rl-zoo's ``lin_0.02`` at the end of training)
+#: or goes below 0 (the same schedule past the budget, see :func:`scheduled_value`), the update uses this floor
+MIN_TARGET_KL = 1e-8
+
+
+def scheduled_target_kl(schedule: Callable[[float], Any], progress_remaining: float) -> float:
+    """
+    The KL target of a ``target_kl`` schedule at ``progress_remaining``, checked as :func:`scheduled_value` checks it (0
+    allowed) and raised to :data:`MIN_TARGET_KL`: a linear schedule's last update, which SB3 runs past the budget when
+    the last rollout overshoots it, gets the floor instead of a negative target.
+
+    :raises ValueError: naming ``target_kl``, unless the value is a finite number >= 0 (any finite number past the budget)
+    """
+    return max(scheduled_value("target_kl", schedule, progress_remaining, allow_zero=True), MIN_TARGET_KL)
+
+
 def check_path(name: str, value: Any, allow_none: bool = True) -> None:
     """:raises TypeError: unless ``value`` is a str, an ``os.PathLike`` (or None when allowed)"""
     if value is None and allow_none:
