@@ -26,6 +26,7 @@ Records and results go to ``benchmarks/results/`` (``$SB3_KL_BENCHMARK_RESULTS``
 """
 
 import argparse
+import inspect
 import json
 import math
 import multiprocessing
@@ -1795,22 +1796,49 @@ def goal_trust_region(groups: dict[tuple[str, str, float], list[dict[str, Any]]]
     return out
 
 
+def shipped_kltrpo_target_kl(env_id: str) -> float:
+    """The ``target_kl`` of the shipped ``kltrpo`` zoo config of ``env_id`` (KLTRPO's default where it sets none)."""
+    import yaml
+
+    from sb3_kl import KLTRPO
+
+    config = yaml.safe_load((HERE.parent / "sb3_kl" / "hyperparams" / "kltrpo.yml").read_text())
+    default = inspect.signature(KLTRPO).parameters["target_kl"].default
+    return float(config.get(env_id, {}).get("target_kl", default))
+
+
+def shipped_kltrpo_cell(groups: dict[tuple[str, str, float], list[dict[str, Any]]], env_id: str) -> str | None:
+    """
+    The grid cell whose records ran at the shipped ``kltrpo`` config's ``target_kl`` on ``env_id``: ``kltrpo``
+    (TRPO's target) or ``kltrpo_matched`` (whose target the config takes rounded to two significant digits,
+    ``trpo_joint_kl.py --write-config``), or None when neither did.
+    """
+    from trpo_joint_kl import round_significant
+
+    shipped = shipped_kltrpo_target_kl(env_id)
+    for algo, rounded in (("kltrpo", False), ("kltrpo_matched", True)):
+        targets = {r["target_kl"] for r in groups.get((env_id, algo, 1.0), [])}
+        if targets and all(math.isclose(round_significant(t) if rounded else t, shipped) for t in targets):
+            return algo
+    return None
+
+
 def goal_fair_trpo(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
     """
     KLTRPO's return >= TRPO's minus one std on all six environments, with 5 seeds: at equal settings (``kltrpo``), with
-    TRPO's measured step size (``kltrpo_matched``) and as the shipped zoo configs set ``target_kl`` (the first on the
-    tasks whose config keeps TRPO's target, the second on ``trpo_joint_kl.ENVS``).
+    TRPO's measured step size (``kltrpo_matched``) and as the shipped zoo configs set ``target_kl`` (the cell whose
+    records ran at the config's target, :func:`shipped_kltrpo_cell`).
     """
-    # the tasks whose shipped config takes TRPO's joint KL (``trpo_joint_kl.py`` writes it; before rounding it is
-    # kltrpo_matched's target); elsewhere the config keeps TRPO's target_kl (kltrpo)
-    from trpo_joint_kl import ENVS as JOINT_CONFIG_ENVS
-
     out = []
     for algo in ("kltrpo", "kltrpo_matched", "shipped"):
         cells, met = [], True
         for env in MAIN_ENVS:
-            ours = algo if algo != "shipped" else ("kltrpo_matched" if env in JOINT_CONFIG_ENVS else "kltrpo")
-            a, b = _evals(groups, env, ours), _evals(groups, env, "trpo")
+            ours = algo if algo != "shipped" else shipped_kltrpo_cell(groups, env)
+            a, b = (_evals(groups, env, ours) if ours else []), _evals(groups, env, "trpo")
+            if algo == "shipped" and ours is None:
+                met = False
+                cells.append(f"{env}: no cell ran at the shipped target_kl {shipped_kltrpo_target_kl(env):g}")
+                continue
             if not a or not b:
                 met = None if met is not False else False
                 continue
