@@ -660,3 +660,27 @@ def test_recurrent_report_compares_each_variant_with_recurrent_ppo_on_shared_see
     assert cells[3] == "3"
     assert cells[4].startswith("+50.0 ") and cells[4].endswith(": better")
     assert cells[6].startswith("+100.0 ") and cells[6].endswith(": better")  # every update in band against none
+
+
+def test_zoo_config_goal_judges_the_cell_that_ran_at_the_shipped_target():
+    """
+    The shipped kltrpo configs' goal reads `target_kl` from `sb3_kl/hyperparams/kltrpo.yml`: the cell whose records ran
+    at it (kltrpo_matched's target rounded as the config rounds it, or kltrpo's exactly), or none, which is not met.
+    """
+    import trpo_joint_kl
+
+    env = "CartPole-v1"
+    shipped = learning.shipped_kltrpo_target_kl(env)
+
+    def records(algo, target):
+        return [dict(algo=algo, env=env, lr_mult=1.0, seed=s, target_kl=target, eval_mean=500.0) for s in range(5)]
+
+    near = shipped * 1.004  # a measured mean that rounds to the shipped target
+    assert trpo_joint_kl.round_significant(near) == pytest.approx(shipped)
+    groups = {(env, "kltrpo_matched", 1.0): records("kltrpo_matched", near), (env, "kltrpo", 1.0): records("kltrpo", 0.01)}
+    assert learning.shipped_kltrpo_cell(groups, env) == "kltrpo_matched"
+    groups[(env, "kltrpo_matched", 1.0)] = records("kltrpo_matched", shipped * 1.2)
+    assert learning.shipped_kltrpo_cell(groups, env) is None
+    groups[(env, "trpo", 1.0)] = records("trpo", None)
+    goal = learning.goal_fair_trpo(groups)[-1]
+    assert "NOT met" in goal and f"{env}: no cell ran at the shipped target_kl {shipped:g}" in goal
