@@ -478,15 +478,24 @@ def test_target_schedule_past_the_budget_uses_the_floor(algo):
     (SB3 trains on it at progress_remaining < 0): that update uses the floor, as at progress 0, instead of stopping
     `learn()` at its very end; the KL callbacks read their targets the same way.
     """
-    from sb3_kl import KLAdaptiveLRCallback
+    from sb3_kl import KLAdaptiveLRCallback, KLAlarmCallback
     from sb3_kl.common.validation import MIN_TARGET_KL
 
     kwargs = SMALL if algo is KLPPO else dict(n_steps=64, batch_size=32, policy_kwargs=dict(net_arch=[16]), seed=0)
     model = algo("MlpPolicy", "CartPole-v1", target_kl=lambda progress: 0.02 * progress, **kwargs)
-    callback = KLAdaptiveLRCallback(target_kl=lambda progress: 0.02 * progress + 0.001) if algo is KLPPO else None
-    model.learn(96, callback=callback)
+    alarm = KLAlarmCallback()  # holds the KL to the algorithm's target
+    adaptive = KLAdaptiveLRCallback(target_kl=lambda progress: 0.02 * progress + 0.001)
+    model.learn(96, callback=[alarm])
     assert model._current_progress_remaining < 0
     assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
+    # one rollout for half its steps: its only update runs past the budget, at the floor of both targets
+    model.learn(32, callback=[alarm, adaptive] if algo is KLPPO else [alarm])
+    assert model._current_progress_remaining < 0
+    assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
+    # a target at the floor sets no size: no spike alarm on it, and the adaptive rate is kept
+    assert not [a for a in alarm.alarms if a.kind == "kl_spike"], alarm.alarms
+    if algo is KLPPO:
+        assert adaptive.learning_rate == model.learning_rate
     with pytest.raises(ValueError, match="target_kl"):  # inside the budget, a negative target is still refused
         model.target_kl = lambda progress: 0.02 * progress - 0.01
         model._current_progress_remaining = 0.25

@@ -16,6 +16,7 @@ from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, is_t
 from sb3_kl.common.controllers import FixedKLController
 from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
 from sb3_kl.common.validation import (
+    MIN_TARGET_KL,
     as_schedule,
     check_bool,
     check_int,
@@ -248,7 +249,9 @@ class KLAlarmCallback(MonitorUser):
             key = "mean"
         kl = record[key]
         convention = self.monitor.convention if key == "mean" else record["target_convention"]
-        spike = self._spike_rule.check(kl / target)
+        # a target at the floor is a schedule that has ended (one decaying to 0, at the end of training or past the
+        # budget): it sets no size to hold the KL to, so the spike checks skip that update
+        spike = self._spike_rule.check(kl / target) if target > MIN_TARGET_KL else None
         if spike is not None and math.isfinite(kl):  # a non-finite KL is its own alarm (above)
             what = (
                 f"{self.max_kl_factor:g} x target ({target:.3g}) in a single update"

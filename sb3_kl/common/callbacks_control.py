@@ -16,6 +16,7 @@ from stable_baselines3.common.utils import update_learning_rate
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
 from sb3_kl.common.validation import (
+    MIN_TARGET_KL,
     as_schedule,
     check_int,
     check_pair,
@@ -121,10 +122,13 @@ class KLAdaptiveLRCallback(MonitorUser):
         kl = record["mean"]
         target = scheduled_target_kl(self.target_kl, self.model._current_progress_remaining)
         old = self.learning_rate
-        if not math.isfinite(kl) or kl > self.band[1] * target:
+        if not math.isfinite(kl):
             self.learning_rate = self._clip(old / self.factor)
-        elif kl < self.band[0] * target:
-            self.learning_rate = self._clip(old * self.factor)
+        elif target > MIN_TARGET_KL:  # a target at the floor (a schedule decaying to 0 has ended) sets no size: kept
+            if kl > self.band[1] * target:
+                self.learning_rate = self._clip(old / self.factor)
+            elif kl < self.band[0] * target:
+                self.learning_rate = self._clip(old * self.factor)
         self._schedule.learning_rate = self.learning_rate
         update_learning_rate(self.model.policy.optimizer, self.learning_rate)
         record["learning_rate"] = self.learning_rate
