@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch as th
 from stable_baselines3.common.policies import BasePolicy
 from torch import nn
 
@@ -65,6 +66,29 @@ def acting_mode(policy: BasePolicy) -> Iterator[None]:
         yield
     finally:
         policy.set_training_mode(was_training)
+
+
+@contextmanager
+def kept_running_statistics(root: nn.Module) -> Iterator[None]:
+    """
+    Restore the running statistics of ``root``'s batch and instance norm modules (``running_mean``, ``running_var``,
+    ``num_batches_tracked``) on leaving: for a train-mode forward pass that must leave the policy as it is, such as a
+    diagnostic after an update's last optimizer step (otherwise it would move the policy that acts next).
+
+    :param root: The module (e.g. the policy)
+    """
+    saved = [
+        (module, {name: buffer.clone() for name, buffer in module.named_buffers(recurse=False)})
+        for module in root.modules()
+        if isinstance(module, RUNNING_STATISTICS_MODULES) and is_mode_dependent(module)
+    ]
+    try:
+        yield
+    finally:
+        with th.no_grad():
+            for module, buffers in saved:
+                for name, value in buffers.items():
+                    getattr(module, name).copy_(value)
 
 
 def modules_run_by(root: nn.Module, forward: Callable[[], Any], kinds: tuple[type[nn.Module], ...]) -> list[nn.Module]:

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl_to
-from sb3_kl.common.modes import acting_mode, has_mode_dependent_modules
+from sb3_kl.common.modes import acting_mode, has_mode_dependent_modules, kept_running_statistics
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
@@ -687,7 +687,15 @@ class KLPPO(KLOnPolicyAlgorithm):
     def _recompute_gradient_ratio(
         self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float
     ) -> float:
-        """The gradient ratio on the last minibatch seen, with the final parameters (when the update stopped early)."""
+        """
+        The gradient ratio on the last minibatch seen, with the final parameters (when the update stopped early). The
+        forward pass runs in train mode, as the loss's did; running statistics (batch norm) are restored after it, so
+        that it leaves the policy as the update's last step left it.
+        """
+        with kept_running_statistics(self.policy):
+            return self._gradient_ratio_of(rollout_data, clip_range, kl_coef, target_kl)
+
+    def _gradient_ratio_of(self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float) -> float:
         _, distribution = self._forward_samples(rollout_data)
         actions = self._actions_for_log_prob(rollout_data.actions)
         log_prob = distribution.log_prob(actions)

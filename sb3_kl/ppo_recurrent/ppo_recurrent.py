@@ -16,7 +16,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import attach_sde_features, per_state_kl
-from sb3_kl.common.modes import has_mode_dependent_modules
+from sb3_kl.common.modes import has_mode_dependent_modules, kept_running_statistics
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.recurrent import (
     SequenceEvaluation,
@@ -568,9 +568,11 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             if stopped_at_bound or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if stopped_at_bound or epoch < self.n_epochs - 1:
-                    # the gradient ratio on the last minibatch seen, with the final parameters
-                    out = self._minibatch_loss(rollout_data, *terms)  # type: ignore[arg-type]
-                    kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
+                    # the gradient ratio on the last minibatch seen, with the final parameters (running statistics
+                    # restored after this train-mode pass, which must leave the policy as the last step left it)
+                    with kept_running_statistics(self.policy):
+                        out = self._minibatch_loss(rollout_data, *terms)  # type: ignore[arg-type]
+                        kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
                 break
 
         if applied_steps == 0 and nonfinite_steps > 0:
