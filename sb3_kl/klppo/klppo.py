@@ -90,7 +90,8 @@ class KLPPO(KLOnPolicyAlgorithm):
         ``kl_stop_factor * target_kl``, judged after each epoch on the mean over its minibatches' states of the
         per-state KL to the rollout policy, each taken before that minibatch's step (so it lags: the first minibatch
         of an update contributes 0, and the epoch's last step is seen by the next epoch only); with dropout or batch
-        norm in the policy that KL is taken as the policy acts (eval mode). None (default): no
+        norm in the policy that KL is taken as the policy acts (eval mode), with batch norm after the minibatch's
+        train-mode pass has updated its running statistics (so there the first minibatch adds their shift). None (default): no
         early stop. 1.5 holds the KL far better when the learning rate is too high (HalfCheetah at 10x the zoo rate)
         but was not made the default: at the zoo's rate it changed no return significantly and the drop-in (with
         PPO's clip) collapsed on 3 of 5 Hopper seeds (``benchmarks/results/learning.md``, early-stop section)
