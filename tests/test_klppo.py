@@ -472,11 +472,13 @@ def test_target_schedule_may_decay_to_zero_like_the_zoo_lin_syntax():
 
 
 @pytest.mark.parametrize("algo", [KLPPO, KLTRPO])
-def test_target_schedule_past_the_budget_uses_the_floor(algo):
+def test_target_schedule_past_the_budget_is_read_at_its_end(algo):
     """
-    rl-zoo's `lin_0.02` is `progress_remaining * 0.02`, which goes below 0 when the last rollout overshoots the budget
-    (SB3 trains on it at progress_remaining < 0): that update uses the floor, as at progress 0, instead of stopping
-    `learn()` at its very end; the KL callbacks read their targets the same way.
+    A linear schedule written as SB3 users write one, `lambda progress: 0.02 * progress` (rl-zoo's own
+    `linear_schedule` too), goes below 0 when the last rollout overshoots the budget, and SB3 trains on that rollout at
+    progress_remaining < 0: the target is read at the schedule's end there (0, so the floor), instead of stopping
+    `learn()` at its very end; the KL callbacks read their targets the same way, and a target that has decayed to 0
+    sets no size (no spike alarm, the adaptive learning rate kept).
     """
     from sb3_kl import KLAdaptiveLRCallback, KLAlarmCallback
     from sb3_kl.common.validation import MIN_TARGET_KL
@@ -484,18 +486,21 @@ def test_target_schedule_past_the_budget_uses_the_floor(algo):
     kwargs = SMALL if algo is KLPPO else dict(n_steps=64, batch_size=32, policy_kwargs=dict(net_arch=[16]), seed=0)
     model = algo("MlpPolicy", "CartPole-v1", target_kl=lambda progress: 0.02 * progress, **kwargs)
     alarm = KLAlarmCallback()  # holds the KL to the algorithm's target
-    adaptive = KLAdaptiveLRCallback(target_kl=lambda progress: 0.02 * progress + 0.001)
     model.learn(96, callback=[alarm])
     assert model._current_progress_remaining < 0
     assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
-    # one rollout for half its steps: its only update runs past the budget, at the floor of both targets
-    model.learn(32, callback=[alarm, adaptive] if algo is KLPPO else [alarm])
-    assert model._current_progress_remaining < 0
+    # one rollout for half its steps: its only update runs past the budget; the callbacks' own schedules decay to 0
+    own_alarm = KLAlarmCallback(target_kl=lambda progress: 0.02 * progress)
+    adaptive = KLAdaptiveLRCallback(target_kl=lambda progress: 0.02 * progress)
+    model.learn(32, callback=[alarm, own_alarm, adaptive] if algo is KLPPO else [alarm, own_alarm])
     assert model.logger.name_to_value["train/target_kl"] == MIN_TARGET_KL
-    # a target at the floor sets no size: no spike alarm on it, and the adaptive rate is kept
-    assert not [a for a in alarm.alarms if a.kind == "kl_spike"], alarm.alarms
+    assert not [a for a in alarm.alarms + own_alarm.alarms if a.kind == "kl_spike"], alarm.alarms + own_alarm.alarms
     if algo is KLPPO:
         assert adaptive.learning_rate == model.learning_rate
+    # a schedule that is NaN past the budget (a square root) is read at its end too
+    model.target_kl = lambda progress: 0.02 * np.sqrt(progress) + 0.001
+    model._current_progress_remaining = -0.5
+    assert model._current_target_kl() == pytest.approx(0.001)
     with pytest.raises(ValueError, match="target_kl"):  # inside the budget, a negative target is still refused
         model.target_kl = lambda progress: 0.02 * progress - 0.01
         model._current_progress_remaining = 0.25

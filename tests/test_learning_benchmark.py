@@ -662,7 +662,7 @@ def test_recurrent_report_compares_each_variant_with_recurrent_ppo_on_shared_see
     assert cells[6].startswith("+100.0 ") and cells[6].endswith(": better")  # every update in band against none
 
 
-def test_zoo_config_goal_judges_the_cell_that_ran_at_the_shipped_target():
+def test_zoo_config_goal_judges_the_cell_that_ran_at_the_shipped_target(monkeypatch):
     """
     The shipped kltrpo configs' goal reads `target_kl` from `sb3_kl/hyperparams/kltrpo.yml`: the cell whose records ran
     at it (kltrpo_matched's target rounded as the config rounds it, or kltrpo's exactly), or none, which is not met.
@@ -684,3 +684,6 @@ def test_zoo_config_goal_judges_the_cell_that_ran_at_the_shipped_target():
     groups[(env, "trpo", 1.0)] = records("trpo", None)
     goal = learning.goal_fair_trpo(groups)[-1]
     assert "NOT met" in goal and f"{env}: no cell ran at the shipped target_kl {shipped:g}" in goal
+    # a config that keeps TRPO's target: kltrpo's runs, at exactly that target
+    monkeypatch.setattr(learning, "shipped_kltrpo_target_kl", lambda env_id: 0.01)
+    assert learning.shipped_kltrpo_cell(groups, env) == "kltrpo"

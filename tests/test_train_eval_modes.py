@@ -350,18 +350,19 @@ def test_recurrent_epoch_stop_judges_the_acting_policy_with_dropout():
     assert len(judged) == 2 * 4 and max(judged) == pytest.approx(0.0, abs=1e-7)
 
 
-def _watch_last_step(model) -> list[tuple[int, list[str]]]:
+def _watch_last_step(model) -> list[tuple[bool, list[str]]]:
     """
-    Wrap ``model.train`` to record, per update, the epoch the update ended at and the state-dict entries that changed
+    Wrap ``model.train`` to record, per update, whether an early stop ended it and the state-dict entries that changed
     between the update's last optimizer step and the end of ``train()``.
     """
-    seen: list[tuple[int, list[str]]] = []
+    seen: list[tuple[bool, list[str]]] = []
     train = model.train
 
     def watched_train() -> None:
         optimizer = model.policy.optimizer
         step = optimizer.step
-        after: dict[str, th.Tensor] = {}
+        # the policy as the last step left it (the start of the update, until its first step)
+        after = {name: value.clone() for name, value in model.policy.state_dict().items()}
 
         def recorded_step(*args, **kwargs):
             out = step(*args, **kwargs)
@@ -374,32 +375,37 @@ def _watch_last_step(model) -> list[tuple[int, list[str]]]:
         finally:
             del optimizer.step
         now = model.policy.state_dict()
-        seen.append(
-            (int(model.logger.name_to_value["train/early_stop_epoch"]), [n for n in now if not th.equal(now[n], after[n])])
-        )
+        logged = model.logger.name_to_value
+        stopped = logged["train/early_stop_epoch"] < model.n_epochs or logged["train/early_stop_at_kl_coef_bound"] > 0
+        seen.append((bool(stopped), [n for n in now if not th.equal(now[n], after[n])]))
 
     model.train = watched_train
     return seen
 
 
+@pytest.mark.parametrize("stop", ["epoch", "bound"])
 @pytest.mark.parametrize("recurrent", [False, True])
-def test_an_early_stop_leaves_the_policy_as_the_last_step_left_it_with_batch_norm(recurrent):
+def test_an_early_stop_leaves_the_policy_as_the_last_step_left_it_with_batch_norm(recurrent, stop):
     """
-    After an early stop the gradient ratio is taken again with the final parameters, in train mode: batch norm's
-    running statistics are restored after that pass, so the policy that acts next is the one the last step left.
+    An early stop leaves the policy as its last optimizer step left it, batch norm's running statistics included:
+    neither the train-mode pass that takes the gradient ratio again with the final parameters (both stops) nor the
+    pass of the minibatch the stop at beta's bound refuses (which takes no step) may move them.
     """
     from sb3_kl import RecurrentKLPPO
 
-    common = dict(n_epochs=4, learning_rate=1e-2, seed=0, target_kl=0.001, kl_stop_factor=1.5, kl_saturation_stop_factor=None)
+    common = dict(n_epochs=4, seed=0, target_kl=0.001)
+    if stop == "epoch":
+        common.update(learning_rate=1e-2, kl_stop_factor=1.5, kl_saturation_stop_factor=None)
+    else:  # beta starts at its upper bound, where the stop at the bound is armed
+        common.update(learning_rate=3e-2, kl_stop_factor=None, kl_coef=1e-3, kl_coef_bounds=(1e-4, 1e-3))
+    kwargs = _policy_kwargs("batch_norm")
     if recurrent:
-        kwargs = _policy_kwargs("batch_norm")
         kwargs.update(net_arch=[8], lstm_hidden_size=8)
         env = make_vec_env("CartPole-v1", n_envs=2, seed=0)
         model = RecurrentKLPPO("MlpLstmPolicy", env, n_steps=64, batch_size=32, policy_kwargs=kwargs, **common)
     else:
-        kwargs = _policy_kwargs("batch_norm")
         model = KLPPO("MlpPolicy", "CartPole-v1", n_steps=128, batch_size=32, policy_kwargs=kwargs, **common)
     seen = _watch_last_step(model)
     model.learn(512)
-    assert any(epoch < model.n_epochs for epoch, _ in seen), seen  # the stop ended some update before its last epoch
+    assert any(stopped for stopped, _ in seen), seen  # the stop ended some update
     assert all(not changed for _, changed in seen), seen

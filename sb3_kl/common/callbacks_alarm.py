@@ -23,7 +23,7 @@ from sb3_kl.common.validation import (
     check_pair,
     check_positive,
     check_schedule,
-    scheduled_target_kl,
+    target_kl_value,
 )
 
 #: ``max_kl_factor``'s default: a single update whose mean KL exceeds this many times the target raises ``kl_spike``
@@ -175,7 +175,7 @@ class KLAlarmCallback(MonitorUser):
         verbose: int = 0,
     ):
         super().__init__(monitor, verbose)
-        check_schedule("target_kl", target_kl, allow_none=True)
+        check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         check_positive("spike_factor", spike_factor)
         check_positive("max_kl_factor", max_kl_factor, allow_none=True, hint=" or None (no single-update check)")
         check_int("patience", patience, 1)
@@ -199,18 +199,20 @@ class KLAlarmCallback(MonitorUser):
         self._stop = False
         self._announced_default_target = False
 
-    def _target(self) -> tuple[float, str]:
+    def _target(self) -> tuple[float, str, bool]:
         """
-        :return: the target of the spike checks and the key of the monitor's record to compare with it: ``"mean"``
-            (the monitor's own convention) for the callback's ``target_kl``, ``"mean_in_target_convention"`` for the
-            algorithm's target or the family default, which are stated in the algorithm's convention
-            (:func:`~sb3_kl.common.callbacks_monitor.target_kl_settings`)
+        :return: the target of the spike checks, the key of the monitor's record to compare with it (``"mean"``, the
+            monitor's own convention, for the callback's ``target_kl``; ``"mean_in_target_convention"`` for the
+            algorithm's target or the family default, which are stated in the algorithm's convention,
+            :func:`~sb3_kl.common.callbacks_monitor.target_kl_settings`), and whether the target is a schedule that has
+            decayed to 0 (the callback's at 0, or the algorithm's at the floor it raises 0 to), which sets no size
         """
         if self.target_kl is not None:
-            return scheduled_target_kl(self.target_kl, self.model._current_progress_remaining), "mean"
+            value = target_kl_value(self.target_kl, self.model._current_progress_remaining)
+            return max(value, MIN_TARGET_KL), "mean", value == 0
         target = model_target_kl(self.model)
         if target is not None:
-            return target, "mean_in_target_convention"
+            return target, "mean_in_target_convention", target <= MIN_TARGET_KL
         target, source = family_default_target_kl(self.model)
         if not self._announced_default_target:
             self._announced_default_target = True
@@ -221,7 +223,7 @@ class KLAlarmCallback(MonitorUser):
             warnings.warn(message, UserWarning, stacklevel=2)
             if self.verbose >= 1:
                 print(message)
-        return target, "mean_in_target_convention"
+        return target, "mean_in_target_convention", False
 
     def _streak(self, kind: str, condition: bool) -> bool:
         """Count consecutive updates with ``condition``; True when the count reaches ``patience``."""
@@ -244,14 +246,13 @@ class KLAlarmCallback(MonitorUser):
             )
         else:
             raised += self._negative_kl_alarms(record, per_state)
-        target, key = self._target()
+        target, key, ended = self._target()
         if key not in record:  # a record that does not carry the conversion: the monitor's KL, and the message says so
             key = "mean"
         kl = record[key]
         convention = self.monitor.convention if key == "mean" else record["target_convention"]
-        # a target at the floor is a schedule that has ended (one decaying to 0, at the end of training or past the
-        # budget): it sets no size to hold the KL to, so the spike checks skip that update
-        spike = self._spike_rule.check(kl / target) if target > MIN_TARGET_KL else None
+        # a schedule that has decayed to 0 sets no size to hold the KL to: the checks against the target skip the update
+        spike = None if ended else self._spike_rule.check(kl / target)
         if spike is not None and math.isfinite(kl):  # a non-finite KL is its own alarm (above)
             what = (
                 f"{self.max_kl_factor:g} x target ({target:.3g}) in a single update"
@@ -282,7 +283,7 @@ class KLAlarmCallback(MonitorUser):
         grad_ratio = record.get("grad_ratio")
         if self.grad_ratio_band is not None and grad_ratio is not None and math.isfinite(grad_ratio):
             low, high = self.grad_ratio_band
-            too_weak = grad_ratio < low and kl > target
+            too_weak = grad_ratio < low and kl > target and not ended
             if self._streak("grad_ratio", too_weak or grad_ratio > high):
                 raised.append(
                     (

@@ -22,7 +22,7 @@ from sb3_kl.common.validation import (
     check_pair,
     check_positive,
     check_schedule,
-    scheduled_target_kl,
+    target_kl_value,
 )
 from sb3_kl.common.variance import min_log_std_parameter
 
@@ -88,7 +88,7 @@ class KLAdaptiveLRCallback(MonitorUser):
         verbose: int = 0,
     ):
         super().__init__(monitor, verbose)
-        check_schedule("target_kl", target_kl)
+        check_schedule("target_kl", target_kl, allow_zero_at_end=True)
         check_positive("factor", factor)
         if factor <= 1.0:
             raise ValueError(f"`factor` must be > 1 (the learning rate is multiplied or divided by it), got {factor!r}.")
@@ -120,11 +120,12 @@ class KLAdaptiveLRCallback(MonitorUser):
         if not self._active or self.learning_rate is None or self._schedule is None:
             return
         kl = record["mean"]
-        target = scheduled_target_kl(self.target_kl, self.model._current_progress_remaining)
+        value = target_kl_value(self.target_kl, self.model._current_progress_remaining)
+        target = max(value, MIN_TARGET_KL)
         old = self.learning_rate
         if not math.isfinite(kl):
             self.learning_rate = self._clip(old / self.factor)
-        elif target > MIN_TARGET_KL:  # a target at the floor (a schedule decaying to 0 has ended) sets no size: kept
+        elif value > 0:  # a schedule that has decayed to 0 sets no size: the rate is kept
             if kl > self.band[1] * target:
                 self.learning_rate = self._clip(old / self.factor)
             elif kl < self.band[0] * target:

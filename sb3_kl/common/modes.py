@@ -68,27 +68,50 @@ def acting_mode(policy: BasePolicy) -> Iterator[None]:
         policy.set_training_mode(was_training)
 
 
-@contextmanager
-def kept_running_statistics(root: nn.Module) -> Iterator[None]:
-    """
-    Restore the running statistics of ``root``'s batch and instance norm modules (``running_mean``, ``running_var``,
-    ``num_batches_tracked``) on leaving: for a train-mode forward pass that must leave the policy as it is, such as a
-    diagnostic after an update's last optimizer step (otherwise it would move the policy that acts next).
+#: Saved running statistics: each module with its buffers (:func:`save_running_statistics`)
+RunningStatistics = list[tuple[nn.Module, dict[str, th.Tensor]]]
 
-    :param root: The module (e.g. the policy)
+
+def has_running_statistics(root: nn.Module) -> bool:
+    """:return: whether a batch or instance norm module of ``root`` tracks running statistics"""
+    return any(isinstance(m, RUNNING_STATISTICS_MODULES) and is_mode_dependent(m) for m in root.modules())
+
+
+def save_running_statistics(root: nn.Module) -> RunningStatistics:
     """
-    saved = [
+    :param root: The module (e.g. the policy)
+    :return: copies of the running statistics of ``root``'s batch and instance norm modules (``running_mean``,
+        ``running_var``, ``num_batches_tracked``), for :func:`restore_running_statistics`
+    """
+    return [
         (module, {name: buffer.clone() for name, buffer in module.named_buffers(recurse=False)})
         for module in root.modules()
         if isinstance(module, RUNNING_STATISTICS_MODULES) and is_mode_dependent(module)
     ]
+
+
+def restore_running_statistics(saved: RunningStatistics) -> None:
+    """Put back the running statistics :func:`save_running_statistics` copied."""
+    with th.no_grad():
+        for module, buffers in saved:
+            for name, value in buffers.items():
+                getattr(module, name).copy_(value)
+
+
+@contextmanager
+def kept_running_statistics(root: nn.Module) -> Iterator[None]:
+    """
+    Restore the running statistics of ``root``'s batch and instance norm modules on leaving: for a train-mode forward
+    pass that must leave the policy as it is, such as a diagnostic after an update's last optimizer step (otherwise it
+    would move the policy that acts next).
+
+    :param root: The module (e.g. the policy)
+    """
+    saved = save_running_statistics(root)
     try:
         yield
     finally:
-        with th.no_grad():
-            for module, buffers in saved:
-                for name, value in buffers.items():
-                    getattr(module, name).copy_(value)
+        restore_running_statistics(saved)
 
 
 def modules_run_by(root: nn.Module, forward: Callable[[], Any], kinds: tuple[type[nn.Module], ...]) -> list[nn.Module]:

@@ -34,7 +34,8 @@ from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
 from sb3_kl.common.threads import warn_if_many_threads
-from sb3_kl.common.validation import (
+from sb3_kl.common.validation import (  # MIN_TARGET_KL: kept importable from here
+    MIN_TARGET_KL,  # noqa: F401
     as_schedule,
     check_bool,
     check_int,
@@ -941,10 +942,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     def _current_target_kl(self) -> float:
         """
-        The KL target of the current update. Where a schedule decays to 0 (rl-zoo's ``lin_0.02``) the last update uses
-        the floor :data:`~sb3_kl.common.validation.MIN_TARGET_KL` (KLTRPO's step is then almost 0; KLPPO's beta, set
-        after each update, follows the target one update late, as always), also past the budget, where the schedule
-        goes below 0.
+        The KL target of the current update (:func:`~sb3_kl.common.validation.scheduled_target_kl`: past the budget a
+        schedule is read at its end). Where a schedule decays to 0 (rl-zoo's ``lin_0.02``) the last update uses the
+        floor :data:`~sb3_kl.common.validation.MIN_TARGET_KL` (KLTRPO's step is then almost 0; KLPPO's beta, set after
+        each update, follows the target one update late, as always).
         """
         return scheduled_target_kl(self.target_kl, self._current_progress_remaining)
 

@@ -247,20 +247,31 @@ def scheduled_value(
     return float(value)
 
 
-#: The smallest KL target used: where a ``target_kl`` schedule reaches 0 (rl-zoo's ``lin_0.02`` at the end of training)
-#: or goes below 0 (the same schedule past the budget, see :func:`scheduled_value`), the update uses this floor
+#: The smallest KL target used: where a ``target_kl`` schedule reaches 0 (a linear decay to 0 at the end of training:
+#: rl-zoo's ``lin_0.02``, or ``lambda progress: 0.02 * progress``), the update uses this floor
 MIN_TARGET_KL = 1e-8
+
+
+def target_kl_value(schedule: Callable[[float], Any], progress_remaining: float) -> float:
+    """
+    The value of a ``target_kl`` schedule at ``progress_remaining``, checked as :func:`scheduled_value` checks it (0
+    allowed). A ``target_kl`` schedule is defined over the training: past the budget (``progress_remaining < 0``, where
+    SB3 trains on the last rollout when it overshoots the budget) it is read at its end, progress 0, so that a linear
+    decay gives its end value there rather than a negative one (or, for a square root, NaN).
+
+    :raises ValueError: naming ``target_kl``, unless the value is a finite number >= 0
+    """
+    return scheduled_value("target_kl", schedule, max(progress_remaining, 0.0), allow_zero=True)
 
 
 def scheduled_target_kl(schedule: Callable[[float], Any], progress_remaining: float) -> float:
     """
-    The KL target of a ``target_kl`` schedule at ``progress_remaining``, checked as :func:`scheduled_value` checks it (0
-    allowed) and raised to :data:`MIN_TARGET_KL`: a linear schedule's last update, which SB3 runs past the budget when
-    the last rollout overshoots it, gets the floor instead of a negative target.
+    The KL target of a ``target_kl`` schedule at ``progress_remaining`` (:func:`target_kl_value`), raised to
+    :data:`MIN_TARGET_KL`: where a schedule decays to 0, the last update uses the floor.
 
-    :raises ValueError: naming ``target_kl``, unless the value is a finite number >= 0 (any finite number past the budget)
+    :raises ValueError: naming ``target_kl``, unless the value is a finite number >= 0
     """
-    return max(scheduled_value("target_kl", schedule, progress_remaining, allow_zero=True), MIN_TARGET_KL)
+    return max(target_kl_value(schedule, progress_remaining), MIN_TARGET_KL)
 
 
 def check_path(name: str, value: Any, allow_none: bool = True) -> None:

@@ -15,7 +15,14 @@ from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import per_state_kl_to
-from sb3_kl.common.modes import acting_mode, has_mode_dependent_modules, kept_running_statistics
+from sb3_kl.common.modes import (
+    acting_mode,
+    has_mode_dependent_modules,
+    has_running_statistics,
+    kept_running_statistics,
+    restore_running_statistics,
+    save_running_statistics,
+)
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
@@ -361,11 +368,15 @@ class KLPPO(KLOnPolicyAlgorithm):
         saturation_stop_kl = self._saturation_stop_kl(target_kl)
         stopped_at_bound = False
         stop_in_acting_mode = has_mode_dependent_modules(self.policy)
+        # a minibatch the stop at beta's bound refuses takes no step: its train-mode pass must not move batch norm's
+        # running statistics either (restored on the stop)
+        keep_statistics = saturation_stop_kl is not None and has_running_statistics(self.policy)
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
             epoch_kl_sum, epoch_states = th.zeros((), device=self.device), 0
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
+                statistics = save_running_statistics(self.policy) if keep_statistics else []
                 actions = self._actions_for_log_prob(rollout_data.actions)
                 # One forward pass gives the values, the log-probs and the distribution for the KL
                 values, distribution = self._forward_samples(rollout_data)
@@ -418,6 +429,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                 if saturation_stop_kl is not None and self._stops_at_bound(
                     kl, rollout_data, distribution, saturation_stop_kl, epoch
                 ):
+                    restore_running_statistics(statistics)
                     stopped_at_bound = True
                     break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
@@ -697,6 +709,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             return self._gradient_ratio_of(rollout_data, clip_range, kl_coef, target_kl)
 
     def _gradient_ratio_of(self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float) -> float:
+        """The gradient ratio of the loss's KL penalty and surrogate on ``rollout_data`` (one train-mode forward pass)."""
         _, distribution = self._forward_samples(rollout_data)
         actions = self._actions_for_log_prob(rollout_data.actions)
         log_prob = distribution.log_prob(actions)

@@ -16,7 +16,13 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.kl import attach_sde_features, per_state_kl
-from sb3_kl.common.modes import has_mode_dependent_modules, kept_running_statistics
+from sb3_kl.common.modes import (
+    has_mode_dependent_modules,
+    has_running_statistics,
+    kept_running_statistics,
+    restore_running_statistics,
+    save_running_statistics,
+)
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.recurrent import (
     SequenceEvaluation,
@@ -532,11 +538,15 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         saturation_stop_kl = self._saturation_stop_kl(target_kl)
         stopped_at_bound = False
         stop_in_acting_mode = has_mode_dependent_modules(self.policy)
+        # a minibatch the stop at beta's bound refuses takes no step: its train-mode pass must not move batch norm's
+        # running statistics either (restored on the stop)
+        keep_statistics = saturation_stop_kl is not None and has_running_statistics(self.policy)
 
         for epoch in range(self.n_epochs):
             approx_kl_divs = []
             epoch_kl_sum, epoch_states = th.zeros((), device=self.device), 0
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
+                statistics = save_running_statistics(self.policy) if keep_statistics else []
                 out = self._minibatch_loss(rollout_data, *terms)  # type: ignore[arg-type]
                 loss = out["loss"]
                 with th.no_grad():
@@ -555,6 +565,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                 if saturation_stop_kl is not None and self._stops_at_bound(
                     out["kl"], rollout_data, out["distribution"], saturation_stop_kl, epoch
                 ):
+                    restore_running_statistics(statistics)
                     stopped_at_bound = True
                     break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
