@@ -72,9 +72,14 @@ def acting_mode(policy: BasePolicy) -> Iterator[None]:
 RunningStatistics = list[tuple[nn.Module, dict[str, th.Tensor]]]
 
 
+def _running_statistics_modules(root: nn.Module) -> Iterator[nn.Module]:
+    """:return: the batch and instance norm modules of ``root`` that track running statistics"""
+    return (m for m in root.modules() if isinstance(m, RUNNING_STATISTICS_MODULES) and is_mode_dependent(m))
+
+
 def has_running_statistics(root: nn.Module) -> bool:
     """:return: whether a batch or instance norm module of ``root`` tracks running statistics"""
-    return any(isinstance(m, RUNNING_STATISTICS_MODULES) and is_mode_dependent(m) for m in root.modules())
+    return any(True for _ in _running_statistics_modules(root))
 
 
 def save_running_statistics(root: nn.Module) -> RunningStatistics:
@@ -85,8 +90,7 @@ def save_running_statistics(root: nn.Module) -> RunningStatistics:
     """
     return [
         (module, {name: buffer.clone() for name, buffer in module.named_buffers(recurse=False)})
-        for module in root.modules()
-        if isinstance(module, RUNNING_STATISTICS_MODULES) and is_mode_dependent(module)
+        for module in _running_statistics_modules(root)
     ]
 
 

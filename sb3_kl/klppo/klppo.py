@@ -706,19 +706,15 @@ class KLPPO(KLOnPolicyAlgorithm):
         that it leaves the policy as the update's last step left it.
         """
         with kept_running_statistics(self.policy):
-            return self._gradient_ratio_of(rollout_data, clip_range, kl_coef, target_kl)
-
-    def _gradient_ratio_of(self, rollout_data: Any, clip_range: float | None, kl_coef: float, target_kl: float) -> float:
-        """The gradient ratio of the loss's KL penalty and surrogate on ``rollout_data`` (one train-mode forward pass)."""
-        _, distribution = self._forward_samples(rollout_data)
-        actions = self._actions_for_log_prob(rollout_data.actions)
-        log_prob = distribution.log_prob(actions)
-        log_ratio = log_prob - rollout_data.old_log_prob
-        _, kl_log_ratio = self._log_probs_for_kl(distribution, actions, log_prob, rollout_data.old_log_prob)
-        kl = self._per_state_kl(rollout_data.old_dist_params, distribution, kl_log_ratio).mean()
-        advantages = self._normalized_advantages(rollout_data.advantages)
-        policy_loss, _ = self._surrogate_loss(log_ratio, advantages, clip_range)
-        return self._gradient_ratio(self._kl_penalty(kl, kl_coef, target_kl), policy_loss)
+            _, distribution = self._forward_samples(rollout_data)
+            actions = self._actions_for_log_prob(rollout_data.actions)
+            log_prob = distribution.log_prob(actions)
+            log_ratio = log_prob - rollout_data.old_log_prob
+            _, kl_log_ratio = self._log_probs_for_kl(distribution, actions, log_prob, rollout_data.old_log_prob)
+            kl = self._per_state_kl(rollout_data.old_dist_params, distribution, kl_log_ratio).mean()
+            advantages = self._normalized_advantages(rollout_data.advantages)
+            policy_loss, _ = self._surrogate_loss(log_ratio, advantages, clip_range)
+            return self._gradient_ratio(self._kl_penalty(kl, kl_coef, target_kl), policy_loss)
 
     def learn(
         self: SelfKLPPO,
