@@ -833,8 +833,18 @@ def test_gsde_kl_gradient_reaches_the_features():
 
 
 @pytest.mark.parametrize("squash_output", [False, True])
-@pytest.mark.parametrize(("estimator", "direction"), [("k1", "forward"), ("k3", "forward"), ("k3", "reverse")])
-def test_gsde_sample_kl_estimates_reach_the_features(estimator, direction, squash_output):
+@pytest.mark.parametrize(
+    ("estimator", "ref_estimator", "direction"),
+    [
+        ("k1", "k1", "forward"),
+        ("k3", "k3", "forward"),
+        ("k3", "k3", "reverse"),
+        # one of the two KL terms analytic: the other's sample estimate still reaches the features
+        ("analytic", "k3", "forward"),
+        ("k3", "analytic", "forward"),
+    ],
+)
+def test_gsde_sample_kl_estimates_reach_the_features(estimator, ref_estimator, direction, squash_output):
     """
     The sample estimates of the update KL and of the reference KL are built on the log-probabilities of the stored
     actions, which SB3's gSDE distribution computes with the features detached: in the loss they must be
@@ -844,7 +854,7 @@ def test_gsde_sample_kl_estimates_reach_the_features(estimator, direction, squas
     kwargs = dict(n_steps=64, batch_size=32, n_epochs=2, use_sde=True, learning_rate=1e-2, seed=0, device="cpu")
     kwargs.update(kl_estimator=estimator, kl_direction=direction, policy_kwargs=dict(squash_output=squash_output))
     reference = KLPPO("MlpPolicy", "Pendulum-v1", **{**kwargs, "seed": 1})
-    kwargs.update(ref_policy=reference, ref_kl_coef=0.1, ref_kl_estimator=estimator, ref_kl_direction=direction)
+    kwargs.update(ref_policy=reference, ref_kl_coef=0.1, ref_kl_estimator=ref_estimator, ref_kl_direction=direction)
     model = KLPPO("MlpPolicy", "Pendulum-v1", **kwargs)
     model.learn(64)
     data = next(iter(model.rollout_buffer.get(32)))

@@ -155,7 +155,10 @@ def attach_sde_features(distribution: Distribution, latent_sde: th.Tensor, log_s
     if not isinstance(distribution, StateDependentNoiseDistribution) or distribution.learn_features or log_std is None:
         return
     variance = th.mm(latent_sde**2, distribution.get_std(log_std) ** 2)
-    normal = th.distributions.Normal(distribution.distribution.loc, th.sqrt(variance + distribution.epsilon))
+    # the same values as the distribution's own Normal, which SB3 has validated already
+    normal = th.distributions.Normal(
+        distribution.distribution.loc, th.sqrt(variance + distribution.epsilon), validate_args=False
+    )
     # Keyed by the distribution's current Normal: a policy reuses its distribution object, and the next
     # proba_distribution() call replaces the Normal, which makes this one stale
     setattr(distribution, _KL_NORMAL_ATTRIBUTE, (distribution.distribution, normal))

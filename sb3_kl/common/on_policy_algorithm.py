@@ -886,14 +886,16 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """
         return per_state_kl_to(self.kl_settings, self.dist_params, old_params, distribution, log_ratio)
 
-    @staticmethod
     def _log_probs_for_kl(
-        distribution: Distribution, actions: th.Tensor, log_prob: th.Tensor, old_log_prob: th.Tensor
+        self, distribution: Distribution, actions: th.Tensor, log_prob: th.Tensor, old_log_prob: th.Tensor
     ) -> tuple[th.Tensor, th.Tensor]:
         """
         The log-probabilities of the stored actions and the log-ratio that the loss's KL terms (the sample estimates
         of the update KL and the reference KL) are built from: ``log_prob`` and ``log_prob - old_log_prob`` in value,
         with gSDE differentiable through the features as the analytic KL is (:func:`~sb3_kl.common.kl.kl_log_prob`).
+        When no KL term of the loss is a sample estimate (analytic ``kl_estimator``, and no reference policy or an
+        analytic ``ref_kl_estimator``), nothing differentiates them: ``log_prob`` itself is returned and gSDE's
+        log-probabilities are not computed a second time.
 
         :param distribution: The current policy's distribution
         :param actions: The stored actions, as ``distribution.log_prob`` takes them
@@ -901,7 +903,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         :param old_log_prob: The rollout policy's log-probabilities of the actions
         :return: ``(log_prob, log_ratio)`` for the KL terms
         """
-        attached = kl_log_prob(distribution, actions, log_prob)
+        sampled = self.kl_settings.estimator != "analytic" or (
+            self.ref_policy is not None and self.ref_kl_settings.estimator != "analytic"
+        )
+        attached = kl_log_prob(distribution, actions, log_prob) if sampled else log_prob
         return attached, attached - old_log_prob
 
     def __setattr__(self, name: str, value: Any) -> None:
