@@ -38,6 +38,20 @@ def test_picks_the_cheapest_sb3_kl_records_of_each_commit_made_on_this_machine()
     assert [(r["code_version"], r["seed"]) for r in two] == [("aaa", 0), ("bbb", 1), ("bbb", 0)]
 
 
+def test_a_simulator_version_counts_only_for_the_tasks_that_run_on_it():
+    here = {**HERE, "mujoco": "4.0.1", "box2d": "2.3.10"}
+    older_mujoco = {**here, "mujoco": "4.0.0"}
+    records = [
+        _record("klppo", "aaa", 1.0, environment=older_mujoco),  # CartPole: MuJoCo's version does not enter its run
+        {**_record("kltrpo", "bbb", 1.0, environment=older_mujoco), "env": "Hopper-v5"},  # Hopper runs on MuJoCo
+        {**_record("kltrpo", "ccc", 1.0, environment=older_mujoco), "env": "LunarLanderContinuous-v3"},
+        {**_record("kltrpo", "ddd", 1.0, environment={**here, "box2d": "2.3.2"}), "env": "LunarLanderContinuous-v3"},
+        {**_record("klppo", "eee", 1.0, environment={**here, "torch": "2.4.0"}), "env": "Pendulum-v1"},
+    ]
+    chosen = record_reproduction.reproducible_records(records, here, per_commit=1)
+    assert [(r["code_version"], r["env"]) for r in chosen] == [("aaa", "CartPole-v1"), ("ccc", "LunarLanderContinuous-v3")]
+
+
 def test_table_counts_and_marks_the_runs_that_trained_differently():
     rows = [
         dict(algo="klppo", env="CartPole-v1", seed=0, lr_mult=1.0, record_commit="aaa", identical=True,
