@@ -185,7 +185,8 @@ class KLMonitorCallback(BaseCallback):
       exact KL. Logged from the ``k``-th update of a ``learn()`` call on (the policies of an earlier call are not
       kept). Recurrent policies: the lagged policy's LSTM is re-run from the states the rollout stored, as the
       updated policy's is;
-    - with an sb3_kl algorithm: ``kl/coef`` (beta; not with KLTRPO, which has none), ``kl/target`` and
+    - with an sb3_kl algorithm: ``kl/coef`` (beta after this update's adjustment, the one the next update uses, as
+      ``train/kl_coef``; not with KLTRPO, which has none), ``kl/target`` and
       ``kl/grad_ratio`` (from ``train/kl_grad_ratio``);
       with a stock algorithm whose ``target_kl`` is set: ``kl/target``;
     - with ``kl/target``: ``kl/target_convention`` (the convention the algorithm states its target in,
