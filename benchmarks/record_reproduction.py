@@ -7,9 +7,10 @@ since its commit altered that training.
 
 For every commit that made sb3-kl records on this machine (same CPU model and library versions as
 :func:`learning.run_environment` reports now, a simulator's version counting for its own tasks only), the
-``--per-commit`` cheapest of its records (by training time) are re-run with the current checkout; the result, naming the checkout's commit, goes to
-``benchmarks/results/record_reproduction.md`` and ``.json``. Records from other machines cannot be checked this way
-(``learning.md``'s replication section compares such cells statistically instead).
+``--per-commit`` cheapest of its records (by training time) are re-run with the current checkout; the result,
+naming the checkout's commit, goes to ``benchmarks/results/record_reproduction.md`` and ``.json``. Records from other
+machines cannot be checked this way (``learning.md``'s replication section compares such cells statistically
+instead).
 
     python benchmarks/record_reproduction.py [--tier full] [--per-commit 1] [--workers 2]
 """
