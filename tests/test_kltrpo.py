@@ -529,6 +529,34 @@ def test_line_search_takes_a_negative_rounded_kl_as_zero():
     assert mean_kl <= target_kl and objective == 1.0
 
 
+def test_line_search_does_not_grow_past_the_surrogates_maximum():
+    """
+    Growing the accepted step toward the KL bound takes a larger step only if its objective is at least the accepted
+    one's: where the surrogate peaks inside the trust region, a larger step would move the policy further for a worse
+    objective. Here the objective peaks at 1.5 x the model's step and the KL bound lies at 2.5 x: the search ends
+    near the peak (it narrows the interval above the accepted step), with the best objective of the feasible
+    candidates it tried, not at the bound.
+    """
+    target_kl = 0.01
+    model = KLTRPO("MlpPolicy", TargetReachEnv(dim=2), n_steps=64, target_kl=target_kl, seed=0, **TINY)
+    tried = []
+
+    def evaluate(step_size: float) -> tuple[float, float, None]:
+        objective, kl = 1.0 - (step_size - 1.5) ** 2, target_kl * (step_size / 2.5) ** 2
+        tried.append((step_size, objective, kl))
+        return objective, kl, None
+
+    step_size, objective, mean_kl, _ = model._search_step_size(evaluate, 1.0, 0.0, target_kl)
+    feasible = [candidate for candidate in tried if candidate[2] <= target_kl]
+    assert any(candidate[0] > step_size for candidate in feasible), "a larger feasible step was tried and refused"
+    assert objective == max(candidate[1] for candidate in feasible)
+    assert objective > 0.9 and step_size < 2.0, (step_size, objective)  # near the peak, well inside the bound
+    assert mean_kl < 0.65 * target_kl
+    # the same search on an objective that keeps improving grows to the bound
+    step_size, _, mean_kl, _ = model._search_step_size(lambda s: (s, target_kl * (s / 2.5) ** 2, None), 1.0, 0.0, target_kl)
+    assert 0.95 * target_kl <= mean_kl <= target_kl
+
+
 def test_target_kl_decaying_to_zero_trains_to_the_end():
     """rl-zoo's ``lin_0.01`` for ``target_kl``: the last update runs at the 1e-8 floor (docs/zoo.md)."""
     env = make_vec_env(lambda: TargetReachEnv(dim=2, ep_length=50), n_envs=2, seed=0)

@@ -132,7 +132,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
     :param line_search_grow_iter: Largest number of extra candidates (one forward pass each, two with
         sub-sampling) the line search spends growing the first accepted step toward the KL bound, past the
         quadratic model's step when the model overestimates the KL; it stops earlier once a step uses 95% of the
-        budget. With ``line_search_max_iter`` it bounds the forward passes of an update. 0: TRPO's backtracking only
+        budget, and a larger step is taken only if its surrogate objective is at least the smaller one's (past the
+        surrogate's maximum along the direction it is not). With ``line_search_max_iter`` it bounds the forward passes
+        of an update. 0: TRPO's backtracking only
     :param min_std: Variance floor for Gaussian policies: std >= min_std after every accepted step (``log_std`` of
         each candidate of the line search is clamped, so the constraints hold for the floored policy; a std that starts
         below the floor is never lowered further). With gSDE it floors the std of the exploration weights (what
@@ -521,8 +523,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
     ) -> tuple[float, float, float, int]:
         """
         The largest step size along the natural-gradient direction whose measured KL (and tail quantile) meets the
-        constraints and whose objective improves, within ``line_search_max_iter + line_search_grow_iter`` forward
-        passes. Every candidate is measured (:meth:`_budget_used`); only a measured feasible one is returned.
+        constraints and whose objective improves, on the rollout policy's and on every smaller step's tried, within
+        ``line_search_max_iter + line_search_grow_iter`` forward passes. Every candidate is measured
+        (:meth:`_budget_used`); only a measured feasible one is returned.
 
         1. TRPO's backtracking: ``max_step_size`` (the quadratic model's step), shrunk by
            ``line_search_shrinking_factor`` until a candidate is accepted.
@@ -531,6 +534,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
            by ``sqrt(BUDGET_AIM / used)`` (the KL is quadratic in the step size near 0; at most ``MAX_GROWTH``
            per pass); once one is rejected, the next candidate is interpolated between the two on the square root
            of the budget used (roughly linear in the step size), or bisected when the rejection was the objective's.
+           A grown candidate is rejected for the objective when it is below the accepted step's: the step stops at
+           the surrogate's maximum along the direction when that lies inside the trust region.
 
         :param evaluate: Sets the actor to ``step_size`` along the direction; returns the objective, the mean KL and
             the tail quantile (None without ``tail_kl``) of that candidate
@@ -577,7 +582,9 @@ class KLTRPO(KLOnPolicyAlgorithm):
             objective, mean_kl, tail = evaluate(step_size)
             n_tried += 1
             used = self._budget_used(mean_kl, tail, target_kl)
-            if objective > old_objective and used <= 1.0:
+            # a larger step is taken only if its objective is at least the accepted one's: one below it, with more
+            # KL, is past the surrogate's maximum along the direction (the sample estimate's noise, not the return)
+            if objective >= accepted[1] and used <= 1.0:
                 accepted = (step_size, objective, mean_kl, used)
             elif rejected is None or step_size < rejected[0]:
                 rejected = (step_size, used)
