@@ -1787,8 +1787,7 @@ def goal_trust_region(groups: dict[tuple[str, str, float], list[dict[str, Any]]]
         "- KLTRPO uses its trust region: mean per-update KL / target_kl ≥ 0.85 on all six environments: "
         f"{status(met)} ({detail})"
     ]
-    # the comparison measured alone (overhead_kltrpo.md) is the later one where it exists
-    source = "overhead_kltrpo.md" if (RESULTS / "overhead_kltrpo.md").exists() else "overhead.md"
+    source = "overhead.md"
     ratios = overhead_ratios("KLTRPO", "TRPO (sb3-contrib)", source)
     speed_met = None if not ratios else all(r >= 1.0 for r in ratios.values())
     detail = ", ".join(f"{env} {r:.3f}" for env, r in ratios.items()) or f"no {source} rows"
