@@ -78,7 +78,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
        backtracking from ``beta d`` (shrinking by ``line_search_shrinking_factor``, at most ``line_search_max_iter``
        candidates) finds a first acceptable step; then up to ``line_search_grow_iter`` more candidates grow it
        toward the bound, past ``beta d`` when the quadratic model overestimated the KL, interpolating on the
-       measured KL between the largest accepted and the smallest rejected step. Only a measured, accepted
+       measured KL between the largest accepted and the smallest rejected step; a larger candidate whose surrogate
+       is below the accepted one's is rejected (past the surrogate's maximum). Only a measured, accepted
        candidate is kept; if none is accepted the policy is unchanged. Candidates are measured on the policy as it
        acts (eval mode: dropout off), like the rollout distribution they are compared with; the gradient and
        Fisher pass runs in train mode, as SB3 trains. Batch norm on the actor's path is refused: its running
