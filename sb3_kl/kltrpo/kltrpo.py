@@ -583,8 +583,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
             objective, mean_kl, tail = evaluate(step_size)
             n_tried += 1
             used = self._budget_used(mean_kl, tail, target_kl)
-            # a larger step is taken only if its objective is at least the accepted one's: one below it, with more
-            # KL, is past the surrogate's maximum along the direction (the sample estimate's noise, not the return)
+            # a larger step is taken only if its objective is at least the accepted one's: one below it is past the
+            # surrogate's maximum along the direction, a larger move for a worse objective
             if objective >= accepted[1] and used <= 1.0:
                 accepted = (step_size, objective, mean_kl, used)
             elif rejected is None or step_size < rejected[0]:
