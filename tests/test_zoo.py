@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,69 @@ def test_samplers_and_converters(zoo, algo):
         model = zoo.SB3_KL_ALGOS[algo]("MlpPolicy", "CartPole-v1", **hyperparams)  # every key is a valid argument
         assert model.target_kl(1.0) == pytest.approx(hyperparams["target_kl"])
         study.tell(trial, 0.0)
+
+
+@pytest.mark.parametrize(
+    "kl_controller, drawn",
+    [
+        (None, {"kl_coef", "kl_adapt_factor"}),
+        ("adaptive", {"kl_coef", "kl_adapt_factor"}),
+        ("fixed", {"kl_coef"}),
+        ("proportional", {"kl_coef"}),
+        ("object", set()),
+    ],
+)
+def test_the_kl_samplers_draw_only_the_controller_options_the_config_uses(zoo, kl_controller, drawn):
+    import optuna
+
+    from sb3_kl.common.controllers import FixedKLController
+    from sb3_kl.zoo.export import check_params_match_algo
+    from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER, TUNED_HYPERPARAMS
+
+    config = {} if kl_controller is None else {"kl_controller": kl_controller}
+    if kl_controller == "object":
+        config["kl_controller"] = FixedKLController(kl_coef=0.3)
+    for algo in ("klppo", "clip_klppo", "klppo_mask", "klppo_lstm"):
+        # given directly, and as the zoo's objective shows it (the entry it tunes, for the duration of the trial)
+        for additional_args, tuned in (({"hyperparams": config}, None), ({}, config)):
+            trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)).ask()
+            token = TUNED_HYPERPARAMS.set(tuned)
+            try:
+                hyperparams = HYPERPARAMS_SAMPLER[algo](trial, 1, 2, additional_args)
+            finally:
+                TUNED_HYPERPARAMS.reset(token)
+            assert {"kl_coef", "kl_adapt_factor"} & set(trial.params) == drawn
+            assert HYPERPARAMS_CONVERTER[algo](trial.params) == hyperparams
+            check_params_match_algo(trial.params, "trial 0", "study", algo)  # export and --trial-id take it
+            if algo in ("klppo", "clip_klppo"):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", UserWarning)  # no "does not use" / "is ignored" warning
+                    warnings.filterwarnings("ignore", message="You have specified a mini-batch size")
+                    zoo.SB3_KL_ALGOS[algo]("MlpPolicy", "CartPole-v1", **{**config, **hyperparams})
+
+
+def test_a_study_of_a_fixed_beta_config_does_not_search_the_adaptation_factor(zoo, tmp_path):
+    import optuna
+
+    from sb3_kl.zoo.export import trial_config
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="fixed", storage=storage, direction="maximize")
+    study.enqueue_trial(CHEAP_TRIAL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zoo_main(
+            "train", "--algo", "klppo", "--env", "CartPole-v1", "-f", str(tmp_path), "--verbose", "0", "--seed", "0",
+            *FAST_PARAMS, "kl_controller:'fixed'", "-n", "256", "-optimize", "--n-trials", "1",
+            "--n-evaluations", "1", "--eval-episodes", "1", "--sampler", "random", "--pruner", "none",
+            "--no-optim-plots", "--storage", storage, "--study-name", "fixed",
+        )  # fmt: skip
+    assert not [w for w in caught if "kl_adapt_factor" in str(w.message)]
+    (trial,) = optuna.load_study(study_name="fixed", storage=storage).trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    assert "kl_coef" in trial.params and "kl_adapt_factor" not in trial.params
+    entry = trial_config(optuna.load_study(study_name="fixed", storage=storage), "klppo", "CartPole-v1")
+    assert "kl_adapt_factor" not in entry and entry["kl_coef"] == trial.params["kl_coef"]
 
 
 @pytest.mark.parametrize("algo, env_id", [("klppo", "Pendulum-v1"), ("clip_klppo", "Acrobot-v1"), ("kltrpo", "Pendulum-v1")])

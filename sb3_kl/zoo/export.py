@@ -25,10 +25,17 @@ from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER
 from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
 
 
-def sampled_parameter_names(algo: str) -> set[str]:
+#: ``kl_controller`` values that change which parameters the KL penalty's samplers draw
+#: (:func:`~sb3_kl.zoo.hyperparams_opt.sampled_controller_options`): the band rule, a named controller without it, and a
+#: controller object (any non-string)
+CONTROLLER_KINDS: tuple[Any, ...] = ("adaptive", "fixed", object())
+
+
+def sampled_parameter_names(algo: str, hyperparams: dict[str, Any] | None = None) -> set[str]:
     """
     :param algo: Zoo name of an sb3_kl algorithm
-    :return: The Optuna parameters its sampler draws (its trials' ``params`` keys)
+    :param hyperparams: The tuned config's hyperparameters (default: none, the algorithm's defaults)
+    :return: The Optuna parameters its sampler draws for that config (its trials' ``params`` keys)
     """
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" line for this scratch study
@@ -36,8 +43,22 @@ def sampled_parameter_names(algo: str) -> set[str]:
         trial = optuna.create_study().ask()
     finally:
         optuna.logging.set_verbosity(verbosity)
-    HYPERPARAMS_SAMPLER[algo](trial, 1, 1, {})
+    HYPERPARAMS_SAMPLER[algo](trial, 1, 1, {"hyperparams": dict(hyperparams or {})})
     return set(trial.params)
+
+
+def possible_parameter_names(algo: str) -> list[set[str]]:
+    """
+    :param algo: Zoo name of an sb3_kl algorithm
+    :return: Every set of Optuna parameters its sampler can draw, one per kind of ``kl_controller`` in the tuned config
+        (:data:`CONTROLLER_KINDS`), without repeats
+    """
+    variants: list[set[str]] = []
+    for kind in CONTROLLER_KINDS:
+        names = sampled_parameter_names(algo, {"kl_controller": kind})
+        if names not in variants:
+            variants.append(names)
+    return variants
 
 
 def check_trial_matches_algo(trial: optuna.trial.FrozenTrial, study_name: str, algo: str) -> None:
@@ -59,10 +80,14 @@ def check_params_match_algo(params: dict[str, Any], trial: str, study_name: str,
     :raises distributed.StorageError: the trial was not drawn by ``algo``'s sampler (a study tuned for another
         algorithm: its hyperparameters would be refused, or silently missing, when the entry trains)
     """
-    expected = sampled_parameter_names(algo)
+    if set(params) in possible_parameter_names(algo):
+        return
+    # the message compares with the closest variant (the KL penalty's samplers draw beta's options as the tuned
+    # config's kl_controller uses them)
+    expected = min(possible_parameter_names(algo), key=lambda names: len(names ^ set(params)))
     extra, missing = sorted(set(params) - expected), sorted(expected - set(params))
     if extra or missing:
-        found = [name for name in SB3_KL_ALGOS if sampled_parameter_names(name) == set(params)]
+        found = [name for name in SB3_KL_ALGOS if set(params) in possible_parameter_names(name)]
         raise distributed.StorageError(
             f"study {study_name!r} was not tuned for --algo {algo}: its {trial} has "
             + ", ".join(

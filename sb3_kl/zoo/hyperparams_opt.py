@@ -5,12 +5,47 @@ additional_args) -> hyperparameters``, plus converters from a trial's raw ``para
 
 Every sampler names its Optuna parameters after the converter's input, and returns ``converter(trial params)``,
 so that a trial reloaded from a storage gives exactly the hyperparameters that were trained.
+
+The KL penalty's samplers draw only the controller options that the tuned config's ``kl_controller`` uses: a study
+of a config with ``kl_controller: fixed`` does not search ``kl_adapt_factor``, which a fixed beta ignores. The config
+is the entry the zoo's objective is tuning (set by ``sb3_kl.zoo.registry`` for the duration of each trial), or
+``additional_args["hyperparams"]`` when a sampler is called directly.
 """
 
+from contextvars import ContextVar
 from typing import Any
 
 import optuna
 from rl_zoo3.hyperparams_opt import convert_onpolicy_params
+
+#: The hyperparameters of the config entry the zoo's objective is tuning (``ExperimentManager._hyperparams``), while a
+#: trial of an sb3_kl algorithm is sampled and trained; None outside a trial
+TUNED_HYPERPARAMS: ContextVar[dict[str, Any] | None] = ContextVar("tuned_hyperparams", default=None)
+
+
+def tuned_hyperparams(additional_args: dict[str, Any] | None) -> dict[str, Any]:
+    """
+    :param additional_args: The zoo's extras passed to a sampler
+    :return: The tuned config's hyperparameters: ``additional_args["hyperparams"]`` when given, else the entry the
+        zoo's objective is tuning, else none (a sampler called outside the zoo: the algorithms' defaults)
+    """
+    if additional_args and additional_args.get("hyperparams") is not None:
+        return dict(additional_args["hyperparams"])
+    return dict(TUNED_HYPERPARAMS.get() or {})
+
+
+def sampled_controller_options(kl_controller: Any = "adaptive") -> tuple[str, ...]:
+    """
+    The options of beta's controller that a trial draws, for the config's ``kl_controller``.
+
+    :param kl_controller: The config's ``kl_controller`` (``"adaptive"`` when it sets none, the algorithms' default)
+    :return: ``kl_coef`` and ``kl_adapt_factor`` for ``"adaptive"``; ``kl_coef`` alone for the other named
+        controllers (the fixed beta, or the proportional rule's start: neither uses the band rule's factor); nothing
+        for a controller object, which is used as given and ignores both
+    """
+    if not isinstance(kl_controller, str):
+        return ()
+    return ("kl_coef", "kl_adapt_factor") if kl_controller == "adaptive" else ("kl_coef",)
 
 
 def _sample_onpolicy_common(trial: optuna.Trial, net_archs: tuple[str, ...] = ("tiny", "small", "medium")) -> dict[str, Any]:
@@ -33,14 +68,19 @@ def _sample_onpolicy_common(trial: optuna.Trial, net_archs: tuple[str, ...] = ("
     return params
 
 
-def _sample_kl_penalty(trial: optuna.Trial) -> dict[str, Any]:
-    """The KL options that matter for the penalty methods (KLPPO, ClipKLPPO)."""
-    return {
-        "target_kl": trial.suggest_float("target_kl", 0.002, 0.1, log=True),
-        "kl_coef": trial.suggest_float("kl_coef", 0.01, 5.0, log=True),
-        "kl_adapt_factor": trial.suggest_float("kl_adapt_factor", 1.1, 3.0),
-        "kl_estimator": trial.suggest_categorical("kl_estimator", ["analytic", "k3"]),
-    }
+def _sample_kl_penalty(trial: optuna.Trial, additional_args: dict[str, Any] | None) -> dict[str, Any]:
+    """
+    The KL options that matter for the penalty methods (KLPPO, ClipKLPPO): the target, the estimator, and the options
+    of beta's controller that the tuned config's ``kl_controller`` uses (:func:`sampled_controller_options`).
+    """
+    controller_options = sampled_controller_options(tuned_hyperparams(additional_args).get("kl_controller", "adaptive"))
+    params = {"target_kl": trial.suggest_float("target_kl", 0.002, 0.1, log=True)}
+    if "kl_coef" in controller_options:
+        params["kl_coef"] = trial.suggest_float("kl_coef", 0.01, 5.0, log=True)
+    if "kl_adapt_factor" in controller_options:
+        params["kl_adapt_factor"] = trial.suggest_float("kl_adapt_factor", 1.1, 3.0)
+    params["kl_estimator"] = trial.suggest_categorical("kl_estimator", ["analytic", "k3"])
+    return params
 
 
 def convert_klppo_params(sampled_params: dict[str, Any]) -> dict[str, Any]:
@@ -68,12 +108,13 @@ def convert_kltrpo_params(sampled_params: dict[str, Any]) -> dict[str, Any]:
 def sample_klppo_params(trial: optuna.Trial, n_actions: int, n_envs: int, additional_args: dict) -> dict[str, Any]:
     """
     Sampler for KLPPO: PPO's usual options (without clipping) and the KL penalty's target, initial coefficient,
-    adaptation factor and estimator.
+    adaptation factor and estimator (the coefficient's options as the tuned config's ``kl_controller`` uses them,
+    :func:`sampled_controller_options`).
 
     :param trial: Optuna trial
     :param n_actions: Number of action dimensions (unused, part of the zoo's signature)
     :param n_envs: Number of environments (unused, part of the zoo's signature)
-    :param additional_args: Zoo extras (unused)
+    :param additional_args: Zoo extras; ``hyperparams``, when given, stands for the tuned config entry
     :return: Hyperparameters for ``KLPPO``
     """
     params = _sample_onpolicy_common(trial)
@@ -84,7 +125,7 @@ def sample_klppo_params(trial: optuna.Trial, n_actions: int, n_envs: int, additi
             "max_grad_norm": trial.suggest_float("max_grad_norm", 0.3, 2.0),
         }
     )
-    params.update(_sample_kl_penalty(trial))
+    params.update(_sample_kl_penalty(trial, additional_args))
     return convert_klppo_params(params)
 
 
@@ -95,7 +136,7 @@ def sample_clip_klppo_params(trial: optuna.Trial, n_actions: int, n_envs: int, a
     :param trial: Optuna trial
     :param n_actions: Number of action dimensions (unused, part of the zoo's signature)
     :param n_envs: Number of environments (unused, part of the zoo's signature)
-    :param additional_args: Zoo extras (unused)
+    :param additional_args: Zoo extras; ``hyperparams``, when given, stands for the tuned config entry
     :return: Hyperparameters for ``ClipKLPPO``
     """
     params = _sample_onpolicy_common(trial)
@@ -107,7 +148,7 @@ def sample_clip_klppo_params(trial: optuna.Trial, n_actions: int, n_envs: int, a
             "clip_range": trial.suggest_categorical("clip_range", [0.1, 0.2, 0.3, 0.4]),
         }
     )
-    params.update(_sample_kl_penalty(trial))
+    params.update(_sample_kl_penalty(trial, additional_args))
     return convert_klppo_params(params)
 
 

@@ -27,7 +27,7 @@ from stable_baselines3.common.utils import LinearSchedule
 import sb3_kl
 from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, MaskableKLPPO, RecurrentKLPPO
 from sb3_kl.zoo.distributed import patch_experiment_manager
-from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER
+from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER, TUNED_HYPERPARAMS
 
 #: Folder of the configs shipped with the package (``{algo}.yml``)
 HYPERPARAMS_DIR = Path(sb3_kl.__file__).parent / "hyperparams"
@@ -282,22 +282,28 @@ def _patch_create_callbacks() -> None:
 
 def _patch_objective() -> None:
     """
-    Make ``ExperimentManager.objective`` (one ``-optimize`` trial) evaluate a maskable algorithm with its masks
-    (:class:`MaskableTrialEvalCallback`). The zoo builds its ``TrialEvalCallback`` inside the method, so the name is
-    swapped in its module for the duration of the trial. Idempotent.
+    Make ``ExperimentManager.objective`` (one ``-optimize`` trial) of an sb3_kl algorithm show its samplers the
+    config entry it tunes (:data:`~sb3_kl.zoo.hyperparams_opt.TUNED_HYPERPARAMS`: the zoo passes a sampler no config,
+    so a study of ``kl_controller: fixed`` would search ``kl_adapt_factor``, which the fixed beta ignores), and
+    evaluate a maskable algorithm with its masks (:class:`MaskableTrialEvalCallback`). The zoo builds its
+    ``TrialEvalCallback`` inside the method, so the name is swapped in its module for the duration of the trial.
+    Idempotent.
     """
     original = ExperimentManager.objective
     if is_patched(original):
         return
 
     def objective(self: ExperimentManager, trial: Any) -> float:
-        if self.algo not in MASKABLE_ALGOS:
+        if self.algo not in SB3_KL_ALGOS:
             return original(self, trial)
-        exp_manager.TrialEvalCallback = MaskableTrialEvalCallback  # type: ignore[misc]
+        token = TUNED_HYPERPARAMS.set(dict(self._hyperparams))
+        if self.algo in MASKABLE_ALGOS:
+            exp_manager.TrialEvalCallback = MaskableTrialEvalCallback  # type: ignore[misc]
         try:
             return original(self, trial)
         finally:
             exp_manager.TrialEvalCallback = TrialEvalCallback  # type: ignore[misc]
+            TUNED_HYPERPARAMS.reset(token)
 
     install_patch(ExperimentManager, "objective", objective)
 
