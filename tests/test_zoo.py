@@ -221,8 +221,45 @@ def test_a_study_of_a_fixed_beta_config_does_not_search_the_adaptation_factor(zo
     (trial,) = optuna.load_study(study_name="fixed", storage=storage).trials
     assert trial.state == optuna.trial.TrialState.COMPLETE
     assert "kl_coef" in trial.params and "kl_adapt_factor" not in trial.params
+    assert trial.user_attrs["kl_controller"] == "fixed"
+    # the exported entry, and a --trial-id re-run without the study's -params, train the fixed beta it was tuned with
     entry = trial_config(optuna.load_study(study_name="fixed", storage=storage), "klppo", "CartPole-v1")
     assert "kl_adapt_factor" not in entry and entry["kl_coef"] == trial.params["kl_coef"]
+    assert entry["kl_controller"] == "fixed"
+    zoo_main(
+        "train", "--algo", "klppo", "--env", "CartPole-v1", "-f", str(tmp_path / "rerun"), "--verbose", "0",
+        "--seed", "0", "-n", "256", "--eval-freq", "-1", "--storage", storage, "--study-name", "fixed", "--trial-id", "0",
+    )  # fmt: skip
+    (saved,) = (tmp_path / "rerun" / "klppo").glob("CartPole-v1_*/CartPole-v1.zip")
+    model = zoo.SB3_KL_ALGOS["klppo"].load(saved)
+    assert type(model.kl_controller).__name__ == "FixedKLController"
+    assert model.kl_coef == pytest.approx(trial.params["kl_coef"])
+
+
+def test_each_trial_starts_from_its_own_copy_of_a_controller_object(zoo):
+    import optuna
+
+    from sb3_kl.common.controllers import AdaptiveKLController
+    from sb3_kl.zoo.distributed import StorageError
+    from sb3_kl.zoo.export import trial_config
+    from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER
+    from sb3_kl.zoo.registry import TrialHyperparams
+
+    controller = AdaptiveKLController(kl_coef=1.0)
+    config = TrialHyperparams({"kl_controller": controller, "n_steps": 64})
+    first, second = config.copy(), config.copy()  # what the zoo's objective hands two trials
+    assert type(first) is dict and first["n_steps"] == 64
+    assert first["kl_controller"] is not controller and second["kl_controller"] is not first["kl_controller"]
+    first["kl_controller"].update(1.0, 0.01)  # one trial's updates leave the next trial's beta alone
+    assert first["kl_controller"].kl_coef != 1.0 and second["kl_controller"].kl_coef == controller.kl_coef == 1.0
+    # a trial tuned with an object cannot be written to YAML: export says how to re-train it instead
+    study = optuna.create_study(direction="maximize")
+    trial = study.ask()
+    HYPERPARAMS_SAMPLER["klppo"](trial, 1, 2, {"hyperparams": {"kl_controller": controller}})
+    study.tell(trial, 1.0)
+    assert trial.user_attrs["kl_controller"] == "object: AdaptiveKLController"
+    with pytest.raises(StorageError, match=r"controller object .*AdaptiveKLController.*--trial-id"):
+        trial_config(study, "klppo", "CartPole-v1")
 
 
 @pytest.mark.parametrize("algo, env_id", [("klppo", "Pendulum-v1"), ("clip_klppo", "Acrobot-v1"), ("kltrpo", "Pendulum-v1")])

@@ -610,6 +610,7 @@ def patch_experiment_manager() -> None:
 
     from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
 
+    from sb3_kl.zoo.hyperparams_opt import trial_controller
     from sb3_kl.zoo.registry import SB3_KL_ALGOS, install_patch, is_patched  # called from registry.register(): no cycle
 
     manager_class = exp_manager.ExperimentManager
@@ -647,7 +648,19 @@ def patch_experiment_manager() -> None:
 
             trial = "best trial" if trial_id is None else f"trial {trial_id}"
             check_params_match_algo(params, trial, study_name, self.algo)
-        return HYPERPARAMS_CONVERTER[self.algo](params) if convert else params
+        if not convert:
+            return params
+        hyperparams = HYPERPARAMS_CONVERTER[self.algo](params)
+        if self.algo in SB3_KL_ALGOS:
+            # beta's options were drawn for the tuned config's kl_controller: re-train with it (-params still overrides)
+            from sb3_kl.zoo.export import load_study
+
+            study = load_study(storage, study_name)
+            frozen = study.best_trial if trial_id is None else study.trials[trial_id]
+            controller, _ = trial_controller(frozen.user_attrs)
+            if controller is not None:
+                hyperparams = {**hyperparams, "kl_controller": controller}
+        return hyperparams
 
     original_init = manager_class.__init__
 

@@ -21,14 +21,15 @@ from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
 from torch import nn
 
 from sb3_kl.zoo import distributed
-from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER
+from sb3_kl.common.controllers import KL_CONTROLLERS
+from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER, trial_controller
 from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
 
 
-#: ``kl_controller`` values that change which parameters the KL penalty's samplers draw
-#: (:func:`~sb3_kl.zoo.hyperparams_opt.sampled_controller_options`): the band rule, a named controller without it, and a
-#: controller object (any non-string)
-CONTROLLER_KINDS: tuple[Any, ...] = ("adaptive", "fixed", object())
+#: ``kl_controller`` values whose samplers may draw different parameters
+#: (:func:`~sb3_kl.zoo.hyperparams_opt.sampled_controller_options`): every named controller, and a controller object
+#: (any non-string)
+CONTROLLER_KINDS: tuple[Any, ...] = (*KL_CONTROLLERS, object())
 
 
 def sampled_parameter_names(algo: str, hyperparams: dict[str, Any] | None = None) -> set[str]:
@@ -169,6 +170,16 @@ def trial_config(
         )
     entry = dict(entries[key])
     hyperparams = dict(HYPERPARAMS_CONVERTER[algo](trial.params))
+    # beta's options were drawn for the tuned config's controller: the entry trains with that one
+    controller, is_object = trial_controller(trial.user_attrs)
+    if is_object:
+        raise distributed.StorageError(
+            f"trial {trial.number} of study {study.study_name!r} was tuned with a controller object as kl_controller "
+            f"({trial.user_attrs['kl_controller']}), which a YAML entry cannot hold: re-train it with the zoo's "
+            "--trial-id and the config it was tuned with (-conf)."
+        )
+    if controller is not None:
+        hyperparams["kl_controller"] = controller
     # the zoo's objective and --trial-id replace the config's policy_kwargs with the trial's (dict.update)
     if "policy_kwargs" in hyperparams:
         hyperparams["policy_kwargs"] = _python_literal(hyperparams["policy_kwargs"])

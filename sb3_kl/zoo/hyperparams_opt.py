@@ -34,6 +34,32 @@ def tuned_hyperparams(additional_args: dict[str, Any] | None) -> dict[str, Any]:
     return dict(TUNED_HYPERPARAMS.get() or {})
 
 
+#: The user attribute in which a KL penalty trial names the ``kl_controller`` its beta options were drawn for (a
+#: controller's name, or ``"object: <class>"``), so that ``export`` and ``--trial-id`` re-train it with that controller
+CONTROLLER_ATTR = "kl_controller"
+#: How :data:`CONTROLLER_ATTR` starts for a controller object
+_OBJECT_LABEL = "object: "
+
+
+def controller_label(kl_controller: Any) -> str:
+    """:return: The :data:`CONTROLLER_ATTR` value for a config's ``kl_controller`` (a name, or an object's class)"""
+    return kl_controller if isinstance(kl_controller, str) else f"{_OBJECT_LABEL}{type(kl_controller).__name__}"
+
+
+def trial_controller(user_attrs: dict[str, Any]) -> tuple[str | None, bool]:
+    """
+    :param user_attrs: A trial's ``user_attrs``
+    :return: ``(name, is_object)``: the named controller the trial was tuned with (None when it recorded none, as
+        trials of studies from before the attribute, or a controller object) and whether it was an object
+    """
+    label = user_attrs.get(CONTROLLER_ATTR)
+    if not isinstance(label, str):
+        return None, False
+    if label.startswith(_OBJECT_LABEL):
+        return None, True
+    return label, False
+
+
 def sampled_controller_options(kl_controller: Any = "adaptive") -> tuple[str, ...]:
     """
     The options of beta's controller that a trial draws, for the config's ``kl_controller``.
@@ -71,9 +97,12 @@ def _sample_onpolicy_common(trial: optuna.Trial, net_archs: tuple[str, ...] = ("
 def _sample_kl_penalty(trial: optuna.Trial, additional_args: dict[str, Any] | None) -> dict[str, Any]:
     """
     The KL options that matter for the penalty methods (KLPPO, ClipKLPPO): the target, the estimator, and the options
-    of beta's controller that the tuned config's ``kl_controller`` uses (:func:`sampled_controller_options`).
+    of beta's controller that the tuned config's ``kl_controller`` uses (:func:`sampled_controller_options`); the
+    trial records that controller (:data:`CONTROLLER_ATTR`).
     """
-    controller_options = sampled_controller_options(tuned_hyperparams(additional_args).get("kl_controller", "adaptive"))
+    kl_controller = tuned_hyperparams(additional_args).get("kl_controller", "adaptive")
+    controller_options = sampled_controller_options(kl_controller)
+    trial.set_user_attr(CONTROLLER_ATTR, controller_label(kl_controller))
     params = {"target_kl": trial.suggest_float("target_kl", 0.002, 0.1, log=True)}
     if "kl_coef" in controller_options:
         params["kl_coef"] = trial.suggest_float("kl_coef", 0.01, 5.0, log=True)

@@ -7,6 +7,7 @@ The zoo keeps three module-level registries that its ``train``/``enjoy`` scripts
 them in place, which is the extension route the zoo documents for SBX.
 """
 
+import copy
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from stable_baselines3.common.utils import LinearSchedule
 
 import sb3_kl
 from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, MaskableKLPPO, RecurrentKLPPO
+from sb3_kl.common.controllers import KLController
 from sb3_kl.zoo.distributed import patch_experiment_manager
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER, TUNED_HYPERPARAMS
 
@@ -280,13 +282,26 @@ def _patch_create_callbacks() -> None:
     install_patch(ExperimentManager, "create_callbacks", create_callbacks)
 
 
+class TrialHyperparams(dict):
+    """
+    The config's hyperparameters as the zoo's objective copies them into each trial (``self._hyperparams.copy()``),
+    with every controller object (``kl_controller``, ``ref_kl_controller``) copied deeply: the zoo's shallow copy
+    would hand one object to every trial, each starting from the beta and history the previous one left (and
+    concurrent trials changing it together).
+    """
+
+    def copy(self) -> dict[str, Any]:  # type: ignore[override]
+        return {key: copy.deepcopy(value) if isinstance(value, KLController) else value for key, value in self.items()}
+
+
 def _patch_objective() -> None:
     """
     Make ``ExperimentManager.objective`` (one ``-optimize`` trial) of an sb3_kl algorithm show its samplers the
     config entry it tunes (:data:`~sb3_kl.zoo.hyperparams_opt.TUNED_HYPERPARAMS`: the zoo passes a sampler no config,
-    so a study of ``kl_controller: fixed`` would search ``kl_adapt_factor``, which the fixed beta ignores), and
-    evaluate a maskable algorithm with its masks (:class:`MaskableTrialEvalCallback`). The zoo builds its
-    ``TrialEvalCallback`` inside the method, so the name is swapped in its module for the duration of the trial.
+    so a study of ``kl_controller: fixed`` would search ``kl_adapt_factor``, which the fixed beta ignores), start
+    each trial from its own copy of a controller object (:class:`TrialHyperparams`), and evaluate a maskable
+    algorithm with its masks (:class:`MaskableTrialEvalCallback`). The zoo builds its ``TrialEvalCallback`` inside the
+    method, so the name is swapped in its module for the duration of the trial.
     Idempotent.
     """
     original = ExperimentManager.objective
@@ -296,6 +311,8 @@ def _patch_objective() -> None:
     def objective(self: ExperimentManager, trial: Any) -> float:
         if self.algo not in SB3_KL_ALGOS:
             return original(self, trial)
+        if not isinstance(self._hyperparams, TrialHyperparams):  # once: trials may run in threads (--n-jobs)
+            self._hyperparams = TrialHyperparams(self._hyperparams)
         token = TUNED_HYPERPARAMS.set(dict(self._hyperparams))
         if self.algo in MASKABLE_ALGOS:
             exp_manager.TrialEvalCallback = MaskableTrialEvalCallback  # type: ignore[misc]
