@@ -506,6 +506,32 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     assert "## KLPPO's target on" not in learning.report("tiny")
 
 
+def test_report_sets_clip_klppo_started_at_the_floor_beside_the_grid_and_ppo(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    folder, coef = learning.CLIP_KLPPO_START_RUNS
+    grid, lowered = tmp_path / "runs" / "tiny", tmp_path / folder / "runs" / "tiny"
+    for seed in range(3):
+        _write(grid, _record("ppo", "Pendulum-v1", seed, -200.0 + seed, [0.03], 0.03))
+        _write(grid, _record("clip_klppo", "Pendulum-v1", seed, -300.0 + seed, [0.03], 0.03))
+        _write(grid, _record("clip_klppo", "CartPole-v1", seed, 500.0, [0.02], 0.02))
+        # the runs from beta's floor: PPO's return on Pendulum (CartPole's cell not re-run yet)
+        _write(lowered, _record("clip_klppo", "Pendulum-v1", seed, -200.0 + seed, [0.03, 0.09], 0.03))
+    text = learning.report("tiny")
+    start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} measured against the default 1.0")
+    section = text[start : text.index("\n## ", start)]
+    row = _row(section, "| Pendulum-v1 | x1 | clip_klppo |")
+    assert row.startswith("| Pendulum-v1 | x1 | clip_klppo | 3 | -299.0 ± 0.8 | -199.0 ± 0.8 | +100.0 (p<0.001): better")
+    assert row.endswith("| 100 ± 0% | 50 ± 0% | 0 ± 0% | 50 ± 0% | 0 / 0 |")
+    assert "| CartPole-v1 | x1 | clip_klppo |" not in section  # nothing to pair with
+    # against PPO: 100 worse at 1.0, the same at the floor (equal returns: a tie)
+    against_ppo = _row(section, "| Pendulum-v1 | x1 | 3 |")
+    assert against_ppo.startswith("| Pendulum-v1 | x1 | 3 | -100.0 (p<0.001): worse | +0.0 (p=1.00): tie |")
+    assert "not re-run yet: CartPole-v1 x1 (3 of 3 seeds). The default stays 1.0" in section
+    _empty(lowered)
+    assert "## ClipKLPPO's initial beta" not in learning.report("tiny")
+
+
 def test_side_experiments_compare_with_the_grid_record_of_their_own_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     here = {"cpu": "This CPU"}
