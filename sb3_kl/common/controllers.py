@@ -226,7 +226,7 @@ def warn_ignored_arguments(option: str, controller: KLController, **arguments: t
 
 #: Controller name -> the optional arguments of :func:`make_kl_controller` it uses (besides ``kl_coef`` and
 #: ``kl_coef_bounds``, which every controller takes)
-_CONTROLLER_ARGUMENTS: dict[str, tuple[str, ...]] = {
+CONTROLLER_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "adaptive": ("kl_adapt_factor", "kl_band", "kl_window"),
     "fixed": (),
     "proportional": ("kl_horizon",),
@@ -246,7 +246,7 @@ def warn_unused_arguments(kl_controller: str, **arguments: tuple[Any, Any]) -> N
     if given:
         listed = ", ".join(
             f"`{name}`={value!r} (used by "
-            + " and ".join(repr(controller) for controller, names in _CONTROLLER_ARGUMENTS.items() if name in names)
+            + " and ".join(repr(controller) for controller, names in CONTROLLER_ARGUMENTS.items() if name in names)
             + ")"
             for name, value in given.items()
         )
@@ -299,7 +299,7 @@ def make_kl_controller(
         )
     # Checked whatever the controller, so that a bad value does not wait for a switch to 'proportional'
     check_positive("kl_horizon", kl_horizon)
-    used = ("kl_coef", "kl_coef_bounds", *_CONTROLLER_ARGUMENTS[kl_controller])
+    used = ("kl_coef", "kl_coef_bounds", *CONTROLLER_ARGUMENTS[kl_controller])
     warn_unused_arguments(kl_controller, **{name: pair for name, pair in arguments.items() if name not in used})
     if kl_controller == "adaptive":
         return AdaptiveKLController(kl_coef, kl_adapt_factor, kl_band, kl_coef_bounds, kl_window)

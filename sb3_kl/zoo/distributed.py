@@ -638,28 +638,28 @@ def patch_experiment_manager() -> None:
                     f"--study-name {study_name!r} is not in --storage {redact(storage)}. "
                     "Check the name (optuna studies --storage URL lists them)."
                 )
+        if self.algo not in SB3_KL_ALGOS:
+            try:
+                return original_load_trial(self, storage, study_name, trial_id, convert)
+            except IndexError as e:
+                raise StorageError(f"--trial-id {trial_id}: study {study_name!r} has no trial with that number.") from e
+        from sb3_kl.zoo.export import check_params_match_algo, load_study  # export imports this module
+
+        # the whole trial, read once: its params and the kl_controller its beta options were drawn for
+        study = load_study(storage, study_name)
         try:
-            params = original_load_trial(self, storage, study_name, trial_id, convert=False)
+            frozen = study.best_trial if trial_id is None else study.trials[trial_id]
         except IndexError as e:
             raise StorageError(f"--trial-id {trial_id}: study {study_name!r} has no trial with that number.") from e
-        if self.algo in SB3_KL_ALGOS:
-            # a study tuned for another algorithm: its hyperparameters would be refused, or silently missing
-            from sb3_kl.zoo.export import check_params_match_algo  # export imports this module
-
-            trial = "best trial" if trial_id is None else f"trial {trial_id}"
-            check_params_match_algo(params, trial, study_name, self.algo)
+        # a study tuned for another algorithm: its hyperparameters would be refused, or silently missing
+        which = "best trial" if trial_id is None else f"trial {trial_id}"
+        check_params_match_algo(frozen.params, which, study_name, self.algo)
         if not convert:
-            return params
-        hyperparams = HYPERPARAMS_CONVERTER[self.algo](params)
-        if self.algo in SB3_KL_ALGOS:
-            # beta's options were drawn for the tuned config's kl_controller: re-train with it (-params still overrides)
-            from sb3_kl.zoo.export import load_study
-
-            study = load_study(storage, study_name)
-            frozen = study.best_trial if trial_id is None else study.trials[trial_id]
-            controller, _ = trial_controller(frozen.user_attrs)
-            if controller is not None:
-                hyperparams = {**hyperparams, "kl_controller": controller}
+            return frozen.params
+        hyperparams = HYPERPARAMS_CONVERTER[self.algo](frozen.params)
+        controller, _ = trial_controller(frozen.user_attrs)
+        if controller is not None:  # re-train with the trial's controller (-params still overrides)
+            hyperparams = {**hyperparams, "kl_controller": controller}
         return hyperparams
 
     original_init = manager_class.__init__

@@ -18,6 +18,8 @@ from typing import Any
 import optuna
 from rl_zoo3.hyperparams_opt import convert_onpolicy_params
 
+from sb3_kl.common.controllers import CONTROLLER_ARGUMENTS
+
 #: The hyperparameters of the config entry the zoo's objective is tuning (``ExperimentManager._hyperparams``), while a
 #: trial of an sb3_kl algorithm is sampled and trained; None outside a trial
 TUNED_HYPERPARAMS: ContextVar[dict[str, Any] | None] = ContextVar("tuned_hyperparams", default=None)
@@ -71,7 +73,9 @@ def sampled_controller_options(kl_controller: Any = "adaptive") -> tuple[str, ..
     """
     if not isinstance(kl_controller, str):
         return ()
-    return ("kl_coef", "kl_adapt_factor") if kl_controller == "adaptive" else ("kl_coef",)
+    # of the controller arguments, the samplers search only the band rule's factor: drawn where the controller uses it
+    uses_factor = "kl_adapt_factor" in CONTROLLER_ARGUMENTS.get(kl_controller, ())
+    return ("kl_coef", "kl_adapt_factor") if uses_factor else ("kl_coef",)
 
 
 def _sample_onpolicy_common(trial: optuna.Trial, net_archs: tuple[str, ...] = ("tiny", "small", "medium")) -> dict[str, Any]:
