@@ -800,6 +800,38 @@ def test_logged_kl_equals_independent_kl_far_outside_the_band(env_name):
     assert logged["train/kl_max"] == pytest.approx(reference.max(), rel=1e-3)
 
 
+def float64_kl(old_policy, new_policy, obs) -> np.ndarray:
+    """Per-state KL(old || new) from the two policies' float32 outputs, cast to float64 before torch.distributions."""
+    with th.no_grad():
+        old = old_policy.get_distribution(th.as_tensor(obs)).distribution
+        new = new_policy.get_distribution(th.as_tensor(obs)).distribution
+    if isinstance(old, th.distributions.Categorical):
+        return th.distributions.kl_divergence(
+            th.distributions.Categorical(logits=old.logits.double()), th.distributions.Categorical(logits=new.logits.double())
+        ).numpy()
+    normals = [th.distributions.Normal(d.loc.double(), d.scale.double()) for d in (old, new)]
+    return th.distributions.kl_divergence(*normals).sum(dim=-1).numpy()
+
+
+@pytest.mark.parametrize("env_name", ["discrete", "box"])
+def test_logged_kl_of_a_tiny_update_is_exact(env_name):
+    """
+    An update so small that its KL (~1e-10) is far below float32's rounding of the log-probabilities (~1e-7 of their
+    size): the logged KL and its quantiles, which drive beta, are still the exact KL, because the update's KL is
+    computed in float64 from the two policies' parameters (in float32 the logged mean came out negative).
+    """
+    snapshots = SnapshotCallback()
+    model = KLPPO("MlpPolicy", ENVS[env_name](), learning_rate=1e-6, **SMALL)
+    model.learn(2 * SMALL["n_steps"], callback=snapshots)
+    old_policy, obs = snapshots.snapshots[-1]
+    reference = float64_kl(old_policy, model.policy, obs)
+    logged = model.logger.name_to_value
+    assert 0 < reference.mean() < 1e-7, "the update must be tiny"
+    assert logged["train/kl"] == pytest.approx(reference.mean(), rel=1e-3)
+    assert logged["train/kl_p50"] == pytest.approx(np.quantile(reference, 0.5), rel=1e-2)
+    assert logged["train/kl_max"] == pytest.approx(reference.max(), rel=1e-3)
+
+
 def test_gsde_kl_gradient_reaches_the_features():
     """
     gSDE builds the std from the latent features but SB3 detaches them from the distribution (learn_features=False):

@@ -652,8 +652,6 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                     f"load(..., custom_objects={{'{name}': ...}})."
                 ) from error
 
-    #: Whether the KL of each update is measured in float64 (KLTRPO, whose bound must hold at targets near 0)
-    _update_kl_in_float64: ClassVar[bool] = False
     #: The attributes the constructor builds from the KL options (:data:`FIXED_AT_CONSTRUCTION`)
     _kl_state_attributes: ClassVar[tuple[str, ...]] = ("kl_settings", "kl_controller", "ref_kl_settings", "ref_kl_controller")
 
@@ -960,10 +958,13 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     @th.no_grad()
     def _measure_update_kl(self, chunk_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
         """
-        One no-grad pass over the whole buffer with the updated policy (eval mode, as it will act).
+        One no-grad pass over the whole buffer with the updated policy (eval mode, as it will act). The KL is computed
+        in float64 from the two policies' (float32) distribution parameters: a per-state KL is a small difference of
+        log-probabilities, and in float32 the logged quantiles of states that barely moved, and the KL that drives
+        beta and KLTRPO's bound near a target close to 0, would carry rounding of up to ~1e-4 of their value.
 
-        :return: the per-state KL in the algorithm's convention (float64 where :attr:`_update_kl_in_float64`), and the
-            updated policy's distribution parameters
+        :return: the per-state KL in the algorithm's convention (float64), and the updated policy's distribution
+            parameters
         """
         kls, params = [], []
         with acting_mode(self.policy):
@@ -971,11 +972,16 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 distribution = self._samples_distribution(self.policy, data)
                 log_ratio = distribution.log_prob(self._actions_for_log_prob(data.actions)) - data.old_log_prob
                 new_params = self.dist_params.extract(distribution)
-                old_params = data.old_dist_params
-                if self._update_kl_in_float64:
-                    old_params, new_params, log_ratio = old_params.double(), new_params.double(), log_ratio.double()
-                kls.append(per_state_kl(self.kl_settings, self.dist_params, old_params, new_params, log_ratio))
-                params.append(new_params.float())
+                kls.append(
+                    per_state_kl(
+                        self.kl_settings,
+                        self.dist_params,
+                        data.old_dist_params.double(),
+                        new_params.double(),
+                        log_ratio.double(),
+                    )
+                )
+                params.append(new_params)
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
 
     def _record_update_kl(

@@ -485,7 +485,8 @@ class ReferenceKLMixin:
     @th.no_grad()
     def _measure_reference_kl(self, chunk_size: int = 4096) -> np.ndarray:
         """
-        One no-grad pass over the buffer with the updated policy (eval mode, as it will act) and the reference.
+        One no-grad pass over the buffer with the updated policy (eval mode, as it will act) and the reference, the
+        KL computed in float64 as the update's KL is.
         Analytic: the exact KL at each state. k1/k3: the importance-weighted estimate of :meth:`_reference_kl` at
         each state's stored action (drawn by the rollout policy), whose mean over the buffer is unbiased for the mean
         KL over its states.
@@ -502,7 +503,8 @@ class ReferenceKLMixin:
                 new_params = self.dist_params.extract(distribution)  # type: ignore[attr-defined]
                 masks = self._sample_masks(data)  # type: ignore[attr-defined]
                 ref_params, ref_log_prob = self._reference_distribution(data.observations, actions, masks)
-                kls.append(self._reference_kl(ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob))
+                inputs = (ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob)
+                kls.append(self._reference_kl(*(None if t is None else t.double() for t in inputs)))
         return th.cat(kls).cpu().numpy()
 
     def _record_reference_kl(self) -> None:

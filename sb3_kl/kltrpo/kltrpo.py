@@ -747,8 +747,6 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self._record_reference_kl()
 
     _kl_state_attributes: ClassVar[tuple[str, ...]] = (*KLOnPolicyAlgorithm._kl_state_attributes, "sb3_contrib_kl")
-    #: The KL of the accepted step is logged in float64, as the line search measures it
-    _update_kl_in_float64: ClassVar[bool] = True
 
     def _stock_convention_notes(self, saved_by: str, given: set[str]) -> list[str]:
         """A TRPO zip: TRPO bounded another KL with the same ``target_kl`` (unless ``load()`` chose the reduction)."""

@@ -630,8 +630,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         The updated policy re-run over each env's sequence (eval mode, as it will act) against the rollout policy's
         stored parameters.
 
-        :return: the per-state KL in the algorithm's convention and the updated policy's distribution parameters,
-            both in the buffer's flat env-major order
+        :return: the per-state KL in the algorithm's convention (float64) and the updated policy's distribution
+            parameters, both in the buffer's flat env-major order
         """
         buffer = self.rollout_buffer
         need_log_prob = self.kl_settings.estimator != "analytic" or (
@@ -646,7 +646,14 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         log_ratio = None
         if evaluation.log_prob is not None:
             log_ratio = evaluation.log_prob.reshape(-1) - th.as_tensor(self._flat_old_log_prob(), device=new_params.device)
-        per_state = per_state_kl(self.kl_settings, self.dist_params, old_params, new_params, log_ratio)
+        # in float64, as every algorithm measures the KL of its update (see the base class's method)
+        per_state = per_state_kl(
+            self.kl_settings,
+            self.dist_params,
+            old_params.double(),
+            new_params.double(),
+            None if log_ratio is None else log_ratio.double(),
+        )
         return per_state.cpu().numpy(), new_params.cpu().numpy()
 
     def _flat_old_log_prob(self) -> np.ndarray:
@@ -660,6 +667,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     def _measure_reference_kl(self, chunk_size: int = 4096) -> np.ndarray:
         """
         :return: the per-state KL between the updated policy and the reference, both on the rollout's sequences
+            (float64)
         """
         buffer = self.rollout_buffer
         evaluation = self._update_evaluation
@@ -678,7 +686,8 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         ref_params = th.as_tensor(buffer.ref_dist_params, device=device)
         ref_log_prob = None if buffer.ref_log_prob is None else th.as_tensor(buffer.ref_log_prob, device=device)
         old_log_prob = th.as_tensor(self._flat_old_log_prob(), device=device) if log_prob is not None else None
-        return self._reference_kl(ref_params, new_params, log_prob, ref_log_prob, old_log_prob).cpu().numpy()
+        inputs = (ref_params, new_params, log_prob, ref_log_prob, old_log_prob)
+        return self._reference_kl(*(None if t is None else t.double() for t in inputs)).cpu().numpy()
 
     def learn(
         self: SelfRecurrentKLPPO,
