@@ -12,7 +12,12 @@ naming the checkout's commit, goes to ``benchmarks/results/record_reproduction.m
 machines cannot be checked this way (``learning.md``'s replication section compares such cells statistically
 instead).
 
-    python benchmarks/record_reproduction.py [--tier full] [--per-commit 1] [--workers 2]
+``--near-band-edge REL`` re-runs also every record whose beta is adapted by the band rule (the KLPPO family) and
+whose per-update KL (the monitor's exact mean) came within ``REL`` (relative) of a band edge of the controller's
+default band: the trainings that a change in how the algorithm rounds its measured KL could steer, as one update's
+KL on the other side of an edge changes beta.
+
+    python benchmarks/record_reproduction.py [--tier full] [--per-commit 1] [--near-band-edge 1e-4] [--workers 2]
 """
 
 import argparse
@@ -75,6 +80,30 @@ def reproducible_records(records: list[dict[str, Any]], environment: dict[str, s
     return chosen
 
 
+def near_band_edge_records(records: list[dict[str, Any]], environment: dict[str, str], rel: float) -> list[dict[str, Any]]:
+    """
+    :param records: the grid's records
+    :param environment: this machine's :func:`learning.run_environment`
+    :param rel: the relative distance to a band edge
+    :return: the reproducible records (as :func:`reproducible_records` admits them) of the algorithms whose beta follows
+        the band rule of ``AdaptiveKLController``'s default band, with an update whose KL lies within ``rel`` of
+        ``band_lo * target`` or ``band_hi * target``
+    """
+    import inspect
+
+    from sb3_kl.common.controllers import AdaptiveKLController
+
+    band = inspect.signature(AdaptiveKLController).parameters["kl_band"].default
+    chosen = []
+    for record in reproducible_records(records, environment, per_commit=len(records)):
+        if not learning.algorithm_class(record["algo"]).has_kl_coef:
+            continue
+        edges = [factor * record["target_kl"] for factor in band]
+        if any(abs(update["mean"] - edge) <= rel * edge for update in record["kl_updates"] for edge in edges):
+            chosen.append(record)
+    return chosen
+
+
 def rerun(record: dict[str, Any]) -> dict[str, Any]:
     """Re-run a record's cell and seed with the current checkout; :return: the comparison's row"""
     new = learning.train_and_evaluate(learning.rerun_spec(record))
@@ -101,16 +130,20 @@ def table(rows: list[dict[str, Any]], checkout: str, environment: dict[str, str]
         "`benchmarks/results/runs/` on this machine with these versions of the libraries their task runs on (a "
         "simulator's version counts for its tasks only), its cheapest records were re-run with "
         "this checkout. *identical*: the same evaluation returns and the same per-update KLs, bit for bit, so no change "
-        "since the record's commit altered that training.",
+        "since the record's commit altered that training. *picked*: why the record was re-run (with "
+        "`--near-band-edge`, also the KLPPO-family records with an update whose KL came that close, relative, to an "
+        "edge of the band rule's default band, where a change in the rounding of the measured KL could flip beta's "
+        "step).",
         "",
         f"Identical: {identical} of {len(rows)}.",
         "",
-        "| record's commit | algo | env | lr | seed | identical | eval in the record | eval now |",
-        "|---|---|---|---|---|---|---|---|",
+        "| record's commit | algo | env | lr | seed | picked | identical | eval in the record | eval now |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| `{row['record_commit']}` | {row['algo']} | {row['env']} | x{row['lr_mult']:g} | {row['seed']} | "
+            f"{row.get('picked', 'cheapest of its commit')} | "
             f"{'yes' if row['identical'] else '**no**'} | {row['eval_record']:.1f} | {row['eval_now']:.1f} |"
         )
     return "\n".join(lines) + "\n"
@@ -120,18 +153,36 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tier", choices=list(learning.BUDGETS), default="full")
     parser.add_argument("--per-commit", type=int, default=1, help="records re-run per commit (the cheapest ones)")
+    parser.add_argument(
+        "--near-band-edge",
+        type=float,
+        default=None,
+        metavar="REL",
+        help="also re-run the KLPPO-family records with an update whose KL lies within REL (relative) of a band edge",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=learning.RESULTS / "record_reproduction.md")
     args = parser.parse_args(argv)
     environment = learning.run_environment()
-    chosen = reproducible_records(learning.load_records(args.tier), environment, args.per_commit)
+    records = learning.load_records(args.tier)
+    chosen = reproducible_records(records, environment, args.per_commit)
+    reasons = ["cheapest of its commit"] * len(chosen)
+    if args.near_band_edge is not None:
+        picked = {id(record) for record in chosen}
+        near = [r for r in near_band_edge_records(records, environment, args.near_band_edge) if id(r) not in picked]
+        chosen += near
+        reasons += [f"KL within {args.near_band_edge:g} of a band edge"] * len(near)
     if not chosen:
         raise SystemExit(f"No sb3-kl record of the {args.tier} tier was made on this machine with these library versions.")
     print(f"{len(chosen)} records to re-run", flush=True)
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         rows = pool.map(rerun, chosen)
+    for row, reason in zip(rows, reasons, strict=True):
+        row["picked"] = reason
     checkout = learning.code_version("record_reproduction.py", "learning.py", "settings.py")
     command = f"python benchmarks/record_reproduction.py --tier {args.tier} --per-commit {args.per_commit}"
+    if args.near_band_edge is not None:
+        command += f" --near-band-edge {args.near_band_edge:g}"
     args.out.write_text(table(rows, checkout, environment, command))
     args.out.with_suffix(".json").write_text(
         json.dumps(dict(checkout=checkout, run_environment=environment, rows=rows), indent=1) + "\n"

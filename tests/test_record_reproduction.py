@@ -62,5 +62,24 @@ def test_table_counts_and_marks_the_runs_that_trained_differently():
     text = record_reproduction.table(rows, "ccc", HERE, "python benchmarks/record_reproduction.py --tier tiny")
     assert "with the checkout of commit `ccc` on This CPU, torch 2.13.0+cpu." in text
     assert "Identical: 1 of 2." in text
-    assert "| `aaa` | klppo | CartPole-v1 | x1 | 0 | yes | 500.0 | 500.0 |" in text
-    assert "| `bbb` | kltrpo | Pendulum-v1 | x10 | 3 | **no** | -150.0 | -180.2 |" in text
+    assert "| `aaa` | klppo | CartPole-v1 | x1 | 0 | cheapest of its commit | yes | 500.0 | 500.0 |" in text
+    assert "| `bbb` | kltrpo | Pendulum-v1 | x10 | 3 | cheapest of its commit | **no** | -150.0 | -180.2 |" in text
+
+
+def test_picks_the_band_rule_records_whose_kl_came_close_to_a_band_edge():
+    """The default band is (0.8, 1.25) x target: KLs at 1.000005 x 0.8 x target and 0.99999 x 1.25 x target are
+    within 1e-4 of an edge; a KLTRPO record (no beta) and a side experiment are never picked."""
+
+    def with_kls(record, *kls):
+        return {**record, "target_kl": 0.02, "kl_updates": [{"timesteps": 64 * i, "mean": kl} for i, kl in enumerate(kls)]}
+
+    records = [
+        with_kls(_record("klppo", "aaa", 1.0), 0.02, 0.8 * 0.02 * 1.000005),  # near the lower edge
+        with_kls(_record("clip_klppo", "aaa", 1.0, seed=1), 1.25 * 0.02 * 0.99999),  # near the upper edge
+        with_kls(_record("klppo_noclip", "aaa", 1.0, seed=2), 0.02, 0.8 * 0.02 * 1.01),  # 1 % away
+        with_kls(_record("kltrpo", "aaa", 1.0), 0.8 * 0.02),  # KLTRPO has no beta
+        with_kls(_record("klppo", "bbb", 1.0, overrides={"kl_coef": 0.2}), 0.8 * 0.02),  # a side experiment
+    ]
+    chosen = record_reproduction.near_band_edge_records(records, HERE, 1e-4)
+    assert sorted((r["algo"], r["seed"]) for r in chosen) == [("clip_klppo", 1), ("klppo", 0)]
+    assert len(record_reproduction.near_band_edge_records(records, HERE, 0.02)) == 3
