@@ -53,8 +53,20 @@ def snapshot_policy(model):
     return policy.set_training_mode(False) or policy
 
 
-def independent_kl(old_policy, new_policy, obs) -> np.ndarray:
-    """Per-state KL(old || new) from PyTorch's kl_divergence on the two policies' own distributions."""
+def in_float64(distribution):
+    """The same torch distribution (or list of them: MultiCategorical) with its float32 parameters cast to float64."""
+    if isinstance(distribution, list):
+        return [in_float64(d) for d in distribution]
+    if isinstance(distribution, th.distributions.Normal):
+        return th.distributions.Normal(distribution.loc.double(), distribution.scale.double())
+    return type(distribution)(logits=distribution.logits.double())  # Categorical, Bernoulli
+
+
+def independent_kl(old_policy, new_policy, obs, float64: bool = False) -> np.ndarray:
+    """
+    Per-state KL(old || new) from PyTorch's kl_divergence on the two policies' own distributions (``float64``: their
+    float32 parameters cast to float64 first).
+    """
     with th.no_grad():
         if isinstance(obs, dict):
             obs_tensor = {key: th.as_tensor(value) for key, value in obs.items()}
@@ -63,6 +75,8 @@ def independent_kl(old_policy, new_policy, obs) -> np.ndarray:
         old = copy.copy(old_policy.get_distribution(obs_tensor))
         new = new_policy.get_distribution(obs_tensor)
         old_d, new_d = old.distribution, new.distribution
+        if float64:
+            old_d, new_d = in_float64(old_d), in_float64(new_d)
         if isinstance(old_d, list):  # MultiCategorical
             kl = sum(th.distributions.kl_divergence(p, q) for p, q in zip(old_d, new_d, strict=True))
         else:
@@ -800,19 +814,6 @@ def test_logged_kl_equals_independent_kl_far_outside_the_band(env_name):
     assert logged["train/kl_max"] == pytest.approx(reference.max(), rel=1e-3)
 
 
-def float64_kl(old_policy, new_policy, obs) -> np.ndarray:
-    """Per-state KL(old || new) from the two policies' float32 outputs, cast to float64 before torch.distributions."""
-    with th.no_grad():
-        old = old_policy.get_distribution(th.as_tensor(obs)).distribution
-        new = new_policy.get_distribution(th.as_tensor(obs)).distribution
-    if isinstance(old, th.distributions.Categorical):
-        return th.distributions.kl_divergence(
-            th.distributions.Categorical(logits=old.logits.double()), th.distributions.Categorical(logits=new.logits.double())
-        ).numpy()
-    normals = [th.distributions.Normal(d.loc.double(), d.scale.double()) for d in (old, new)]
-    return th.distributions.kl_divergence(*normals).sum(dim=-1).numpy()
-
-
 @pytest.mark.parametrize("env_name", ["discrete", "box"])
 def test_logged_kl_of_a_tiny_update_is_exact(env_name):
     """
@@ -824,7 +825,7 @@ def test_logged_kl_of_a_tiny_update_is_exact(env_name):
     model = KLPPO("MlpPolicy", ENVS[env_name](), learning_rate=1e-6, **SMALL)
     model.learn(2 * SMALL["n_steps"], callback=snapshots)
     old_policy, obs = snapshots.snapshots[-1]
-    reference = float64_kl(old_policy, model.policy, obs)
+    reference = independent_kl(old_policy, model.policy, obs, float64=True)
     logged = model.logger.name_to_value
     assert 0 < reference.mean() < 1e-7, "the update must be tiny"
     assert logged["train/kl"] == pytest.approx(reference.mean(), rel=1e-3)

@@ -546,6 +546,16 @@ def per_state_importance_sampled_kl(
     return _reduce(settings, dist_params, joint)
 
 
+def as_float64(*tensors: th.Tensor | None) -> tuple[th.Tensor | None, ...]:
+    """
+    The inputs of a KL measured after an update, cast to float64 (None kept): a per-state KL is a small difference of
+    log-probabilities, which float32 rounds to ~1e-7 of their size, so the KL of a small update would lose its digits.
+
+    :return: ``tensors`` in float64, in their order
+    """
+    return tuple(None if tensor is None else tensor.double() for tensor in tensors)
+
+
 def per_state_kl(
     settings: KLSettings,
     dist_params: DistributionParams,

@@ -54,6 +54,7 @@ from sb3_kl.common.kl import (
     GaussianParams,
     KLSettings,
     actions_for_log_prob,
+    as_float64,
     kl_log_prob,
     kl_quantiles,
     per_state_kl,
@@ -972,15 +973,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 distribution = self._samples_distribution(self.policy, data)
                 log_ratio = distribution.log_prob(self._actions_for_log_prob(data.actions)) - data.old_log_prob
                 new_params = self.dist_params.extract(distribution)
-                kls.append(
-                    per_state_kl(
-                        self.kl_settings,
-                        self.dist_params,
-                        data.old_dist_params.double(),
-                        new_params.double(),
-                        log_ratio.double(),
-                    )
-                )
+                inputs = as_float64(data.old_dist_params, new_params, log_ratio)
+                kls.append(per_state_kl(self.kl_settings, self.dist_params, *inputs))
                 params.append(new_params)
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
 

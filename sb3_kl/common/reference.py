@@ -42,6 +42,7 @@ from sb3_kl.common.kl import (
     KL_ESTIMATORS,
     DistributionParams,
     KLSettings,
+    as_float64,
     check_choice,
     kl_quantiles,
     per_state_importance_sampled_kl,
@@ -503,8 +504,7 @@ class ReferenceKLMixin:
                 new_params = self.dist_params.extract(distribution)  # type: ignore[attr-defined]
                 masks = self._sample_masks(data)  # type: ignore[attr-defined]
                 ref_params, ref_log_prob = self._reference_distribution(data.observations, actions, masks)
-                inputs = (ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob)
-                kls.append(self._reference_kl(*(None if t is None else t.double() for t in inputs)))
+                kls.append(self._reference_kl(*as_float64(ref_params, new_params, log_prob, ref_log_prob, data.old_log_prob)))
         return th.cat(kls).cpu().numpy()
 
     def _record_reference_kl(self) -> None:

@@ -15,7 +15,7 @@ from stable_baselines3.common.utils import explained_variance
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.controllers import KLController
-from sb3_kl.common.kl import attach_sde_features, per_state_kl
+from sb3_kl.common.kl import as_float64, attach_sde_features, per_state_kl
 from sb3_kl.common.modes import (
     has_mode_dependent_modules,
     has_running_statistics,
@@ -646,14 +646,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         log_ratio = None
         if evaluation.log_prob is not None:
             log_ratio = evaluation.log_prob.reshape(-1) - th.as_tensor(self._flat_old_log_prob(), device=new_params.device)
-        # in float64, as every algorithm measures the KL of its update (see the base class's method)
-        per_state = per_state_kl(
-            self.kl_settings,
-            self.dist_params,
-            old_params.double(),
-            new_params.double(),
-            None if log_ratio is None else log_ratio.double(),
-        )
+        per_state = per_state_kl(self.kl_settings, self.dist_params, *as_float64(old_params, new_params, log_ratio))
         return per_state.cpu().numpy(), new_params.cpu().numpy()
 
     def _flat_old_log_prob(self) -> np.ndarray:
@@ -686,8 +679,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         ref_params = th.as_tensor(buffer.ref_dist_params, device=device)
         ref_log_prob = None if buffer.ref_log_prob is None else th.as_tensor(buffer.ref_log_prob, device=device)
         old_log_prob = th.as_tensor(self._flat_old_log_prob(), device=device) if log_prob is not None else None
-        inputs = (ref_params, new_params, log_prob, ref_log_prob, old_log_prob)
-        return self._reference_kl(*(None if t is None else t.double() for t in inputs)).cpu().numpy()
+        return self._reference_kl(*as_float64(ref_params, new_params, log_prob, ref_log_prob, old_log_prob)).cpu().numpy()
 
     def learn(
         self: SelfRecurrentKLPPO,
