@@ -25,6 +25,7 @@ from sb3_kl.common.kl import (
     CategoricalParams,
     DistributionParams,
     actions_for_log_prob,
+    as_float64,
     GaussianParams,
     KLSettings,
     MultiCategoricalParams,
@@ -586,7 +587,7 @@ class KLMonitorCallback(BaseCallback):
             n_envs = sequences.n_envs
             params = [step_major(evaluation.params[:n_envs]), step_major(evaluation.params[n_envs:])]
         exact = KLSettings(estimator="analytic", direction=self.settings.direction, reduction=self.settings.reduction)
-        return float(per_state_kl(exact, self._dist_params, params[0].double(), params[1].double(), None).mean())
+        return float(per_state_kl(exact, self._dist_params, *as_float64(params[0], params[1])).mean())
 
     def _measure_pending(self) -> None:
         if self._snapshot is None:
@@ -601,9 +602,7 @@ class KLMonitorCallback(BaseCallback):
         per_state_t = per_state_kl(
             self.settings,
             self._dist_params,
-            snapshot["old_params"].double(),
-            new_params.double(),
-            None if log_ratio is None else log_ratio.double(),
+            *as_float64(snapshot["old_params"], new_params, log_ratio),
         )
         per_state = per_state_t.cpu().numpy().astype(np.float64)
         record = self._statistics(snapshot, per_state, new_params)
@@ -644,7 +643,7 @@ class KLMonitorCallback(BaseCallback):
         self._lagged_policy.load_state_dict(self._lagged_weights[0])
         lagged_params, _ = self._evaluate(snapshot, self._lagged_policy, with_log_prob=False)
         exact = KLSettings(estimator="analytic", direction=self.settings.direction, reduction=self.settings.reduction)
-        return float(per_state_kl(exact, self._dist_params, lagged_params.double(), new_params.double(), None).mean())
+        return float(per_state_kl(exact, self._dist_params, *as_float64(lagged_params, new_params)).mean())
 
     @th.no_grad()
     def _statistics(self, snapshot: dict[str, Any], per_state: np.ndarray, new_params: th.Tensor) -> dict[str, Any]:
@@ -710,7 +709,7 @@ class KLMonitorCallback(BaseCallback):
         assert self._dist_params is not None
         if settings.convention == self.settings.convention:
             return float(record["mean"])
-        per_state = per_state_kl(settings, self._dist_params, old_params.double(), new_params.double(), None)
+        per_state = per_state_kl(settings, self._dist_params, *as_float64(old_params, new_params))
         return float(per_state.mean())
 
     def _kl_to_uniform(self, entropy: th.Tensor, masks: th.Tensor | None) -> float | None:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
-from sb3_kl.common.kl import attach_sde_features, per_state_kl, sb3_contrib_kl_reduction
+from sb3_kl.common.kl import as_float64, attach_sde_features, per_state_kl, sb3_contrib_kl_reduction
 from sb3_kl.common.modes import RUNNING_STATISTICS_MODULES, acting_mode, has_mode_dependent_modules, modules_run_by
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
@@ -688,8 +688,8 @@ class KLTRPO(KLOnPolicyAlgorithm):
                     candidate_distribution = self.policy.get_distribution(full_observations)
                 # in float64: near 0 the float32 KL loses its digits to cancellation, and the bound must hold at any
                 # target (a schedule's last update has MIN_TARGET_KL = 1e-8)
-                candidate_params = self.dist_params.extract(candidate_distribution).double()
-                per_state = per_state_kl(self.kl_settings, self.dist_params, constraint_old_params.double(), candidate_params)
+                old, new = as_float64(constraint_old_params, self.dist_params.extract(candidate_distribution))
+                per_state = per_state_kl(self.kl_settings, self.dist_params, old, new)
                 tail = th.quantile(per_state, self.tail_quantile).item() if self.tail_kl is not None else None
                 return objective, per_state.mean().item(), tail
 
