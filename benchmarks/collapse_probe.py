@@ -94,7 +94,7 @@ def make_probe() -> Any:
             if self.previous_policy is not None:
                 row["last_update_kl_here"] = self._last_update_kl_here()
             controller = getattr(model, "kl_controller", None)
-            if controller is not None:
+            if controller is not None and model.has_kl_coef:
                 row["kl_coef"] = float(model.kl_coef)
                 row["kl_coef_at_floor"] = float(model.kl_coef <= controller.kl_coef_bounds[0] * (1.0 + 1e-9))
             self.rows.append(row)

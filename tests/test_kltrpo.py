@@ -596,3 +596,21 @@ def test_the_bound_holds_at_targets_near_zero(target_kl):
     assert len(means) == 3 and np.all(means > 0.5 * target_kl), means
     assert np.all(means <= target_kl * (1 + 1e-6)), means / target_kl
     assert model.logger.name_to_value["train/kl"] == pytest.approx(means[-1], rel=1e-6)
+
+
+def test_has_no_kl_coef_to_read_or_set():
+    # a hard constraint has no penalty: the unused controller's beta is not a number KLTRPO offers
+    model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=64, seed=0)
+    assert not model.has_kl_coef and not hasattr(model, "kl_coef")
+    with pytest.raises(AttributeError, match=r"KLTRPO has no KL penalty, so no `kl_coef`.*`target_kl`"):
+        _ = model.kl_coef
+    with pytest.raises(ValueError, match="KLTRPO has no KL penalty, so no `kl_coef`"):
+        model.kl_coef = 0.5
+
+
+def test_load_refuses_a_kl_coef(tmp_path):
+    model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=64, seed=0)
+    model.save(tmp_path / "model.zip")
+    with pytest.raises(ValueError, match="KLTRPO has no KL penalty, so no `kl_coef`"):
+        KLTRPO.load(tmp_path / "model.zip", kl_coef=0.5)
+    assert KLTRPO.load(tmp_path / "model.zip").target_kl(1.0) == model.target_kl(1.0)

@@ -410,11 +410,20 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
     @property
     def kl_coef(self) -> float:
-        """The current KL coefficient beta (held by ``kl_controller``)."""
+        """
+        The current KL coefficient beta (held by ``kl_controller``).
+
+        :raises AttributeError: on an algorithm without a KL penalty (:attr:`has_kl_coef` False, e.g. ``KLTRPO``), where
+            the controller's value would be one that nothing uses
+        """
+        if not self.has_kl_coef:
+            raise AttributeError(self._no_kl_coef_message())
         return self.kl_controller.kl_coef
 
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
+        if not self.has_kl_coef:
+            raise ValueError(self._no_kl_coef_message())
         # The constructor's checks (KLController.__init__): a positive finite number within ``kl_coef_bounds``
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"`kl_coef` must be a positive finite number, got {value!r}.")
@@ -427,6 +436,12 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 "keyword of `load`)."
             )
         self.kl_controller.kl_coef = float(value)
+
+    def _no_kl_coef_message(self) -> str:
+        return (
+            f"{type(self).__name__} has no KL penalty, so no `kl_coef`: it holds the KL under `target_kl` as a hard "
+            "constraint. Set `target_kl` to change the step size (the reference penalty's coefficient is `ref_kl_coef`)."
+        )
 
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
