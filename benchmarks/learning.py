@@ -1104,6 +1104,27 @@ def updates_to_band(record: dict[str, Any]) -> int:
     return in_band.index(True) if True in in_band else len(in_band)
 
 
+def start_table(
+    source: str,
+    coef: float,
+    default: dict[tuple[str, str, float], list[dict[str, Any]]],
+    lowered: dict[tuple[str, str, float], list[dict[str, Any]]],
+) -> list[str]:
+    """
+    The subsection of one initial beta: its heading (with ``source``, where its records are) and the table of its
+    cells beside the same cells and seeds started at the default 1.0 (:func:`paired_rows`).
+    """
+    label = f"{coef:g}"
+    return [
+        "",
+        f"### Starting at {label} ({source})",
+        "",
+        "| env | lr | algo | n | " + PAIRED_HEADER.format(a="1.0", b=label)[2:],
+        "|" + "---|" * 14,
+        *paired_rows(default, lowered),
+    ]
+
+
 #: KLPPO's initial beta measured as a default: (folder of the records under results/, kl_coef, what they showed)
 INITIAL_KL_COEF_RUNS = [
     (
@@ -1168,12 +1189,7 @@ def initial_kl_coef_comparison(tier: str) -> str:
             auc.append(f"{cell} {text}: {result}")
         label = f"{coef:g}"
         lines += [
-            "",
-            f"### Starting at {label} (records in `benchmarks/results/{folder}/`, code {versions})",
-            "",
-            "| env | lr | algo | n | " + PAIRED_HEADER.format(a="1.0", b=label)[2:],
-            "|" + "---|" * 14,
-            *paired_rows(default, lowered),
+            *start_table(f"records in `benchmarks/results/{folder}/`, code {versions}", coef, default, lowered),
             "",
             f"AUC difference ({label} - 1.0): " + "; ".join(auc) + ".",
             "",
@@ -1184,74 +1200,95 @@ def initial_kl_coef_comparison(tier: str) -> str:
     return "\n".join(lines)
 
 
-#: ClipKLPPO's initial beta measured at the floor of ``kl_coef_bounds``: (folder of the records under results/, kl_coef)
-CLIP_KLPPO_START_RUNS = ("clip_klppo_kl_coef_0.0001", 1e-4)
+#: ClipKLPPO's initial beta measured below the default 1.0: (folder of the records under results/, kl_coef, which
+#: cells were re-run and why, what they showed), in report order
+CLIP_KLPPO_START_RUNS = [
+    (
+        "clip_klppo_kl_coef_0.0001",
+        1e-4,
+        "every cell of the grid",
+        "",
+    ),
+    (
+        "clip_klppo_kl_coef_0.01",
+        1e-2,
+        "the two cells where the floor start pulled in opposite directions: CartPole-v1 (its one collapse gone) and "
+        "Hopper-v5 (collapses 1 -> 3)",
+        "",
+    ),
+]
 
 
 def clip_klppo_start_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str) -> str:
     """
     ClipKLPPO's initial beta: the grid's ``clip_klppo`` cells (beta starting at the default 1.0) beside the same cells
-    and seeds re-run with beta starting at the floor of its bounds (:data:`CLIP_KLPPO_START_RUNS`, written with
-    ``--override kl_coef=<value>``), and both against stock PPO (same clip, same seeds), whose steps ClipKLPPO's would
-    then take until an update's KL leaves the band.
+    and seeds re-run with beta starting lower (:data:`CLIP_KLPPO_START_RUNS`, written with ``--override
+    kl_coef=<value>``), and both against stock PPO (same clip, same seeds), whose steps ClipKLPPO's would then take
+    until an update's KL leaves the band.
     """
-    folder, coef = CLIP_KLPPO_START_RUNS
-    lowered = {key: runs for key, runs in load_folder(f"{folder}/runs/{tier}").items() if key[1] == "clip_klppo"}
     grid = {key: runs for key, runs in groups.items() if key[1] == "clip_klppo"}
-    pairs = paired_runs(grid, lowered)
-    if not pairs:
+    measured = []
+    for folder, coef, cells, finding in CLIP_KLPPO_START_RUNS:
+        lowered = {key: runs for key, runs in load_folder(f"{folder}/runs/{tier}").items() if key[1] == "clip_klppo"}
+        pairs = paired_runs(grid, lowered)
+        if pairs:
+            measured.append((folder, coef, cells, finding, lowered, pairs))
+    if not measured:
         return ""
-    records = [r for runs in lowered.values() for r in runs]
-    versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
-    label = f"{coef:g}"
+    starts = " and ".join(f"{entry[1]:g}" for entry in measured)
     lines = [
-        f"## ClipKLPPO's initial beta (`kl_coef`): {label} measured against the default 1.0",
+        f"## ClipKLPPO's initial beta (`kl_coef`): {starts} measured against the default 1.0",
         "",
         "ClipKLPPO always clips, and stops an update's epochs (`kl_stop_factor=2.0`) and bends its loss (the hinge above "
-        "2 x target) when the KL runs away, so beta is its third control, not its only one. Starting beta at the floor "
-        f"of `kl_coef_bounds` ({label}) leaves the first steps to PPO's clip; beta rises by the adaptation factor after "
-        "each update whose KL is over the band. The grid's `clip_klppo` cells were re-run so (from the repository root: "
-        f"`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier} --algos "
-        f"clip_klppo --envs <env> --lr-mults <1 or 10> --seeds <the grid's> --override kl_coef={label}`; records in "
-        f"`benchmarks/results/{folder}/`, code {versions}), same seeds and hyperparameters, beside the grid's runs at "
-        f"1.0. Difference of the evaluation returns ({label} - 1.0) with its Welch p-value: tie when p ≥ {SIGNIFICANCE}.",
-        "",
-        "| env | lr | algo | n | " + PAIRED_HEADER.format(a="1.0", b=label)[2:],
-        "|" + "---|" * 14,
-        *paired_rows(grid, lowered),
-        "",
-        f"Against stock PPO on the same seeds (ours - PPO's; evaluation, then AUC), at 1.0 and at {label}:",
-        "",
-        f"| env | lr | n | eval 1.0 - PPO | eval {label} - PPO | AUC 1.0 - PPO | AUC {label} - PPO |",
-        "|---|---|---|---|---|---|---|",
+        "2 x target) when the KL runs away, so beta is its third control, not its only one. Starting beta low, down to "
+        "the floor of `kl_coef_bounds` (0.0001), leaves the first steps to PPO's clip; beta rises by the adaptation "
+        "factor after each update whose KL is over the band. The grid's `clip_klppo` cells were re-run so (from the "
+        "repository root: `SB3_KL_BENCHMARK_RESULTS=benchmarks/results/clip_klppo_kl_coef_<start> python "
+        f"benchmarks/learning.py --tier {tier} --algos clip_klppo --envs <env> --lr-mults <1 or 10> --seeds <the "
+        "grid's> --override kl_coef=<start>`; records in `benchmarks/results/clip_klppo_kl_coef_<start>/`), same seeds "
+        "and hyperparameters, beside the grid's runs at 1.0. Difference of the evaluation returns (start - 1.0) with "
+        f"its Welch p-value: tie when p ≥ {SIGNIFICANCE}.",
     ]
-    for (env, _, mult), old, new in pairs:
-        ppo = {r["seed"]: r for r in groups.get((env, "ppo", mult), [])}
-        seeds = [r["seed"] for r in new if r["seed"] in ppo]
-        if not seeds:
-            continue
-        base = [ppo[seed] for seed in seeds]
-        cells = []
-        for metric in ("eval", "auc"):
-            for runs in (old, new):
-                ours = [r for r in runs if r["seed"] in seeds]
-                value = (lambda r: r["eval_mean"]) if metric == "eval" else (lambda r: summarize(r)["auc"])
-                text, result = verdict([value(r) for r in ours], [value(r) for r in base])
-                cells.append(f"{text}: {result}")
-        lines.append(f"| {env} | x{mult:g} | {len(seeds)} | " + " | ".join(cells) + " |")
-    measured = {cell: len(new) for cell, _, new in pairs}
-    missing = [
-        f"{env} x{mult:g} ({len(runs) - measured.get((env, algo, mult), 0)} of {len(runs)} seeds)"
-        for (env, algo, mult), runs in sorted(grid.items(), key=lambda item: cell_order(item[0]))
-        if measured.get((env, algo, mult), 0) < len(runs)
-    ]
-    lines += [
-        "",
-        "The grid's clip_klppo runs not re-run yet: " + ", ".join(missing) + ". The default stays 1.0 until every cell "
-        "is measured."
-        if missing
-        else "Every clip_klppo cell of the grid is measured.",
-    ]
+    for folder, coef, cells, finding, lowered, pairs in measured:
+        records = [r for runs in lowered.values() for r in runs]
+        versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
+        label = f"{coef:g}"
+        lines += [
+            *start_table(f"records in `benchmarks/results/{folder}/`, code {versions}; re-run: {cells}", coef, grid, lowered),
+            "",
+            f"Against stock PPO on the same seeds (ours - PPO's; evaluation, then AUC), at 1.0 and at {label}:",
+            "",
+            f"| env | lr | n | eval 1.0 - PPO | eval {label} - PPO | AUC 1.0 - PPO | AUC {label} - PPO |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for (env, _, mult), old, new in pairs:
+            ppo = {r["seed"]: r for r in groups.get((env, "ppo", mult), [])}
+            seeds = [r["seed"] for r in new if r["seed"] in ppo]
+            if not seeds:
+                continue
+            base = [ppo[seed] for seed in seeds]
+            row = []
+            for metric in ("eval", "auc"):
+                for runs in (old, new):
+                    ours = [r for r in runs if r["seed"] in seeds]
+                    value = (lambda r: r["eval_mean"]) if metric == "eval" else (lambda r: summarize(r)["auc"])
+                    text, result = verdict([value(r) for r in ours], [value(r) for r in base])
+                    row.append(f"{text}: {result}")
+            lines.append(f"| {env} | x{mult:g} | {len(seeds)} | " + " | ".join(row) + " |")
+        done = {cell: len(new) for cell, _, new in pairs}
+        missing = [
+            f"{env} x{mult:g} ({len(runs) - done.get((env, algo, mult), 0)} of {len(runs)} seeds)"
+            for (env, algo, mult), runs in sorted(grid.items(), key=lambda item: cell_order(item[0]))
+            if done.get((env, algo, mult), 0) < len(runs)
+        ]
+        lines += [
+            "",
+            f"The grid's clip_klppo runs not re-run at {label}: " + ", ".join(missing) + "."
+            if missing
+            else f"Every clip_klppo cell of the grid is measured at {label}.",
+        ]
+        if finding:
+            lines += ["", finding]
     return "\n".join(lines)
 
 

@@ -506,10 +506,11 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     assert "## KLPPO's target on" not in learning.report("tiny")
 
 
-def test_report_sets_clip_klppo_started_at_the_floor_beside_the_grid_and_ppo(tmp_path, monkeypatch):
+def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     monkeypatch.setattr(learning, "plot", lambda *args: None)
-    folder, coef = learning.CLIP_KLPPO_START_RUNS
+    folder, coef, _, _ = learning.CLIP_KLPPO_START_RUNS[0]
+    middle, middle_coef, _, _ = learning.CLIP_KLPPO_START_RUNS[1]
     grid, lowered = tmp_path / "runs" / "tiny", tmp_path / folder / "runs" / "tiny"
     for seed in range(3):
         _write(grid, _record("ppo", "Pendulum-v1", seed, -200.0 + seed, [0.03], 0.03))
@@ -527,8 +528,21 @@ def test_report_sets_clip_klppo_started_at_the_floor_beside_the_grid_and_ppo(tmp
     # against PPO: 100 worse at 1.0, the same at the floor (equal returns: a tie)
     against_ppo = _row(section, "| Pendulum-v1 | x1 | 3 |")
     assert against_ppo.startswith("| Pendulum-v1 | x1 | 3 | -100.0 (p<0.001): worse | +0.0 (p=1.00): tie |")
-    assert "not re-run yet: CartPole-v1 x1 (3 of 3 seeds). The default stays 1.0" in section
+    assert f"not re-run at {coef:g}: CartPole-v1 x1 (3 of 3 seeds)." in section
+    assert f"### Starting at {middle_coef:g}" not in section  # no records at the middle start
+    # a second start gets its own table, beside the same grid
+    for seed in range(2):
+        _write(tmp_path / middle / "runs" / "tiny", _record("clip_klppo", "CartPole-v1", seed, 400.0, [0.02], 0.02))
+    text = learning.report("tiny")
+    start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} and {middle_coef:g} measured against")
+    section = text[start : text.index("\n## ", start)]
+    middle_part = section[section.index(f"### Starting at {middle_coef:g}") :]
+    assert _row(middle_part, "| CartPole-v1 | x1 | clip_klppo |").startswith(
+        "| CartPole-v1 | x1 | clip_klppo | 2 | 500.0 ± 0.0 | 400.0 ± 0.0 | -100.0 (p<0.001): worse"
+    )
+    assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds), Pendulum-v1 x1 (3 of 3 seeds)." in middle_part
     _empty(lowered)
+    _empty(tmp_path / middle / "runs" / "tiny")
     assert "## ClipKLPPO's initial beta" not in learning.report("tiny")
 
 
