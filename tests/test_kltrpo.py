@@ -10,6 +10,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.envs import IdentityEnvBox, IdentityEnvMultiBinary, IdentityEnvMultiDiscrete
 
 from sb3_kl import KLTRPO
+from sb3_kl.common.controllers import FixedKLController
 
 TINY = dict(policy_kwargs=dict(net_arch=[16]), batch_size=64, n_critic_updates=2)
 
@@ -602,15 +603,25 @@ def test_has_no_kl_coef_to_read_or_set():
     # a hard constraint has no penalty: the unused controller's beta is not a number KLTRPO offers
     model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=64, seed=0)
     assert not model.has_kl_coef and not hasattr(model, "kl_coef")
-    with pytest.raises(AttributeError, match=r"KLTRPO has no KL penalty, so no `kl_coef`.*`target_kl`"):
-        _ = model.kl_coef
-    with pytest.raises(ValueError, match="KLTRPO has no KL penalty, so no `kl_coef`"):
-        model.kl_coef = 0.5
+    for access in (lambda: model.kl_coef, lambda: setattr(model, "kl_coef", 0.5)):
+        with pytest.raises(AttributeError, match=r"KLTRPO has no KL penalty, so no `kl_coef`.*set `target_kl`"):
+            access()
 
 
-def test_load_refuses_a_kl_coef(tmp_path):
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(kl_coef=0.5),
+        dict(custom_objects={"kl_coef": 0.5}),
+        dict(kl_controller=FixedKLController(kl_coef=0.5)),
+        dict(kl_coef_bounds=(1e-3, 5.0)),
+        dict(kl_adapt_factor=3.0),
+    ],
+)
+def test_load_refuses_the_options_of_a_kl_penalty(tmp_path, option):
     model = KLTRPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=64, seed=0)
     model.save(tmp_path / "model.zip")
-    with pytest.raises(ValueError, match="KLTRPO has no KL penalty, so no `kl_coef`"):
-        KLTRPO.load(tmp_path / "model.zip", kl_coef=0.5)
-    assert KLTRPO.load(tmp_path / "model.zip").target_kl(1.0) == model.target_kl(1.0)
+    name = next(iter(option.get("custom_objects", option)))
+    with pytest.raises(ValueError, match=rf"KLTRPO.load\(\) got `{name}`: KLTRPO has no KL penalty.*Drop it"):
+        KLTRPO.load(tmp_path / "model.zip", **option)
+    assert KLTRPO.load(tmp_path / "model.zip", target_kl=0.02).target_kl(1.0) == 0.02

@@ -423,7 +423,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
         if not self.has_kl_coef:
-            raise ValueError(self._no_kl_coef_message())
+            raise AttributeError(self._no_kl_coef_message())
         # The constructor's checks (KLController.__init__): a positive finite number within ``kl_coef_bounds``
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"`kl_coef` must be a positive finite number, got {value!r}.")
@@ -437,11 +437,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             )
         self.kl_controller.kl_coef = float(value)
 
-    def _no_kl_coef_message(self) -> str:
-        return (
-            f"{type(self).__name__} has no KL penalty, so no `kl_coef`: it holds the KL under `target_kl` as a hard "
-            "constraint. Set `target_kl` to change the step size (the reference penalty's coefficient is `ref_kl_coef`)."
-        )
+    @classmethod
+    def _no_kl_coef_message(cls) -> str:
+        """Why an algorithm without a KL penalty (:attr:`has_kl_coef` False) has no ``kl_coef``, and what to set instead."""
+        return f"{cls.__name__} has no KL penalty, so no `kl_coef` or KL controller."
 
     def _excluded_save_params(self) -> list[str]:
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
@@ -537,6 +536,18 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         a different one raises a ``ValueError`` naming the option (a ready controller object,
         ``kl_controller=AdaptiveKLController(...)``, replaces the saved one).
         """
+        if not cls.has_kl_coef:
+            # no penalty: beta and its controller's options would only reach a controller nothing uses
+            given = [
+                name
+                for name in ("kl_coef", *(n for n, (holder, _) in FIXED_AT_CONSTRUCTION.items() if holder == "kl_controller"))
+                if name in {**(custom_objects or {}), **kwargs}
+            ]
+            if given:
+                raise ValueError(
+                    f"{cls.__name__}.load() got {', '.join(f'`{name}`' for name in given)}: {cls._no_kl_coef_message()} "
+                    "Drop it from load()'s keywords and custom_objects."
+                )
         data = read_saved_data(path)
         stock = saved_without_kl_state(data)
         cls._check_saved_policy_family(path, data)

@@ -336,6 +336,13 @@ class KLTRPO(KLOnPolicyAlgorithm):
             self._setup_model()
             self._refuse_running_statistics_on_the_actor()
 
+    @classmethod
+    def _no_kl_coef_message(cls) -> str:
+        return (
+            f"{super()._no_kl_coef_message()} It holds the KL under `target_kl` as a hard constraint: set `target_kl` "
+            "to change its steps (the reference penalty's coefficient is `ref_kl_coef`)."
+        )
+
     def _resolve_kl_convention(self) -> None:
         """With ``kl_reduction="sb3_contrib"``, set the constrained (and reference) KL's reduction for the action space."""
         if getattr(self, "sb3_contrib_kl", False) and getattr(self, "action_space", None) is not None:
