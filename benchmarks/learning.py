@@ -1200,23 +1200,24 @@ def initial_kl_coef_comparison(tier: str) -> str:
     return "\n".join(lines)
 
 
-#: ClipKLPPO's initial beta measured below the default 1.0: (folder of the records under results/, kl_coef, which
-#: cells were re-run and why, what they showed), in report order
-CLIP_KLPPO_START_RUNS = [
-    (
-        "clip_klppo_kl_coef_0.0001",
-        1e-4,
-        "every cell of the grid",
-        "",
-    ),
+#: ClipKLPPO's initial beta measured below the default 1.0: (folder of the records under results/, kl_coef, the
+#: cells re-run as ``(env, lr_mult)`` (None: every cell of the grid), what they showed), in report order
+CLIP_KLPPO_START_RUNS: list[tuple[str, float, tuple[tuple[str, float], ...] | None, str]] = [
+    ("clip_klppo_kl_coef_0.0001", 1e-4, None, ""),
     (
         "clip_klppo_kl_coef_0.01",
         1e-2,
-        "the two cells where the floor start pulled in opposite directions: CartPole-v1 (its one collapse gone) and "
-        "Hopper-v5 (collapses 1 -> 3)",
+        tuple((env, 1.0) for env in ("CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-v3", "Hopper-v5")),
         "",
     ),
 ]
+
+
+def kl_coef_floor() -> float:
+    """The lower end of ClipKLPPO's default ``kl_coef_bounds``, where beta can start."""
+    from sb3_kl import ClipKLPPO
+
+    return inspect.signature(ClipKLPPO).parameters["kl_coef_bounds"].default[0]
 
 
 def clip_klppo_start_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str) -> str:
@@ -1241,9 +1242,9 @@ def clip_klppo_start_comparison(groups: dict[tuple[str, str, float], list[dict[s
         "",
         "ClipKLPPO always clips, and stops an update's epochs (`kl_stop_factor=2.0`) and bends its loss (the hinge above "
         "2 x target) when the KL runs away, so beta is its third control, not its only one. Starting beta low, down to "
-        "the floor of `kl_coef_bounds` (0.0001), leaves the first steps to PPO's clip; beta rises by the adaptation "
-        "factor after each update whose KL is over the band. The grid's `clip_klppo` cells were re-run so (from the "
-        "repository root: `SB3_KL_BENCHMARK_RESULTS=benchmarks/results/clip_klppo_kl_coef_<start> python "
+        f"the floor of `kl_coef_bounds` ({kl_coef_floor():g}), leaves the first steps to PPO's clip; beta rises by the "
+        "adaptation factor after each update whose KL is over the band. The grid's `clip_klppo` cells were re-run so "
+        "(from the repository root: `SB3_KL_BENCHMARK_RESULTS=benchmarks/results/clip_klppo_kl_coef_<start> python "
         f"benchmarks/learning.py --tier {tier} --algos clip_klppo --envs <env> --lr-mults <1 or 10> --seeds <the "
         "grid's> --override kl_coef=<start>`; records in `benchmarks/results/clip_klppo_kl_coef_<start>/`), same seeds "
         "and hyperparameters, beside the grid's runs at 1.0. Difference of the evaluation returns (start - 1.0) with "
@@ -1254,7 +1255,13 @@ def clip_klppo_start_comparison(groups: dict[tuple[str, str, float], list[dict[s
         versions = ", ".join(f"`{v}`" for v in sorted(code_versions(records)))
         label = f"{coef:g}"
         lines += [
-            *start_table(f"records in `benchmarks/results/{folder}/`, code {versions}; re-run: {cells}", coef, grid, lowered),
+            *start_table(
+                f"records in `benchmarks/results/{folder}/`, code {versions}; re-run: "
+                + ("every cell of the grid" if cells is None else ", ".join(f"{env} x{mult:g}" for env, mult in cells)),
+                coef,
+                grid,
+                lowered,
+            ),
             "",
             f"Against stock PPO on the same seeds (ours - PPO's; evaluation, then AUC), at 1.0 and at {label}:",
             "",
@@ -1279,13 +1286,13 @@ def clip_klppo_start_comparison(groups: dict[tuple[str, str, float], list[dict[s
         missing = [
             f"{env} x{mult:g} ({len(runs) - done.get((env, algo, mult), 0)} of {len(runs)} seeds)"
             for (env, algo, mult), runs in sorted(grid.items(), key=lambda item: cell_order(item[0]))
-            if done.get((env, algo, mult), 0) < len(runs)
+            if (cells is None or (env, mult) in cells) and done.get((env, algo, mult), 0) < len(runs)
         ]
         lines += [
             "",
             f"The grid's clip_klppo runs not re-run at {label}: " + ", ".join(missing) + "."
             if missing
-            else f"Every clip_klppo cell of the grid is measured at {label}.",
+            else f"Every clip_klppo cell of the grid planned at {label} is measured.",
         ]
         if finding:
             lines += ["", finding]

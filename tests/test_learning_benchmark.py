@@ -509,8 +509,10 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
 def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "RESULTS", tmp_path)
     monkeypatch.setattr(learning, "plot", lambda *args: None)
-    folder, coef, _, _ = learning.CLIP_KLPPO_START_RUNS[0]
-    middle, middle_coef, _, _ = learning.CLIP_KLPPO_START_RUNS[1]
+    (folder, coef, _, _), (middle, middle_coef, _, _) = learning.CLIP_KLPPO_START_RUNS[:2]
+    # the floor re-run on every cell, the middle start on CartPole only
+    starts = [(folder, coef, None, ""), (middle, middle_coef, (("CartPole-v1", 1.0),), "What the middle start showed.")]
+    monkeypatch.setattr(learning, "CLIP_KLPPO_START_RUNS", starts)
     grid, lowered = tmp_path / "runs" / "tiny", tmp_path / folder / "runs" / "tiny"
     for seed in range(3):
         _write(grid, _record("ppo", "Pendulum-v1", seed, -200.0 + seed, [0.03], 0.03))
@@ -540,6 +542,13 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     assert _row(middle_part, "| CartPole-v1 | x1 | clip_klppo |").startswith(
         "| CartPole-v1 | x1 | clip_klppo | 2 | 500.0 ± 0.0 | 400.0 ± 0.0 | -100.0 (p<0.001): worse"
     )
+    assert "re-run: CartPole-v1 x1)" in middle_part
+    assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds).\n\nWhat the middle start showed." in middle_part
+    # a start that re-runs every cell misses the ones not re-run yet
+    monkeypatch.setattr(learning, "CLIP_KLPPO_START_RUNS", [(folder, coef, None, ""), (middle, middle_coef, None, "")])
+    text = learning.report("tiny")
+    middle_part = text[text.index(f"### Starting at {middle_coef:g}") :]
+    assert "re-run: every cell of the grid)" in middle_part
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds), Pendulum-v1 x1 (3 of 3 seeds)." in middle_part
     _empty(lowered)
     _empty(tmp_path / middle / "runs" / "tiny")
