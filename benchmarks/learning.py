@@ -1296,7 +1296,52 @@ def clip_klppo_start_comparison(groups: dict[tuple[str, str, float], list[dict[s
         ]
         if finding:
             lines += ["", finding]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *collapses_by_start(grid, [(entry[1], entry[4]) for entry in measured])])
+
+
+def collapses_by_start(
+    grid: dict[tuple[str, str, float], list[dict[str, Any]]],
+    starts: list[tuple[float, dict[tuple[str, str, float], list[dict[str, Any]]]]],
+) -> list[str]:
+    """
+    The collapses (``count_collapses``) of every cell with one at any initial beta, by start: how many of the seeds
+    re-run at that start collapsed, which, and the two-sided Fisher exact test against the default 1.0 on the same seeds.
+
+    :param grid: the grid's cells (beta starting at 1.0)
+    :param starts: ``(kl_coef, its records by cell)`` for each start measured
+    """
+    rows = []
+    for cell in sorted(grid, key=cell_order):
+        env, _, mult = cell
+        by_seed = {r["seed"]: r for r in grid[cell]}
+        measured = [(coef, [r for r in records.get(cell, []) if r["seed"] in by_seed]) for coef, records in starts]
+        measured = [(coef, runs) for coef, runs in measured if runs]
+        def collapsed(runs: list[dict[str, Any]]) -> list[int]:
+            return [r["seed"] for r in runs if count_collapses(r["curve"]) > 0]
+
+        if not measured or not any(collapsed(runs) for runs in [list(by_seed.values()), *(runs for _, runs in measured)]):
+            continue
+        for coef, runs in [(1.0, list(by_seed.values())), *measured]:
+            fell, p = collapsed(runs), "-"
+            if coef != 1.0:
+                default = collapsed([by_seed[r["seed"]] for r in runs])
+                p = f"{fisher_exact_p(len(fell), len(runs), len(default), len(runs)):.2f}"
+            seeds = ", ".join(map(str, fell)) or "-"
+            label = "1.0 (default)" if coef == 1.0 else f"{coef:g}"
+            rows.append(f"| {env} | x{mult:g} | {label} | {len(runs)} | {len(fell)} | {seeds} | {p} |")
+    if not rows:
+        return []
+    return [
+        "### Collapses by initial beta",
+        "",
+        "Every cell with a collapse at any start: the seeds that collapsed (`count_collapses`) at each start, and the "
+        "two-sided Fisher exact test of the collapse count against the default 1.0 on the same seeds (a difference with "
+        f"p ≥ {SIGNIFICANCE} is a tie).",
+        "",
+        "| env | lr | kl_coef | seeds | collapses | seeds collapsed | p vs 1.0 |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 #: KLPPO's target on Hopper-v5, measured below the continuous default 0.03: (folder of the records under results/,
