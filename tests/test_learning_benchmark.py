@@ -532,11 +532,13 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     assert against_ppo.startswith("| Pendulum-v1 | x1 | 3 | -100.0 (p<0.001): worse | +0.0 (p=1.00): tie |")
     assert f"not re-run at {coef:g}: CartPole-v1 x1 (3 of 3 seeds)." in section
     assert f"### Starting at {middle_coef:g}" not in section  # no records at the middle start
-    assert "### Collapses by initial beta" not in section  # no collapse anywhere
+    assert "### Collapses by initial beta" not in section  # no collapse anywhere, nothing to decide on
+    assert learning.CLIP_KLPPO_START_VERDICT not in section
     # a second start gets its own table, beside the same grid; its seed 1 collapses
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     for seed in range(2):
         record = _record("clip_klppo", "CartPole-v1", seed, 400.0, [0.02], 0.02, curve=falling if seed else None)
+        record["kl_updates"] = [dict(timesteps=100 * i, mean=0.02 * (1 + i % 2), p99=0.06) for i in range(10)]
         _write(tmp_path / middle / "runs" / "tiny", record)
     text = learning.report("tiny")
     start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} and {middle_coef:g} measured against")
@@ -547,8 +549,10 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     )
     assert "re-run: CartPole-v1 x1)" in middle_part
     # the collapses of that cell at every start, on the seeds each re-ran, against 1.0's
-    assert "| CartPole-v1 | x1 | 1.0 (default) | 3 | 0 | - | - |" in section
-    assert f"| CartPole-v1 | x1 | {middle_coef:g} | 2 | 1 | 1 | 1.00 |" in section
+    assert "| CartPole-v1 | x1 | 1.0 (default) | 3 | 0 | - | - | - |" in section
+    assert section.rstrip().endswith(learning.CLIP_KLPPO_START_VERDICT)
+    # seed 1 fell with its updates at 400 and 500 steps, at 1 and 2 x target
+    assert f"| CartPole-v1 | x1 | {middle_coef:g} | 2 | 1 | 1 | s1 1.50 / 2.00 | 1.00 |" in section
     assert "| Pendulum-v1 | x1 |" not in section[section.index("### Collapses by initial beta") :]
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds).\n\nWhat the middle start showed." in middle_part
     # a start that re-runs every cell misses the ones not re-run yet
