@@ -1225,7 +1225,7 @@ CLIP_KLPPO_START_RUNS: list[tuple[str, float, tuple[tuple[str, float], ...] | No
 
 #: What the starts measured in :data:`CLIP_KLPPO_START_RUNS` decided, after their collapses
 CLIP_KLPPO_START_VERDICT = (
-    "Hopper-v5's collapses come in different seeds at each start, with each fall's per-update KL about the target, and "
+    "Hopper-v5's collapses come in mostly different seeds at each start, with each fall's per-update KL about the target, and "
     "no start's count differs significantly from 1.0's: where beta starts does not decide whether Hopper falls, and "
     "neither lower start ends the collapses the no-collapse goal counts (they move from CartPole-v1 to Hopper-v5). "
     "So the default stays 1.0. A lower start pays where PPO's clip at a tuned learning rate should set the first steps "
