@@ -646,8 +646,12 @@ def test_load_refuses_kl_options_it_cannot_apply(algo_name, tmp_path):
     assert loaded.kl_settings == model.kl_settings and type(loaded.kl_controller) is type(model.kl_controller)
     assert not (set(saved) - {"kl_controller", "ref_kl_controller"}) & set(vars(loaded)), "no stray attributes"
     assert type(loaded.ref_kl_controller) is type(model.ref_kl_controller)
-    loaded = algo.load(tmp_path / "model.zip", kl_controller=FixedKLController(kl_coef=0.5))
-    assert isinstance(loaded.kl_controller, FixedKLController) and loaded.kl_coef == 0.5
+    if algo.has_kl_coef:
+        loaded = algo.load(tmp_path / "model.zip", kl_controller=FixedKLController(kl_coef=0.5))
+        assert isinstance(loaded.kl_controller, FixedKLController) and loaded.kl_coef == 0.5
+    else:  # no penalty: a controller would be one nothing uses
+        with pytest.raises(ValueError, match="`kl_controller`: KLTRPO has no KL penalty"):
+            algo.load(tmp_path / "model.zip", kl_controller=FixedKLController(kl_coef=0.5))
     if algo_name == "KLTRPO":
         # kl_reduction="sb3_contrib" is resolved for the action space when the model is built
         model = algo("MlpPolicy", "Pendulum-v1", n_steps=64, policy_kwargs=dict(net_arch=[16]), kl_reduction="sb3_contrib")
