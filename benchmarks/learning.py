@@ -1312,7 +1312,7 @@ def clip_klppo_start_comparison(groups: dict[tuple[str, str, float], list[dict[s
             "",
             f"The grid's clip_klppo runs not re-run at {label}: " + ", ".join(missing) + "."
             if missing
-            else f"Every clip_klppo cell of the grid planned at {label} is measured.",
+            else f"Every clip_klppo cell of the grid {'is measured' if cells is None else 'planned is measured'} at {label}.",
         ]
         if finding:
             lines += ["", finding]
