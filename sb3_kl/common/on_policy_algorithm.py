@@ -534,7 +534,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         The options folded into the saved KL convention and controllers at construction (``kl_direction``,
         ``kl_band``, ... see :data:`FIXED_AT_CONSTRUCTION`) would be ignored the same way: the saved value is accepted,
         a different one raises a ``ValueError`` naming the option (a ready controller object,
-        ``kl_controller=AdaptiveKLController(...)``, replaces the saved one).
+        ``kl_controller=AdaptiveKLController(...)``, replaces the saved one). An algorithm without a KL penalty
+        (:attr:`has_kl_coef` False: ``KLTRPO``) refuses ``kl_coef`` and the KL controller's options with a ``ValueError``.
         """
         if not cls.has_kl_coef:
             # no penalty: beta and its controller's options would only reach a controller nothing uses
@@ -546,7 +547,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             if given:
                 raise ValueError(
                     f"{cls.__name__}.load() got {', '.join(f'`{name}`' for name in given)}: {cls._no_kl_coef_message()} "
-                    "Drop it from load()'s keywords and custom_objects."
+                    f"Drop {'it' if len(given) == 1 else 'them'} from load()'s keywords and custom_objects."
                 )
         data = read_saved_data(path)
         stock = saved_without_kl_state(data)
