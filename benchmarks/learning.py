@@ -1331,15 +1331,16 @@ def collapses_by_start(
     :param grid: the grid's cells (beta starting at 1.0)
     :param starts: ``(kl_coef, its records by cell)`` for each start measured
     """
+
+    def collapsed(runs: list[dict[str, Any]]) -> list[int]:
+        return [r["seed"] for r in runs if count_collapses(r["curve"]) > 0]
+
     rows = []
     for cell in sorted(grid, key=cell_order):
         env, _, mult = cell
         by_seed = {r["seed"]: r for r in grid[cell]}
         measured = [(coef, [r for r in records.get(cell, []) if r["seed"] in by_seed]) for coef, records in starts]
         measured = [(coef, runs) for coef, runs in measured if runs]
-        def collapsed(runs: list[dict[str, Any]]) -> list[int]:
-            return [r["seed"] for r in runs if count_collapses(r["curve"]) > 0]
-
         if not measured or not any(collapsed(runs) for runs in [list(by_seed.values()), *(runs for _, runs in measured)]):
             continue
         for coef, runs in [(1.0, list(by_seed.values())), *measured]:
