@@ -173,6 +173,8 @@ def rerun_spec(record: dict[str, Any]) -> dict[str, Any]:
     """:return: the spec of a record's run (cell, seed, tier and overrides), for :func:`train_and_evaluate` to repeat it"""
     spec = {key: record[key] for key in ("algo", "env", "seed", "lr_mult", "tier")}
     spec["overrides"] = record.get("overrides") or {}
+    if record["budget"] != BUDGETS[record["tier"]][record["env"]]:  # a run made with --budget
+        spec["budget"] = record["budget"]
     return spec
 
 
@@ -194,7 +196,8 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
     """
     Train and evaluate one run.
 
-    :param spec: the run: ``algo``, ``env``, ``seed``, ``lr_mult``, ``tier``, optional ``overrides`` and ``code_version``
+    :param spec: the run: ``algo``, ``env``, ``seed``, ``lr_mult``, ``tier``, optional ``overrides``, ``code_version``
+        and ``budget`` (environment steps, instead of the tier's for the environment)
     :param probes: more callbacks to train with (they must not change the training: no random draws, no writes to
         the model or the environment)
     :return: its record (not written: :func:`run_one` or the distributed grid does). ``learn(budget)`` ends with the
@@ -223,7 +226,7 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
         kwargs["target_kl"] = matched_target_kl(tier, env_id, lr_mult)
     overrides = spec.get("overrides") or {}
     kwargs.update(overrides)
-    budget = BUDGETS[tier][env_id]
+    budget = spec.get("budget") or BUDGETS[tier][env_id]
     env = make_vec_env(env_id, n_envs=setting["n_envs"], seed=seed)
     if setting["normalize"]:
         env = VecNormalize(env, gamma=kwargs.get("gamma", 0.99))
@@ -2250,7 +2253,16 @@ def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     mults = args.lr_mults or mults
     version = code_version()
     specs = [
-        dict(algo=a, env=e, seed=s, lr_mult=m, tier=args.tier, code_version=version, overrides=getattr(args, "override", {}))
+        dict(
+            algo=a,
+            env=e,
+            seed=s,
+            lr_mult=m,
+            tier=args.tier,
+            code_version=version,
+            overrides=getattr(args, "override", {}),
+            **({"budget": args.budget} if getattr(args, "budget", None) else {}),
+        )
         for e in envs
         for a in algos
         for m in mults
@@ -2340,6 +2352,12 @@ def main(argv: list[str] | None = None) -> None:
         help="constructor keyword arguments set on top of the settings (VALUE is JSON, e.g. kl_coef=0.2), for measuring a "
         "candidate default: write such runs to their own results folder (SB3_KL_BENCHMARK_RESULTS)",
     )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        help="environment steps per run instead of the tier's (a side experiment: only with SB3_KL_BENCHMARK_RESULTS set "
+        "to a folder inside benchmarks/results/, so that no grid cell mixes budgets)",
+    )
     parser.add_argument("--report", action="store_true", help="only regenerate tables and figures from the records")
     parser.add_argument(
         "--storage", help="database URL: queue the cells in an Optuna study there and work on them (distributed_grid.py)"
@@ -2349,6 +2367,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.tier = args.tier or "quick"
     args.override = dict(args.override)
+    if args.budget is not None and (args.budget <= 0 or not is_side_folder()):
+        parser.error(
+            f"--budget {args.budget}: give a positive number of steps, and set SB3_KL_BENCHMARK_RESULTS to a folder inside"
+            f" {MAIN_RESULTS} (e.g. {MAIN_RESULTS}/hopper_budget_300k) so that the grid's records keep the tier's budgets"
+        )
     if args.storage and not args.report:
         import distributed_grid
 
