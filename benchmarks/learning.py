@@ -773,6 +773,7 @@ def report(tier: str) -> str:
     sections += [collapse_table(groups, "this folder's records" if side else "both grids"), drift_table(groups)]
     if not side:
         sections += [collapse_rates(groups, tier, env) for env in MORE_SEEDS_RUNS]
+        sections += [longer_budget_collapses(groups, tier, env) for env in LONGER_BUDGET_RUNS]
     for section in sections:
         if section:
             lines += section, ""
@@ -1915,9 +1916,114 @@ def collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], t
         low = f" {sum(x < solved for x in evals)} |" if solved is not None else ""
         seeds = ", ".join(str(r["seed"]) for r in collapsed) or "-"
         collapsed_evals = ", ".join(f"{r['eval_mean']:.1f}" for r in collapsed) or "-"
+        out.append(f"| {algo} | {len(records)} | {len(collapsed)} | {seeds} | {collapsed_evals} |{low} {fmt(evals)} | {p} |")
+    return "\n".join(out)
+
+
+#: Environment -> results folder of its grid runs trained again past the grid's budget (``--budget``), same seeds
+LONGER_BUDGET_RUNS: dict[str, str] = {"Hopper-v5": "hopper_budget_300k"}
+
+
+def curve_until(curve: list[list[float]], steps: int) -> list[list[float]]:
+    """The points of a learning curve taken at or before ``steps``."""
+    return [point for point in curve if point[0] <= steps]
+
+
+def repeats_grid_run(grid: dict[str, Any], longer: dict[str, Any]) -> bool:
+    """
+    Whether a run trained past the grid's budget repeated the grid's run of its cell and seed over the grid's steps:
+    the same learning curve and per-update KLs up to the grid run's last step (the evaluation after training differs:
+    it comes later).
+    """
+    steps = trained_steps(grid)
+    if steps is None:
+        return False
+
+    def updates(record: dict[str, Any]) -> list[tuple[int, float, float]]:
+        return [(u["timesteps"], u["mean"], u["p99"]) for u in record["kl_updates"] if u["timesteps"] <= steps]
+
+    same_curve = [tuple(p) for p in curve_until(longer["curve"], steps)] == [tuple(p) for p in grid["curve"]]
+    return same_curve and updates(longer) == updates(grid)
+
+
+def back_above(curve: list[list[float]], fell: tuple[int, int], share: float = 0.9) -> float | None:
+    """
+    The step at which a curve that fell (``fell``: :func:`collapse_points`' indices of its best and of its fall, on the
+    curve up to the grid's budget) first came back to ``share`` of the way from its start to that best, or None.
+    """
+    returns = np.array([point[1] for point in curve], dtype=float)
+    start, best = returns[0], returns[fell[0]]
+    for point in curve[fell[1] :]:
+        if point[1] - start >= share * (best - start):
+            return float(point[0])
+    return None
+
+
+def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str, env: str) -> str:
+    """
+    The grid's runs of ``env`` trained again past the grid's budget (:data:`LONGER_BUDGET_RUNS`): whether the
+    collapses that :func:`count_collapses` counts by the grid's budget are falls the curve comes back from with more
+    steps, and whether runs that had not fallen by then fall later; empty without records.
+    """
+    folder = LONGER_BUDGET_RUNS[env]
+    longer = {cell: runs for cell, runs in load_folder(f"{folder}/runs/{tier}").items() if cell[0] == env}
+    if not longer:
+        return ""
+    algos = sorted({algo for (_, algo, _) in longer}, key=ALL_ALGOS.index)
+    budgets = sorted({r["budget"] for runs in longer.values() for r in runs})
+    grid_budget = BUDGETS[tier][env]
+    versions = ", ".join(f"`{v}`" for v in sorted({r.get("code_version", "?") for rs in longer.values() for r in rs}))
+    seeds = sorted({r["seed"] for rs in longer.values() for r in rs})
+    out = [
+        f"## {env} past the grid's budget",
+        "",
+        f"The grid's {env} runs of {', '.join(algos)} trained again, same settings and seeds, to"
+        f" {' / '.join(f'{b:,}' for b in budgets)} steps instead of the grid's {grid_budget:,}"
+        f" (`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier} --envs"
+        f" {env} --lr-mults 1 --budget {budgets[-1]} --algos <algo> --seeds <seeds>`; records in"
+        f" `benchmarks/results/{folder}/`, code {versions}). No schedule of these settings depends on the budget (the"
+        " learning rate and clip range are constant), so a longer run repeats the grid's run step for step up to the"
+        " grid's budget and goes on from there (*repeats*: the same learning curve and per-update KLs as the grid's"
+        " record up to its last step; a run made on other library versions than the grid's record does not). *By the grid's"
+        f" budget*: `count_collapses` on the curve cut at the grid's run's last step (the grid's count, where the run"
+        " repeats it); *came back*: those of them whose curve rises again above 90 % of the way from its start to"
+        " the best it had before the fall, and the step where it did (`count_collapses` then no longer counts the"
+        f" fall); *over {budgets[-1]:,}*: `count_collapses` on the whole curve, with Fisher's exact test against"
+        f" stock PPO's count (p ≥ {SIGNIFICANCE}: a tie).",
+        "",
+        "| algo | seeds | repeats | collapsed by the grid's budget | came back (step) |"
+        f" collapsed over {budgets[-1]:,} | eval at the grid's budget | eval at {budgets[-1]:,} | collapses vs ppo: p |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    reference = longer.get((env, "ppo", 1.0), [])
+    collapses_ref = sum(count_collapses(r["curve"]) > 0 for r in reference)
+    for algo in algos:
+        runs = sorted(longer[(env, algo, 1.0)], key=lambda r: r["seed"])
+        grid = {r["seed"]: r for r in groups.get((env, algo, 1.0), [])}
+        repeated = [r for r in runs if r["seed"] in grid and repeats_grid_run(grid[r["seed"]], r)]
+        early, came_back = [], []
+        for r in runs:
+            cut = curve_until(r["curve"], trained_steps(grid[r["seed"]]) if r["seed"] in grid else grid_budget)
+            points = collapse_points(cut)
+            if points:
+                early.append(r["seed"])
+                step = back_above(r["curve"], points[0])
+                if step is not None:
+                    came_back.append(f"{r['seed']} ({step:,.0f})")
+        late = [r["seed"] for r in runs if count_collapses(r["curve"]) > 0]
+        grid_evals = [grid[r["seed"]]["eval_mean"] for r in runs if r["seed"] in grid]
+        p = "-"
+        if algo != "ppo" and reference:
+            p = f"{fisher_exact_p(len(late), len(runs), collapses_ref, len(reference)):.2f}"
         out.append(
-            f"| {algo} | {len(records)} | {len(collapsed)} | {seeds} | {collapsed_evals} |{low} {fmt(evals)} | {p} |"
+            f"| {algo} | {seed_range(runs)} | {len(repeated)} of {len(runs)} |"
+            f" {len(early)}: {', '.join(map(str, early)) or '-'} | {len(came_back)}: {', '.join(came_back) or '-'} |"
+            f" {len(late)}: {', '.join(map(str, late)) or '-'} | {fmt(grid_evals)} | {fmt([r['eval_mean'] for r in runs])} |"
+            f" {p} |"
         )
+    missing = [s for s in seeds if any(s not in {r["seed"] for r in longer[(env, a, 1.0)]} for a in algos)]
+    if missing:
+        out += ["", f"Seeds not yet run for every algorithm: {', '.join(map(str, missing))}."]
     return "\n".join(out)
 
 

@@ -317,6 +317,68 @@ def test_collapse_rates_pool_the_grid_and_the_extra_seeds(tmp_path, monkeypatch)
     assert learning.collapse_rates(learning.group_records(grid), "tiny", "CartPole-v1") == ""
 
 
+def test_budget_trains_a_side_experiment_past_the_grid_and_refuses_the_grid_folder(tmp_path, monkeypatch, capsys):
+    # the grid's own folder keeps the tier's budgets
+    with pytest.raises(SystemExit):
+        learning.main(["--tier", "tiny", "--budget", "2048", "--algos", "ppo", "--envs", "CartPole-v1"])
+    assert "--budget 2048" in capsys.readouterr().err
+    # a run past the budget repeats the grid's run up to its last step, then goes on (CartPole's zoo schedules decay
+    # over the budget: constant here, as in Hopper's settings)
+    constant = {"n_steps": 48, "batch_size": 128, "learning_rate": 1e-3, "clip_range": 0.2}
+    spec = dict(algo="ppo", env="CartPole-v1", seed=0, lr_mult=1.0, tier="tiny", overrides=constant)
+    grid = learning.train_and_evaluate(spec)
+    longer = learning.train_and_evaluate({**spec, "budget": 2048})
+    assert longer["budget"] == 2048 and longer["trained_steps"] == 6 * 8 * 48
+    assert learning.rerun_spec(longer)["budget"] == 2048 and "budget" not in learning.rerun_spec(grid)
+    assert learning.repeats_grid_run(grid, longer)
+    other_seed = learning.train_and_evaluate({**spec, "seed": 1, "budget": 2048})
+    assert not learning.repeats_grid_run(grid, other_seed)
+    # with the zoo's schedules, which decay over the budget, the longer run trains differently from its first update
+    decaying = {**spec, "overrides": {"n_steps": 48, "batch_size": 128}}
+    assert not learning.repeats_grid_run(
+        learning.train_and_evaluate(decaying), learning.train_and_evaluate({**decaying, "budget": 2048})
+    )
+
+
+def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    env, budget = "Hopper-v5", learning.BUDGETS["tiny"]["Hopper-v5"]  # 1024 steps
+    rise = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270], start=1)]
+    # seed 0 falls by the grid's budget and comes back above 90 % of its best (980) at step 1400; seed 1 falls by
+    # the grid's budget for good; seed 2 stands at the grid's budget and falls later; seed 3 never falls
+    later = {
+        0: [[1100, 600.0], [1200, 800.0], [1300, 870.0], [1400, 890.0], [1500, 950.0]],
+        1: [[1100, 280.0], [1200, 300.0], [1300, 290.0], [1400, 300.0], [1500, 310.0]],
+        2: [[1100, 1000.0], [1200, 1000.0], [1300, 300.0], [1400, 250.0], [1500, 200.0]],
+        3: [[1100, 1000.0], [1200, 1000.0], [1300, 1000.0], [1400, 1000.0], [1500, 1000.0]],
+    }
+    standing = [[100 * i, 100.0 * i] for i in range(1, 11)]
+    grid, longer = [], tmp_path / learning.LONGER_BUDGET_RUNS[env] / "runs" / "tiny"
+    for seed, tail in later.items():
+        head = rise if seed < 2 else standing
+        grid.append(_record("klppo", env, seed, 900.0, [0.01] * 3, 0.03, curve=head))
+        made = _record("klppo", env, seed, 950.0, [0.01] * 5, 0.03, curve=head + tail)
+        made["budget"] = 1500
+        for record in (grid[-1], made):  # an update every 300 steps
+            record["kl_updates"] = [{**u, "timesteps": 300 * (i + 1)} for i, u in enumerate(record["kl_updates"])]
+        _write(longer, made)
+        _write(longer, {**made, "algo": "ppo", "eval_mean": 700.0})
+    grid_groups = learning.group_records(grid)
+    text = learning.longer_budget_collapses(grid_groups, "tiny", env)
+    assert text.startswith(f"## {env} past the grid's budget")
+    assert "--budget 1500" in text and f"instead of the grid's {budget:,}" in text
+    # every klppo run repeats its grid run up to the grid run's last step (1000: the curve and the three updates up
+    # to it agree); stock PPO has no grid records here, so none of its runs repeats one
+    row = _row(text, "| klppo |")
+    assert row == "| klppo | 0..3 | 4 of 4 | 2: 0, 1 | 1: 0 (1,400) | 2: 1, 2 | 900.0 ± 0.0 | 950.0 ± 0.0 | 1.00 |"
+    assert _row(text, "| ppo |").startswith("| ppo | 0..3 | 0 of 4 | 2: 0, 1 | 1: 0 (1,400) | 2: 1, 2 | n/a |")
+    # a grid run that trained differently does not count as repeated
+    grid[3] = {**grid[3], "kl_updates": [{**u, "mean": 0.02} for u in grid[3]["kl_updates"]]}
+    assert "| 3 of 4 |" in _row(learning.longer_budget_collapses(learning.group_records(grid), "tiny", env), "| klppo |")
+    _empty(longer)
+    assert learning.longer_budget_collapses(grid_groups, "tiny", env) == ""
+
+
 def test_cartpole_standing_check_sets_the_stock_counterparts_seeds_beside():
     def cell(algo, means):
         return [_record(algo, "CartPole-v1", s, m, [0.01], 0.01) for s, m in enumerate(means)]
