@@ -1959,6 +1959,32 @@ def back_above(curve: list[list[float]], fell: tuple[int, int], share: float = 0
     return None
 
 
+def came_back_later(record: dict[str, Any]) -> tuple[float, int] | None:
+    """
+    For a grid run with a collapse: whether the same run trained past the grid's budget (:data:`LONGER_BUDGET_RUNS`,
+    repeating the grid's run up to its budget) came back above 90 % of its best before the fall.
+
+    :return: ``(step, budget)``: the step where its curve came back and the longer run's budget; None without such a
+        run, or where it did not come back
+    """
+    folder = LONGER_BUDGET_RUNS.get(record["env"])
+    if folder is None:
+        return None
+    path = (
+        RESULTS
+        / folder
+        / record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"]).relative_to(RESULTS)
+    )
+    if not path.exists():
+        return None
+    longer = json.loads(path.read_text())
+    points = collapse_points(record["curve"])
+    if not points or not repeats_grid_run(record, longer):
+        return None
+    step = back_above(longer["curve"], points[0])
+    return None if step is None else (step, int(longer["budget"]))
+
+
 def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str, env: str) -> str:
     """
     The grid's runs of ``env`` trained again past the grid's budget (:data:`LONGER_BUDGET_RUNS`): whether the
@@ -2192,14 +2218,21 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
                 if (fall := fall_kl(r)) is not None
                 else ""
             )
+            + (
+                f", trained on to {back[1]:,} steps its curve came back above 90 % of its best at step {back[0]:,.0f}"
+                if (back := came_back_later(r)) is not None
+                else ""
+            )
             for r in collapsed
         )
         or "none"
     )
     count = f"{len(collapsed)} runs, {len(distinct_trainings(collapsed))} distinct trainings: " if collapsed else ""
+    envs_back = sorted({r["env"] for r in collapsed if came_back_later(r) is not None}, key=MAIN_ENVS.index)
+    see = "*The collapses*" + "".join(f" and *{env} past the grid's budget*" for env in envs_back)
     return [
         f"- No collapse of any sb3-kl algorithm in the grid ({len(runs)} runs): "
-        f"{status(not collapsed if runs else None)} (collapsed: {count}{detail}; see *The collapses*)"
+        f"{status(not collapsed if runs else None)} (collapsed: {count}{detail}; see {see})"
     ]
 
 
