@@ -225,7 +225,7 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
     if algo == "kltrpo_matched":
         kwargs["target_kl"] = matched_target_kl(tier, env_id, lr_mult)
     overrides = spec.get("overrides") or {}
-    kwargs.update(overrides)
+    kwargs.update(resolve_activation(overrides))
     budget = spec.get("budget") or BUDGETS[tier][env_id]
     env = make_vec_env(env_id, n_envs=setting["n_envs"], seed=seed)
     if setting["normalize"]:
@@ -1922,11 +1922,19 @@ def collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], t
 
 #: Environment -> results folder of its grid runs trained again past the grid's budget (``--budget``), same seeds
 LONGER_BUDGET_RUNS: dict[str, str] = {"Hopper-v5": "hopper_budget_300k"}
+#: A curve that fell "came back" once it rises again to this share of the way from its start to its best before the
+#: fall: the share above which :func:`collapse_points` no longer counts the fall
+CAME_BACK = 0.9
 
 
 def curve_until(curve: list[list[float]], steps: int) -> list[list[float]]:
-    """The points of a learning curve taken at or before ``steps``."""
-    return [point for point in curve if point[0] <= steps]
+    """
+    The points of a learning curve up to ``steps``: those taken at or before it, and the first one after it where no
+    point falls on it (a run's last rollout ends past its budget, so the points of a run trained to ``steps``).
+    """
+    before = [point for point in curve if point[0] <= steps]
+    after = [point for point in curve if point[0] > steps]
+    return before if (before and before[-1][0] == steps) or not after else before + after[:1]
 
 
 def repeats_grid_run(grid: dict[str, Any], longer: dict[str, Any]) -> bool:
@@ -1940,13 +1948,13 @@ def repeats_grid_run(grid: dict[str, Any], longer: dict[str, Any]) -> bool:
         return False
 
     def updates(record: dict[str, Any]) -> list[tuple[int, float, float]]:
-        return [(u["timesteps"], u["mean"], u["p99"]) for u in record["kl_updates"] if u["timesteps"] <= steps]
+        return [(u["timesteps"], u["mean"], u["p99"]) for u in record.get("kl_updates") or [] if u["timesteps"] <= steps]
 
-    same_curve = [tuple(p) for p in curve_until(longer["curve"], steps)] == [tuple(p) for p in grid["curve"]]
+    same_curve = [tuple(p) for p in longer["curve"] if p[0] <= steps] == [tuple(p) for p in grid["curve"]]
     return same_curve and updates(longer) == updates(grid)
 
 
-def back_above(curve: list[list[float]], fell: tuple[int, int], share: float = 0.9) -> float | None:
+def back_above(curve: list[list[float]], fell: tuple[int, int], share: float = CAME_BACK) -> float | None:
     """
     The step at which a curve that fell (``fell``: :func:`collapse_points`' indices of its best and of its fall, on the
     curve up to the grid's budget) first came back to ``share`` of the way from its start to that best, or None.
@@ -1959,47 +1967,59 @@ def back_above(curve: list[list[float]], fell: tuple[int, int], share: float = 0
     return None
 
 
-def came_back_later(record: dict[str, Any]) -> tuple[float, int] | None:
+def longer_run(record: dict[str, Any]) -> dict[str, Any] | None:
     """
-    For a grid run with a collapse: whether the same run trained past the grid's budget (:data:`LONGER_BUDGET_RUNS`,
-    repeating the grid's run up to its budget) came back above 90 % of its best before the fall.
-
-    :return: ``(step, budget)``: the step where its curve came back and the longer run's budget; None without such a
-        run, or where it did not come back
+    The record of a grid run trained again past the grid's budget (:data:`LONGER_BUDGET_RUNS`), where there is one and
+    it repeated the grid's run up to the grid's budget (:func:`repeats_grid_run`); else None.
     """
     folder = LONGER_BUDGET_RUNS.get(record["env"])
     if folder is None:
         return None
-    path = (
-        RESULTS
-        / folder
-        / record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"]).relative_to(RESULTS)
-    )
+    grid_path = record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"])
+    path = RESULTS / folder / grid_path.relative_to(RESULTS)
     if not path.exists():
         return None
     longer = json.loads(path.read_text())
-    points = collapse_points(record["curve"])
-    if not points or not repeats_grid_run(record, longer):
-        return None
+    return longer if repeats_grid_run(record, longer) else None
+
+
+def after_the_budget(record: dict[str, Any]) -> str:
+    """
+    For a grid run with a collapse, what its run trained past the grid's budget (:func:`longer_run`) did after it: where
+    its curve came back (:func:`back_above`), whether it fell again by the end, and its evaluation then; empty without
+    such a run.
+    """
+    longer, points = longer_run(record), collapse_points(record["curve"])
+    if longer is None or not points:
+        return ""
+    budget, eval_mean = int(longer["budget"]), longer["eval_mean"]
     step = back_above(longer["curve"], points[0])
-    return None if step is None else (step, int(longer["budget"]))
+    if step is None:
+        return f"trained on to {budget:,} steps its curve did not come back (evaluation then {eval_mean:.1f})"
+    again = "fell again by then" if count_collapses(longer["curve"]) else "stood to the end"
+    return (
+        f"trained on to {budget:,} steps its curve came back above {CAME_BACK:.0%} of its best at step {step:,.0f}"
+        f" and {again} (evaluation at {budget:,} steps {eval_mean:.1f})"
+    )
 
 
 def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str, env: str) -> str:
     """
     The grid's runs of ``env`` trained again past the grid's budget (:data:`LONGER_BUDGET_RUNS`): whether the
     collapses that :func:`count_collapses` counts by the grid's budget are falls the curve comes back from with more
-    steps, and whether runs that had not fallen by then fall later; empty without records.
+    steps, and whether runs that had not fallen by then fall later; empty without records. Fisher's test against stock
+    PPO only where both were trained on for every seed of the grid's cell: the first runs trained on were the grid's
+    collapsed ones, and a rate over seeds chosen for their collapse says nothing.
     """
     folder = LONGER_BUDGET_RUNS[env]
-    longer = {cell: runs for cell, runs in load_folder(f"{folder}/runs/{tier}").items() if cell[0] == env}
+    longer = {cell: runs for cell, runs in load_folder(f"{folder}/runs/{tier}").items() if cell[0] == env and cell[2] == 1.0}
     if not longer:
         return ""
     algos = sorted({algo for (_, algo, _) in longer}, key=ALL_ALGOS.index)
     budgets = sorted({r["budget"] for runs in longer.values() for r in runs})
     grid_budget = BUDGETS[tier][env]
     versions = ", ".join(f"`{v}`" for v in sorted({r.get("code_version", "?") for rs in longer.values() for r in rs}))
-    seeds = sorted({r["seed"] for rs in longer.values() for r in rs})
+    share = f"{CAME_BACK:.0%}"
     out = [
         f"## {env} past the grid's budget",
         "",
@@ -2007,21 +2027,29 @@ def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, 
         f" {' / '.join(f'{b:,}' for b in budgets)} steps instead of the grid's {grid_budget:,}"
         f" (`SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier} --envs"
         f" {env} --lr-mults 1 --budget {budgets[-1]} --algos <algo> --seeds <seeds>`; records in"
-        f" `benchmarks/results/{folder}/`, code {versions}). No schedule of these settings depends on the budget (the"
-        " learning rate and clip range are constant), so a longer run repeats the grid's run step for step up to the"
-        " grid's budget and goes on from there (*repeats*: the same learning curve and per-update KLs as the grid's"
-        " record up to its last step; a run made on other library versions than the grid's record does not). *By the grid's"
-        f" budget*: `count_collapses` on the curve cut at the grid's run's last step (the grid's count, where the run"
-        " repeats it); *came back*: those of them whose curve rises again above 90 % of the way from its start to"
-        " the best it had before the fall, and the step where it did (`count_collapses` then no longer counts the"
-        f" fall); *over {budgets[-1]:,}*: `count_collapses` on the whole curve, with Fisher's exact test against"
-        f" stock PPO's count (p ≥ {SIGNIFICANCE}: a tie).",
+        f" `benchmarks/results/{folder}/`, code {versions}). The grid's collapsed runs were trained on first, then the"
+        " other seeds. No schedule of these settings depends on the budget (the learning rate and clip range are"
+        " constant), so a longer run repeats the grid's run step for step up to the grid's budget and goes on from"
+        " there (*repeats*: the same learning curve and per-update KLs as the grid's record up to its last step)."
+        " *By the grid's budget*: `count_collapses` on the curve cut at the grid's run's last step (the grid's count,"
+        f" where the run repeats it); *came back*: those of them whose curve rises again above {share} of the way from"
+        " its start to the best it had before the fall, and the step where it did (`count_collapses` then no longer"
+        f" counts that fall); *over {budgets[-1]:,}*: `count_collapses` on the whole curve, a fall from a later best"
+        " included. p: Fisher's exact test of the counts over the whole curve against stock PPO's, only where both"
+        f" have every seed of the grid's cell (p ≥ {SIGNIFICANCE}: a tie; '-' where not: a count over seeds chosen"
+        " for their collapse is no rate). The evaluation (10 deterministic episodes after training) can stand while"
+        " the curve of the stochastic policy's episodes is down.",
         "",
         "| algo | seeds | repeats | collapsed by the grid's budget | came back (step) |"
         f" collapsed over {budgets[-1]:,} | eval at the grid's budget | eval at {budgets[-1]:,} | collapses vs ppo: p |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    reference = longer.get((env, "ppo", 1.0), [])
+
+    def complete(algo: str) -> bool:
+        grid_seeds = {r["seed"] for r in groups.get((env, algo, 1.0), [])}
+        return bool(grid_seeds) and grid_seeds <= {r["seed"] for r in longer.get((env, algo, 1.0), [])}
+
+    reference = [r for r in longer.get((env, "ppo", 1.0), []) if complete("ppo")]
     collapses_ref = sum(count_collapses(r["curve"]) > 0 for r in reference)
     for algo in algos:
         runs = sorted(longer[(env, algo, 1.0)], key=lambda r: r["seed"])
@@ -2029,8 +2057,8 @@ def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, 
         repeated = [r for r in runs if r["seed"] in grid and repeats_grid_run(grid[r["seed"]], r)]
         early, came_back = [], []
         for r in runs:
-            cut = curve_until(r["curve"], trained_steps(grid[r["seed"]]) if r["seed"] in grid else grid_budget)
-            points = collapse_points(cut)
+            steps = trained_steps(grid[r["seed"]]) if r["seed"] in grid else None
+            points = collapse_points(curve_until(r["curve"], steps or grid_budget))
             if points:
                 early.append(r["seed"])
                 step = back_above(r["curve"], points[0])
@@ -2039,7 +2067,7 @@ def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, 
         late = [r["seed"] for r in runs if count_collapses(r["curve"]) > 0]
         grid_evals = [grid[r["seed"]]["eval_mean"] for r in runs if r["seed"] in grid]
         p = "-"
-        if algo != "ppo" and reference:
+        if algo != "ppo" and reference and complete(algo):
             p = f"{fisher_exact_p(len(late), len(runs), collapses_ref, len(reference)):.2f}"
         out.append(
             f"| {algo} | {seed_range(runs)} | {len(repeated)} of {len(runs)} |"
@@ -2047,9 +2075,6 @@ def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, 
             f" {len(late)}: {', '.join(map(str, late)) or '-'} | {fmt(grid_evals)} | {fmt([r['eval_mean'] for r in runs])} |"
             f" {p} |"
         )
-    missing = [s for s in seeds if any(s not in {r["seed"] for r in longer[(env, a, 1.0)]} for a in algos)]
-    if missing:
-        out += ["", f"Seeds not yet run for every algorithm: {', '.join(map(str, missing))}."]
     return "\n".join(out)
 
 
@@ -2218,18 +2243,14 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
                 if (fall := fall_kl(r)) is not None
                 else ""
             )
-            + (
-                f", trained on to {back[1]:,} steps its curve came back above 90 % of its best at step {back[0]:,.0f}"
-                if (back := came_back_later(r)) is not None
-                else ""
-            )
+            + (f", {after}" if (after := after_the_budget(r)) else "")
             for r in collapsed
         )
         or "none"
     )
     count = f"{len(collapsed)} runs, {len(distinct_trainings(collapsed))} distinct trainings: " if collapsed else ""
-    envs_back = sorted({r["env"] for r in collapsed if came_back_later(r) is not None}, key=MAIN_ENVS.index)
-    see = "*The collapses*" + "".join(f" and *{env} past the grid's budget*" for env in envs_back)
+    trained_on = sorted({r["env"] for r in collapsed if longer_run(r) is not None}, key=MAIN_ENVS.index)
+    see = "*The collapses*" + "".join(f" and *{env} past the grid's budget*" for env in trained_on)
     return [
         f"- No collapse of any sb3-kl algorithm in the grid ({len(runs)} runs): "
         f"{status(not collapsed if runs else None)} (collapsed: {count}{detail}; see {see})"
@@ -2370,6 +2391,24 @@ def seed_list(tokens: list[str]) -> list[int]:
     return sorted(set(seeds))
 
 
+def resolve_activation(overrides: dict[str, Any]) -> dict[str, Any]:
+    """
+    ``overrides`` with a ``policy_kwargs`` ``activation_fn`` given by name (JSON has no classes: ``"ReLU"`` or
+    ``"nn.ReLU"``, as rl-zoo's configs write it) replaced by that ``torch.nn`` module class.
+
+    :raise ValueError: for a name that is not a ``torch.nn`` module
+    """
+    import torch.nn as nn
+
+    name = (overrides.get("policy_kwargs") or {}).get("activation_fn")
+    if not isinstance(name, str):
+        return overrides
+    module = getattr(nn, name.removeprefix("nn."), None)
+    if not (isinstance(module, type) and issubclass(module, nn.Module)):
+        raise ValueError(f"policy_kwargs activation_fn={name!r} is not a torch.nn module: give one such as 'ReLU' or 'Tanh'")
+    return {**overrides, "policy_kwargs": {**overrides["policy_kwargs"], "activation_fn": module}}
+
+
 def parse_override(token: str) -> tuple[str, Any]:
     """:return: ``(name, value)`` of a ``--override NAME=VALUE`` (VALUE read as JSON, else kept as a string)"""
     name, sep, text = token.partition("=")
@@ -2506,6 +2545,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.tier = args.tier or "quick"
     args.override = dict(args.override)
+    if args.budget is not None and args.storage:
+        parser.error("--budget with --storage: the distributed grid's cells do not carry a budget; run it without --storage")
     if args.budget is not None and (args.budget <= 0 or not is_side_folder()):
         parser.error(
             f"--budget {args.budget}: give a positive number of steps, and set SB3_KL_BENCHMARK_RESULTS to a folder inside"

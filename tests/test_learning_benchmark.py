@@ -154,6 +154,23 @@ def test_override_sets_a_candidate_default_and_is_recorded(tmp_path, monkeypatch
     assert [u["mean"] for u in default["kl_updates"]] != [u["mean"] for u in record["kl_updates"]]
 
 
+def test_override_names_the_policy_activation_as_rl_zoo_does():
+    import torch.nn as nn
+
+    given = {"gamma": 0.999, "policy_kwargs": {"activation_fn": "nn.ReLU", "net_arch": [8]}}
+    resolved = learning.resolve_activation(given)
+    assert resolved == {"gamma": 0.999, "policy_kwargs": {"activation_fn": nn.ReLU, "net_arch": [8]}}
+    assert given["policy_kwargs"]["activation_fn"] == "nn.ReLU"  # the record keeps the name
+    assert (
+        learning.resolve_activation({"policy_kwargs": {"activation_fn": "Tanh"}})["policy_kwargs"]["activation_fn"] is nn.Tanh
+    )
+    with pytest.raises(ValueError, match="activation_fn='relu'"):
+        learning.resolve_activation({"policy_kwargs": {"activation_fn": "relu"}})
+    spec = dict(algo="kltrpo", env="Pendulum-v1", seed=0, lr_mult=1.0, tier="tiny", overrides={"n_steps": 256, **given})
+    record = learning.train_and_evaluate(spec)
+    assert record["hyperparameters"]["policy_kwargs"]["activation_fn"] == "ReLU" and record["overrides"] == spec["overrides"]
+
+
 def _record(algo, env, seed, eval_mean, kls, target, lr_mult=1.0, curve=None):
     return dict(
         algo=algo, env=env, seed=seed, lr_mult=lr_mult, tier="tiny", budget=1000, target_kl=target, eval_mean=eval_mean,
@@ -322,6 +339,14 @@ def test_budget_trains_a_side_experiment_past_the_grid_and_refuses_the_grid_fold
     with pytest.raises(SystemExit):
         learning.main(["--tier", "tiny", "--budget", "2048", "--algos", "ppo", "--envs", "CartPole-v1"])
     assert "--budget 2048" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        learning.main(["--tier", "tiny", "--budget", "2048", "--storage", "sqlite:///grid.db"])
+    assert "--budget with --storage" in capsys.readouterr().err
+    # a side folder's runs carry the budget
+    args = learning.argparse.Namespace(
+        grid="main", algos=["ppo"], envs=["CartPole-v1"], lr_mults=None, seeds=["0"], tier="tiny", force=True, budget=2048
+    )
+    assert [spec["budget"] for spec in learning.grid_specs(args)] == [2048]
     # a run past the budget repeats the grid's run up to its last step, then goes on (CartPole's zoo schedules decay
     # over the budget: constant here, as in Hopper's settings)
     constant = {"n_steps": 48, "batch_size": 128, "learning_rate": 1e-3, "clip_range": 0.2}
@@ -345,38 +370,59 @@ def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp
     env, budget = "Hopper-v5", learning.BUDGETS["tiny"]["Hopper-v5"]  # 1024 steps
     rise = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270], start=1)]
     # seed 0 falls by the grid's budget and comes back above 90 % of its best (980) at step 1400; seed 1 falls by
-    # the grid's budget for good; seed 2 stands at the grid's budget and falls later; seed 3 never falls
+    # the grid's budget for good; seed 2 stands at the grid's budget and falls later; seed 3 never falls (its dip at
+    # 1010, after the grid run's last step 1000 but before the budget 1024, is not the grid's)
     later = {
         0: [[1100, 600.0], [1200, 800.0], [1300, 870.0], [1400, 890.0], [1500, 950.0]],
         1: [[1100, 280.0], [1200, 300.0], [1300, 290.0], [1400, 300.0], [1500, 310.0]],
         2: [[1100, 1000.0], [1200, 1000.0], [1300, 300.0], [1400, 250.0], [1500, 200.0]],
-        3: [[1100, 1000.0], [1200, 1000.0], [1300, 1000.0], [1400, 1000.0], [1500, 1000.0]],
+        3: [[1010, 100.0], [1100, 1000.0], [1200, 1000.0], [1300, 1000.0], [1400, 1000.0], [1500, 1000.0]],
     }
     standing = [[100 * i, 100.0 * i] for i in range(1, 11)]
     grid, longer = [], tmp_path / learning.LONGER_BUDGET_RUNS[env] / "runs" / "tiny"
-    for seed, tail in later.items():
-        head = rise if seed < 2 else standing
-        grid.append(_record("klppo", env, seed, 900.0, [0.01] * 3, 0.03, curve=head))
-        made = _record("klppo", env, seed, 950.0, [0.01] * 5, 0.03, curve=head + tail)
-        made["budget"] = 1500
-        for record in (grid[-1], made):  # an update every 300 steps
-            record["kl_updates"] = [{**u, "timesteps": 300 * (i + 1)} for i, u in enumerate(record["kl_updates"])]
-        _write(longer, made)
-        _write(longer, {**made, "algo": "ppo", "eval_mean": 700.0})
+    for algo in ("ppo", "klppo"):
+        for seed, tail in later.items():
+            head = rise if seed < 2 else standing
+            grid.append({**_record(algo, env, seed, 900.0, [0.01] * 3, 0.03, curve=head), "eval_returns": [900.0 + seed]})
+            made = _record(algo, env, seed, 950.0, [0.01] * 5, 0.03, curve=head + tail)
+            made["budget"] = 1500
+            for record in (grid[-1], made):  # an update every 300 steps
+                record["kl_updates"] = [{**u, "timesteps": 300 * (i + 1)} for i, u in enumerate(record["kl_updates"])]
+            _write(longer, made)
     grid_groups = learning.group_records(grid)
     text = learning.longer_budget_collapses(grid_groups, "tiny", env)
     assert text.startswith(f"## {env} past the grid's budget")
     assert "--budget 1500" in text and f"instead of the grid's {budget:,}" in text
-    # every klppo run repeats its grid run up to the grid run's last step (1000: the curve and the three updates up
-    # to it agree); stock PPO has no grid records here, so none of its runs repeats one
-    row = _row(text, "| klppo |")
-    assert row == "| klppo | 0..3 | 4 of 4 | 2: 0, 1 | 1: 0 (1,400) | 2: 1, 2 | 900.0 ± 0.0 | 950.0 ± 0.0 | 1.00 |"
-    assert _row(text, "| ppo |").startswith("| ppo | 0..3 | 0 of 4 | 2: 0, 1 | 1: 0 (1,400) | 2: 1, 2 | n/a |")
+    # every run repeats its grid run up to the grid run's last step (1000: the curve and the three updates up to it
+    # agree); both algorithms have every seed of the grid's cell, so their counts over 1500 steps are compared
+    row = "| 0..3 | 4 of 4 | 2: 0, 1 | 1: 0 (1,400) | 2: 1, 2 | 900.0 ± 0.0 | 950.0 ± 0.0 |"
+    assert _row(text, "| klppo |") == f"| klppo {row} 1.00 |"
+    assert _row(text, "| ppo |") == f"| ppo {row} - |"
     # a grid run that trained differently does not count as repeated
-    grid[3] = {**grid[3], "kl_updates": [{**u, "mean": 0.02} for u in grid[3]["kl_updates"]]}
-    assert "| 3 of 4 |" in _row(learning.longer_budget_collapses(learning.group_records(grid), "tiny", env), "| klppo |")
+    changed = [dict(r) for r in grid]
+    changed[7]["kl_updates"] = [{**u, "mean": 0.02} for u in changed[7]["kl_updates"]]
+    assert "| 3 of 4 |" in _row(learning.longer_budget_collapses(learning.group_records(changed), "tiny", env), "| klppo |")
+    # the goal's line says of each collapsed grid run what it did when trained on
+    klppo = grid_groups[(env, "klppo", 1.0)]
+    assert learning.after_the_budget(klppo[0]) == (
+        "trained on to 1,500 steps its curve came back above 90% of its best at step 1,400 and stood to the end"
+        " (evaluation at 1,500 steps 950.0)"
+    )
+    assert learning.after_the_budget(klppo[1]).startswith("trained on to 1,500 steps its curve did not come back")
+    assert learning.after_the_budget(klppo[2]) == ""  # did not collapse by the grid's budget
+    (line,) = learning.goal_collapses(grid_groups)
+    assert f"klppo Hopper-v5 x1 s0, evaluation after training 900.0, {learning.after_the_budget(klppo[0])}" in line.replace(
+        ", per-update KL in its fall 0.33 x target on average, at most 0.33", ""
+    )
+    assert "see *The collapses* and *Hopper-v5 past the grid's budget*)" in line
+    # without stock PPO's runs of every seed, no rate is compared: the runs trained on may be the collapsed ones
+    (longer / learning.record_path("tiny", "ppo", env, 1.0, 3).name).unlink()
+    text = learning.longer_budget_collapses(grid_groups, "tiny", env)
+    assert _row(text, "| klppo |").endswith("| - |") and _row(text, "| ppo |").startswith("| ppo | 0..2 | 3 of 3 |")
     _empty(longer)
     assert learning.longer_budget_collapses(grid_groups, "tiny", env) == ""
+    assert learning.after_the_budget(klppo[0]) == ""
+    assert learning.goal_collapses(grid_groups)[0].endswith("see *The collapses*)")
 
 
 def test_cartpole_standing_check_sets_the_stock_counterparts_seeds_beside():
