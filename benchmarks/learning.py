@@ -774,6 +774,7 @@ def report(tier: str) -> str:
     if not side:
         sections += [collapse_rates(groups, tier, env) for env in MORE_SEEDS_RUNS]
         sections += [longer_budget_collapses(groups, tier, env) for env in LONGER_BUDGET_RUNS]
+        sections.append(settings_swap_comparison(groups, tier))
     for section in sections:
         if section:
             lines += section, ""
@@ -1918,6 +1919,64 @@ def collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], t
         collapsed_evals = ", ".join(f"{r['eval_mean']:.1f}" for r in collapsed) or "-"
         out.append(f"| {algo} | {len(records)} | {len(collapsed)} | {seeds} | {collapsed_evals} |{low} {fmt(evals)} | {p} |")
     return "\n".join(out)
+
+
+#: A side experiment that gives KLTRPO the PPO entry's settings on one environment: (environment, results folder)
+KLTRPO_PPO_SETTINGS_RUNS = ("Hopper-v5", "hopper_kltrpo_ppo_settings")
+
+
+def settings_swap_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str) -> str:
+    """
+    Whether the PPO family's collapses on an environment follow its settings or its optimizer: KLTRPO run with the
+    settings of PPO's zoo entry that KLTRPO takes (``--override``: the discount, GAE lambda and policy network,
+    :data:`KLTRPO_PPO_SETTINGS_RUNS`) beside the grid's KLTRPO (TRPO's zoo settings), KLPPO and PPO on the same seeds:
+    collapses (Fisher's exact test), evaluation and AUC (Welch); empty without records.
+    """
+    env, folder = KLTRPO_PPO_SETTINGS_RUNS
+    swapped = load_folder(f"{folder}/runs/{tier}").get((env, "kltrpo", 1.0), [])
+    if not swapped:
+        return ""
+    overrides = swapped[0].get("overrides") or {}
+    shown = " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in overrides.items())
+    versions = ", ".join(f"`{v}`" for v in sorted(code_versions(swapped)))
+    seeds = {r["seed"] for r in swapped}
+    rows = [("kltrpo with PPO's settings", swapped)] + [
+        (f"{algo} (grid)", [r for r in groups.get((env, algo, 1.0), []) if r["seed"] in seeds])
+        for algo in ("kltrpo", "klppo", "klppo_noclip", "ppo")
+    ]
+    lines = [
+        f"## KLTRPO on {env} with PPO's discount, GAE and policy network",
+        "",
+        f"Do the PPO family's falls on {env} come with its zoo settings or with its optimizer (many minibatch steps"
+        " of Adam on a clipped or penalized surrogate, where TRPO takes one natural-gradient step)? KLTRPO was run with"
+        " the settings of PPO's zoo entry that apply to it, the rest of TRPO's entry unchanged (from the repository"
+        f" root: `SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier}"
+        f" --algos kltrpo --envs {env} --lr-mults 1 --seeds {seed_range(swapped)} --override {shown}`; records in"
+        f" `benchmarks/results/{folder}/`, code {versions}), beside the grid's runs of the same seeds. Collapses:"
+        f" `count_collapses`, with Fisher's exact test against KLTRPO with PPO's settings; evaluation and AUC as in"
+        f" the grid, with the Welch p-value of the difference from KLTRPO with PPO's settings (p ≥ {SIGNIFICANCE}:"
+        " a tie).",
+        "",
+        "| runs | seeds | collapses | seeds collapsed | collapses: p | eval | eval: difference | AUC | AUC: difference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    base_collapsed = sum(count_collapses(r["curve"]) > 0 for r in swapped)
+    base_eval = [r["eval_mean"] for r in swapped]
+    base_auc = [summarize(r)["auc"] for r in swapped]
+    for label, runs in rows:
+        if not runs:
+            continue
+        collapsed = [r["seed"] for r in sorted(runs, key=lambda r: r["seed"]) if count_collapses(r["curve"]) > 0]
+        evals, aucs = [r["eval_mean"] for r in runs], [summarize(r)["auc"] for r in runs]
+        first = runs is swapped
+        p = "-" if first else f"{fisher_exact_p(len(collapsed), len(runs), base_collapsed, len(swapped)):.2f}"
+        eval_diff = "-" if first else "{}: {}".format(*verdict(evals, base_eval))
+        auc_diff = "-" if first else "{}: {}".format(*verdict(aucs, base_auc))
+        lines.append(
+            f"| {label} | {seed_range(runs)} | {len(collapsed)} | {', '.join(map(str, collapsed)) or '-'} | {p} |"
+            f" {fmt(evals)} | {eval_diff} | {fmt(aucs)} | {auc_diff} |"
+        )
+    return "\n".join(lines)
 
 
 #: Environment -> results folder of its grid runs trained again past the grid's budget (``--budget``), same seeds

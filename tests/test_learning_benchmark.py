@@ -425,6 +425,32 @@ def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp
     assert learning.goal_collapses(grid_groups)[0].endswith("see *The collapses*)")
 
 
+def test_settings_swap_sets_kltrpo_with_ppo_settings_beside_the_grid_on_its_seeds(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    env, name = learning.KLTRPO_PPO_SETTINGS_RUNS
+    falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
+    folder = tmp_path / name / "runs" / "tiny"
+    overrides = {"gamma": 0.999, "policy_kwargs": {"activation_fn": "ReLU"}}
+    for seed in range(4):
+        made = _record("kltrpo", env, seed, 1000.0 + seed, [0.01], 0.01, curve=falling if seed == 3 else None)
+        _write(folder, {**made, "overrides": overrides})
+    # without grid records: the header and its own row
+    assert learning.settings_swap_comparison(learning.group_records([]), "tiny").count("\n| ") == 2
+    grid = [_record("kltrpo", env, s, 2000.0 + 10 * s, [0.01], 0.01) for s in range(6)]  # seeds 4, 5: not compared
+    grid += [_record("klppo", env, s, 990.0, [0.03], 0.03, curve=falling if s < 2 else None) for s in range(4)]
+    text = learning.settings_swap_comparison(learning.group_records(grid), "tiny")
+    assert text.startswith(f"## KLTRPO on {env} with PPO's discount, GAE and policy network")
+    assert '--override gamma=0.999 policy_kwargs={"activation_fn":"ReLU"}' in text and "--seeds 0..3" in text
+    assert _row(text, "| kltrpo with PPO's settings |") == (
+        "| kltrpo with PPO's settings | 0..3 | 1 | 3 | - | 1001.5 ± 1.1 | - | 551.2 ± 1.3 | - |"
+    )
+    assert _row(text, "| kltrpo (grid) |").startswith("| kltrpo (grid) | 0..3 | 0 | - | 1.00 | 2015.0 ± 11.2 | +1013.5")
+    assert "better" in _row(text, "| kltrpo (grid) |") and "| klppo (grid) | 0..3 | 2 | 0, 1 | 1.00 |" in text
+    assert "ppo (grid)" not in text.replace("klppo (grid)", "")  # no records of that cell
+    _empty(folder)
+    assert learning.settings_swap_comparison(learning.group_records(grid), "tiny") == ""
+
+
 def test_cartpole_standing_check_sets_the_stock_counterparts_seeds_beside():
     def cell(algo, means):
         return [_record(algo, "CartPole-v1", s, m, [0.01], 0.01) for s, m in enumerate(means)]
