@@ -16,6 +16,9 @@ Examples::
     python benchmarks/learning.py --tier full --grid stress
     # five seeds ("a..b" is an inclusive range) on the environments where algorithms are close
     python benchmarks/learning.py --tier full --seeds 0..4 --envs Pendulum-v1 LunarLanderContinuous-v3
+    # a side experiment in its own folder: the grid's Hopper runs trained on past the grid's budget
+    SB3_KL_BENCHMARK_RESULTS=benchmarks/results/hopper_budget_300k \\
+        python benchmarks/learning.py --tier full --algos klppo --envs Hopper-v5 --seeds 0..9 --budget 300000
     # only regenerate tables and figures from the records
     python benchmarks/learning.py --report --tier full
     # spread the grid over machines: the same command on each (cells queued once in a database-backed Optuna study,
