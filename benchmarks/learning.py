@@ -1958,10 +1958,12 @@ def settings_swap_comparison(groups: dict[tuple[str, str, float], list[dict[str,
         f" `benchmarks/results/{folder}/`, code {versions}), beside the grid's runs of the same seeds. Collapses:"
         f" `count_collapses`, with Fisher's exact test against KLTRPO with PPO's settings; evaluation and AUC as in"
         f" the grid, with the Welch p-value of the difference from KLTRPO with PPO's settings (p ≥ {SIGNIFICANCE}:"
-        " a tie).",
+        " a tie). *Largest update KL in the fall*: for each collapsed run, the largest per-update KL (the monitor's"
+        " exact per-update mean, / the run's target) of the updates of its fall (`fall_kl`).",
         "",
-        "| runs | seeds | collapses | seeds collapsed | collapses: p | eval | eval: difference | AUC | AUC: difference |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| runs | seeds | collapses | seeds collapsed | largest update KL in the fall | collapses: p | eval |"
+        " eval: difference | AUC | AUC: difference |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base_collapsed = sum(count_collapses(r["curve"]) > 0 for r in swapped)
     base_eval = [r["eval_mean"] for r in swapped]
@@ -1969,14 +1971,17 @@ def settings_swap_comparison(groups: dict[tuple[str, str, float], list[dict[str,
     for label, runs in rows:
         if not runs:
             continue
-        collapsed = [r["seed"] for r in sorted(runs, key=lambda r: r["seed"]) if count_collapses(r["curve"]) > 0]
+        fallen = [r for r in sorted(runs, key=lambda r: r["seed"]) if count_collapses(r["curve"]) > 0]
+        collapsed = [r["seed"] for r in fallen]
+        largest = ", ".join(f"{f['max']:.2f}" if (f := fall_kl(r)) else "n/a" for r in fallen) or "-"
         evals, aucs = [r["eval_mean"] for r in runs], [summarize(r)["auc"] for r in runs]
         first = runs is swapped
         p = "-" if first else f"{fisher_exact_p(len(collapsed), len(runs), base_collapsed, len(swapped)):.2f}"
         eval_diff = "-" if first else "{}: {}".format(*verdict(evals, base_eval))
         auc_diff = "-" if first else "{}: {}".format(*verdict(aucs, base_auc))
         lines.append(
-            f"| {label} | {seed_range(runs)} | {len(collapsed)} | {', '.join(map(str, collapsed)) or '-'} | {p} |"
+            f"| {label} | {seed_range(runs)} | {len(collapsed)} | {', '.join(map(str, collapsed)) or '-'} | {largest} |"
+            f" {p} |"
             f" {fmt(evals)} | {eval_diff} | {fmt(aucs)} | {auc_diff} |"
         )
     return "\n".join(lines)

@@ -433,6 +433,8 @@ def test_settings_swap_sets_kltrpo_with_ppo_settings_beside_the_grid_on_its_seed
     overrides = {"gamma": 0.999, "policy_kwargs": {"activation_fn": "ReLU"}}
     for seed in range(4):
         made = _record("kltrpo", env, seed, 1000.0 + seed, [0.01], 0.01, curve=falling if seed == 3 else None)
+        if seed == 3:  # its fall: the updates from its best at step 400 to step 600, where it is below half its gain
+            made["kl_updates"] = [dict(timesteps=t, mean=m, p99=3 * m) for t, m in ((300, 0.02), (450, 0.009), (600, 0.02))]
         _write(folder, {**made, "overrides": overrides})
     # without grid records: the header and its own row
     assert learning.settings_swap_comparison(learning.group_records([]), "tiny").count("\n| ") == 2
@@ -442,10 +444,11 @@ def test_settings_swap_sets_kltrpo_with_ppo_settings_beside_the_grid_on_its_seed
     assert text.startswith(f"## KLTRPO on {env} with PPO's discount, GAE and policy network")
     assert '--override gamma=0.999 policy_kwargs={"activation_fn":"ReLU"}' in text and "--seeds 0..3" in text
     assert _row(text, "| kltrpo with PPO's settings |") == (
-        "| kltrpo with PPO's settings | 0..3 | 1 | 3 | - | 1001.5 ± 1.1 | - | 551.2 ± 1.3 | - |"
+        "| kltrpo with PPO's settings | 0..3 | 1 | 3 | 0.90 | - | 1001.5 ± 1.1 | - | 551.2 ± 1.3 | - |"
     )
-    assert _row(text, "| kltrpo (grid) |").startswith("| kltrpo (grid) | 0..3 | 0 | - | 1.00 | 2015.0 ± 11.2 | +1013.5")
-    assert "better" in _row(text, "| kltrpo (grid) |") and "| klppo (grid) | 0..3 | 2 | 0, 1 | 1.00 |" in text
+    assert _row(text, "| kltrpo (grid) |").startswith("| kltrpo (grid) | 0..3 | 0 | - | - | 1.00 | 2015.0 ± 11.2 | +1013.5")
+    # the falls' largest update KL: klppo's one update (at step 0, before its best at 400) is in neither fall
+    assert "better" in _row(text, "| kltrpo (grid) |") and "| klppo (grid) | 0..3 | 2 | 0, 1 | n/a, n/a | 1.00 |" in text
     assert "ppo (grid)" not in text.replace("klppo (grid)", "")  # no records of that cell
     _empty(folder)
     assert learning.settings_swap_comparison(learning.group_records(grid), "tiny") == ""
