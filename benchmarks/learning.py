@@ -2318,6 +2318,9 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
     count = f"{len(collapsed)} runs, {len(distinct_trainings(collapsed))} distinct trainings: " if collapsed else ""
     trained_on = sorted({r["env"] for r in collapsed if longer_run(r) is not None}, key=MAIN_ENVS.index)
     see = "*The collapses*" + "".join(f" and *{env} past the grid's budget*" for env in trained_on)
+    swap_env, swap_folder = KLTRPO_PPO_SETTINGS_RUNS
+    if any(r["env"] == swap_env for r in collapsed) and load_folder(f"{swap_folder}/runs/{collapsed[0]['tier']}"):
+        see += f" and *KLTRPO on {swap_env} with PPO's discount, GAE and policy network*"
     return [
         f"- No collapse of any sb3-kl algorithm in the grid ({len(runs)} runs): "
         f"{status(not collapsed if runs else None)} (collapsed: {count}{detail}; see {see})"

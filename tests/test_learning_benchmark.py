@@ -415,6 +415,11 @@ def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp
         ", per-update KL in its fall 0.33 x target on average, at most 0.33", ""
     )
     assert "see *The collapses* and *Hopper-v5 past the grid's budget*)" in line
+    swap = tmp_path / learning.KLTRPO_PPO_SETTINGS_RUNS[1] / "runs" / "tiny"
+    _write(swap, _record("kltrpo", env, 0, 1000.0, [0.01], 0.01))
+    (line,) = learning.goal_collapses(grid_groups)
+    assert line.endswith("past the grid's budget* and *KLTRPO on Hopper-v5 with PPO's discount, GAE and policy network*)")
+    _empty(swap)
     # without stock PPO's runs of every seed, no rate is compared: the runs trained on may be the collapsed ones
     (longer / learning.record_path("tiny", "ppo", env, 1.0, 3).name).unlink()
     text = learning.longer_budget_collapses(grid_groups, "tiny", env)
