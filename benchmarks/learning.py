@@ -34,6 +34,7 @@ import json
 import math
 import multiprocessing
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -1940,7 +1941,7 @@ def settings_swap_comparison(groups: dict[tuple[str, str, float], list[dict[str,
     if not swapped:
         return ""
     overrides = swapped[0].get("overrides") or {}
-    shown = " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in overrides.items())
+    shown = " ".join(shlex.quote(f"{k}={json.dumps(v, separators=(',', ':'))}") for k, v in overrides.items())
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(swapped)))
     seeds = {r["seed"] for r in swapped}
     rows = [("kltrpo with PPO's settings", swapped)] + [

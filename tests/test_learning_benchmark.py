@@ -447,7 +447,8 @@ def test_settings_swap_sets_kltrpo_with_ppo_settings_beside_the_grid_on_its_seed
     grid += [_record("klppo", env, s, 990.0, [0.03], 0.03, curve=falling if s < 2 else None) for s in range(4)]
     text = learning.settings_swap_comparison(learning.group_records(grid), "tiny")
     assert text.startswith(f"## KLTRPO on {env} with PPO's discount, GAE and policy network")
-    assert '--override gamma=0.999 policy_kwargs={"activation_fn":"ReLU"}' in text and "--seeds 0..3" in text
+    # the command as a shell takes it: the JSON quoted
+    assert """--override gamma=0.999 'policy_kwargs={"activation_fn":"ReLU"}'""" in text and "--seeds 0..3" in text
     assert _row(text, "| kltrpo with PPO's settings |") == (
         "| kltrpo with PPO's settings | 0..3 | 1 | 3 | 0.90 | - | 1001.5 ± 1.1 | - | 551.2 ± 1.3 | - |"
     )
