@@ -935,16 +935,22 @@ def update_share(record: dict[str, Any], low: float, high: float) -> float:
     return float(np.mean([low * target <= u["mean"] < high * target for u in record["kl_updates"]]))
 
 
+def kl_update_keys(record: dict[str, Any], until: int | None = None) -> list[tuple[int, float, float]]:
+    """
+    A record's per-update KLs as ``(timesteps, mean, p99)``, those at or before ``until`` steps where given: what two
+    records that trained identically share (records made before the monitor measured the normalization's shift do not
+    hold it).
+    """
+    updates = record.get("kl_updates") or []
+    return [(u["timesteps"], u["mean"], u["p99"]) for u in updates if until is None or u["timesteps"] <= until]
+
+
 def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """
-    Whether two records of one cell and seed trained identically: same evaluation returns and per-update KLs (the
-    update's mean and p99; records made before the monitor measured the normalization's shift do not hold it).
+    Whether two records of one cell and seed trained identically: same evaluation returns and per-update KLs
+    (:func:`kl_update_keys`).
     """
-
-    def updates(record: dict[str, Any]) -> list[tuple[int, float, float]]:
-        return [(u["timesteps"], u["mean"], u["p99"]) for u in record["kl_updates"]]
-
-    return a["eval_returns"] == b["eval_returns"] and updates(a) == updates(b)
+    return a["eval_returns"] == b["eval_returns"] and kl_update_keys(a) == kl_update_keys(b)
 
 
 def sb3_kl_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -2014,12 +2020,8 @@ def repeats_grid_run(grid: dict[str, Any], longer: dict[str, Any]) -> bool:
     steps = trained_steps(grid)
     if steps is None:
         return False
-
-    def updates(record: dict[str, Any]) -> list[tuple[int, float, float]]:
-        return [(u["timesteps"], u["mean"], u["p99"]) for u in record.get("kl_updates") or [] if u["timesteps"] <= steps]
-
     same_curve = [tuple(p) for p in longer["curve"] if p[0] <= steps] == [tuple(p) for p in grid["curve"]]
-    return same_curve and updates(longer) == updates(grid)
+    return same_curve and kl_update_keys(longer, steps) == kl_update_keys(grid, steps)
 
 
 def back_above(curve: list[list[float]], fell: tuple[int, int], share: float = CAME_BACK) -> float | None:
@@ -2086,7 +2088,7 @@ def longer_budget_collapses(groups: dict[tuple[str, str, float], list[dict[str, 
     algos = sorted({algo for (_, algo, _) in longer}, key=ALL_ALGOS.index)
     budgets = sorted({r["budget"] for runs in longer.values() for r in runs})
     grid_budget = BUDGETS[tier][env]
-    versions = ", ".join(f"`{v}`" for v in sorted({r.get("code_version", "?") for rs in longer.values() for r in rs}))
+    versions = ", ".join(f"`{v}`" for v in sorted(code_versions([r for rs in longer.values() for r in rs])))
     share = f"{CAME_BACK:.0%}"
     out = [
         f"## {env} past the grid's budget",
@@ -2303,6 +2305,7 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
     """No collapse of any sb3-kl algorithm anywhere in the grid."""
     runs = [r for (_, algo, _), rs in groups.items() if algo in SB3_KL_ALGOS for r in rs]
     collapsed = sb3_kl_collapses(groups)
+    afters = [after_the_budget(r) for r in collapsed]  # what each did when trained on past the grid's budget
     detail = (
         ", ".join(
             f"{r['algo']} {r['env']} x{r['lr_mult']:g} s{r['seed']}, evaluation after training {r['eval_mean']:.1f}"
@@ -2311,13 +2314,13 @@ def goal_collapses(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -
                 if (fall := fall_kl(r)) is not None
                 else ""
             )
-            + (f", {after}" if (after := after_the_budget(r)) else "")
-            for r in collapsed
+            + (f", {afters[i]}" if afters[i] else "")
+            for i, r in enumerate(collapsed)
         )
         or "none"
     )
     count = f"{len(collapsed)} runs, {len(distinct_trainings(collapsed))} distinct trainings: " if collapsed else ""
-    trained_on = sorted({r["env"] for r in collapsed if longer_run(r) is not None}, key=MAIN_ENVS.index)
+    trained_on = sorted({r["env"] for r, after in zip(collapsed, afters, strict=True) if after}, key=MAIN_ENVS.index)
     see = "*The collapses*" + "".join(f" and *{env} past the grid's budget*" for env in trained_on)
     swap_env, swap_folder = KLTRPO_PPO_SETTINGS_RUNS
     if any(r["env"] == swap_env for r in collapsed) and load_folder(f"{swap_folder}/runs/{collapsed[0]['tier']}"):
