@@ -12,7 +12,7 @@ Rows say how far the code meets it:
 - ``GAP``: the contract is not met (value accepted, or an error not naming the argument); these tests are
   ``xfail(strict=True)``, so they fail as soon as the owner fixes the check, and the row must then become ``OK``.
 
-The table in docs/reliability.md is generated from :data:`ROWS` (``python tests/test_bad_inputs.py`` rewrites it)
+The table in docs/misc/bad_inputs.md is generated from :data:`ROWS` (``python tests/test_bad_inputs.py`` rewrites it)
 and :func:`test_docs_table_is_current` fails when they differ; :func:`test_every_public_argument_has_a_row` fails
 when an argument is added without a row.
 """
@@ -44,7 +44,7 @@ CALLBACKS = (KLMonitorCallback, KLAdaptiveLRCallback, VarianceFloorCallback, KLA
 NOT_ARGUMENTS = {"self", "policy", "env", "_init_setup_model"}  # policy/env: SB3 checks them; private flag
 NAN, INF = math.nan, math.inf
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "misc" / "bad_inputs.md"
 TABLE_START, TABLE_END = "<!-- bad-inputs-table:start -->", "<!-- bad-inputs-table:end -->"
 
 
@@ -408,7 +408,7 @@ def test_docs_table_is_current() -> None:
     text = DOCS.read_text()
     assert TABLE_START in text and TABLE_END in text, f"{DOCS} lacks the table markers"
     current = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
-    assert current == docs_table(), "docs/reliability.md is out of date: run `python tests/test_bad_inputs.py`"
+    assert current == docs_table(), "docs/misc/bad_inputs.md is out of date: run `python tests/test_bad_inputs.py`"
 
 
 def write_docs_table() -> None:
