@@ -132,8 +132,8 @@ class KLAlarmCallback(MonitorUser):
     - ``heavy_tail``: p99 / mean of the per-state KL > ``tail_ratio`` (a few states carry the update's KL);
       only checked when the mean KL exceeds ``min_kl`` (tiny updates have meaningless ratios), and never with a ``k1``
       monitor (the tail ratio of signed samples is not defined, ``kl/tail_ratio`` is NaN);
-    - ``grad_ratio``: the sb3_kl algorithm's ``train/kl_grad_ratio`` (|grad of the KL term| / |grad of the
-      surrogate|) outside ``grad_ratio_band`` for ``patience`` consecutive updates: above the band the penalty
+    - ``grad_ratio``: the sb3_kl algorithm's ``train/kl_grad_ratio`` (norm of the KL term's gradient / norm of the
+      surrogate's) outside ``grad_ratio_band`` for ``patience`` consecutive updates: above the band the penalty
       drowns the surrogate (the policy stops learning); below it while the KL is above target, the penalty has no
       grip. (A small ratio with a KL below target is normal: the KL's gradient vanishes with the KL itself.)
 
