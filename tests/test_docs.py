@@ -1,0 +1,142 @@
+"""
+The documentation runs as written: every ```python block of every page of ``docs/`` (not the generated tables) and
+of ``README.md`` executes, page by page, the page's blocks in order in one fresh interpreter whose working directory
+is a temporary folder; and the Sphinx site builds with warnings fatal (``python -m sphinx -W -b html docs OUT``).
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+SKIPPED_FOLDERS = {"_generated", "_build"}
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
+
+# Runs in the fresh interpreter: each block compiled under a name that says where it comes from, in one namespace,
+# so a page's later blocks see what its earlier ones defined (as a reader running them in order would).
+RUNNER = """
+import json, linecache, sys, traceback
+import torch
+torch.set_num_threads(1)
+page, blocks = json.load(open(sys.argv[1]))
+namespace = {"__name__": "__main__"}
+for number, (first_line, source) in enumerate(blocks, start=1):
+    name = f"<{page} python block {number}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    try:
+        exec(compile(source, name, "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+        print(f"FAILED: {page}, python block {number}, first line: {first_line}", file=sys.stderr)
+        sys.exit(1)
+"""
+
+
+def doc_pages() -> list[Path]:
+    """``README.md`` and every Markdown page of ``docs/`` outside the generated and build folders."""
+    pages = [path for path in sorted(DOCS.rglob("*.md")) if not SKIPPED_FOLDERS & set(path.relative_to(DOCS).parts)]
+    return [ROOT / "README.md", *pages]
+
+
+def python_blocks(text: str) -> list[str]:
+    """The bodies of the fenced blocks whose info string is ``python``, in page order, dedented."""
+    blocks, lines, index = [], text.splitlines(), 0
+    while index < len(lines):
+        match = FENCE.match(lines[index])
+        index += 1
+        if match is None:
+            continue
+        fence, body = match["fence"], []
+        while index < len(lines):
+            closing = FENCE.match(lines[index])
+            if closing and closing["fence"][0] == fence[0] and len(closing["fence"]) >= len(fence):
+                if not closing["info"].strip():
+                    break
+            body.append(lines[index])
+            index += 1
+        index += 1  # past the closing fence
+        if match["info"].strip() == "python":
+            blocks.append(textwrap.dedent("\n".join(body)) + "\n")
+    return blocks
+
+
+def first_line(block: str) -> str:
+    return next((line.strip() for line in block.splitlines() if line.strip()), "")
+
+
+PAGES_WITH_CODE = [page for page in doc_pages() if python_blocks(page.read_text(encoding="utf-8"))]
+
+
+def test_block_extraction_finds_python_blocks_only() -> None:
+    text = "\n".join(
+        [
+            "```bash",
+            "python -c 'raise SystemExit(1)'",
+            "```",
+            "- a list item:",
+            "",
+            "  ```python",
+            "  x = 1",
+            "  ```",
+            "````md",
+            "```python",
+            "not run: inside a four-backtick block",
+            "```",
+            "````",
+            "```python",
+            "y = x + 1",
+            "```",
+        ]
+    )
+    assert python_blocks(text) == ["x = 1\n", "y = x + 1\n"]
+    # the pages that must show runnable code are found
+    names = {page.relative_to(ROOT).as_posix() for page in PAGES_WITH_CODE}
+    assert {"README.md", "docs/guide/quickstart.md"} <= names
+
+
+@pytest.mark.slow  # one interpreter per page, each training a few thousand steps
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda page: page.relative_to(ROOT).as_posix())
+def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
+    import json
+
+    name = page.relative_to(ROOT).as_posix()
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    spec = tmp_path / "blocks.json"
+    spec.write_text(json.dumps([name, [(first_line(block), block) for block in blocks]]))
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    env = dict(os.environ, SB3_LOGDIR=str(tmp_path / "sb3_logs"), OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    result = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(spec)], cwd=workdir, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, f"{name}: a python block failed\n{result.stderr[-4000:]}"
+
+
+def sphinx_missing() -> list[str]:
+    return [module for module in ("sphinx", "myst_parser", "sphinx_rtd_theme") if importlib.util.find_spec(module) is None]
+
+
+@pytest.mark.slow  # a full Sphinx build with autodoc
+def test_sphinx_builds_without_warnings(tmp_path: Path) -> None:
+    missing = sphinx_missing()
+    if missing:
+        message = f"the docs extra is missing ({', '.join(missing)}): pip install -e \".[docs]\""
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    result = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(tmp_path / "html")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"the Sphinx build warned or failed:\n{result.stderr[-6000:]}"
+    assert (tmp_path / "html" / "modules" / "klppo.html").is_file()
