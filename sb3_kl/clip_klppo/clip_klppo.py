@@ -101,7 +101,7 @@ class ClipKLPPO(KLPPO):
     :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
     :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default, as in RLHF) or ``"forward"`` = KL(pi_ref || pi)
     :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
-        the rollout policy, importance-weighted to it: unbiased in value and gradient, see docs/reference.md)
+        the rollout policy, importance-weighted to it: unbiased in value and gradient, see docs/guide/reference_kl.md)
         With a reference, ``beta_ref * KL_ref`` is added to the loss as in :class:`~sb3_kl.KLPPO`
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over

@@ -1,7 +1,7 @@
 """
 Lead-lag between KL spikes and drops of the episode return.
 
-Method (also printed by ``sb3-kl report`` and described in ``docs/diagnostics.md``):
+Method (also printed by ``sb3-kl report`` and described in ``docs/guide/diagnostics.md``):
 
 1. Spike series ``s_t``: the logged mean KL of update ``t`` on a log scale, minus its running median over
    21 updates (so that a slow drift of the KL is not mistaken for spikes), z-scored over the run.

@@ -136,7 +136,7 @@ class KLPPO(KLOnPolicyAlgorithm):
     :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
     :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default, as in RLHF) or ``"forward"`` = KL(pi_ref || pi)
     :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
-        the rollout policy, importance-weighted to it: unbiased in value and gradient, see docs/reference.md)
+        the rollout policy, importance-weighted to it: unbiased in value and gradient, see docs/guide/reference_kl.md)
         With a reference, ``beta_ref * KL_ref`` (mean over the minibatch's states) is added to the loss, next to
         ``beta * KL``: the update KL limits each step, the reference KL limits the drift accumulated over all
         updates. The reference is evaluated per minibatch under ``no_grad``

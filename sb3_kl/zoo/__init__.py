@@ -4,9 +4,9 @@ their Optuna samplers in ``rl_zoo3.hyperparams_opt`` and a schedule pre-processi
 
 Command line: ``python -m sb3_kl.zoo train|enjoy ...`` (or the ``sb3-kl-zoo`` script), which accepts every flag of
 ``rl_zoo3.train`` / ``rl_zoo3.enjoy`` and uses the configs shipped in ``sb3_kl/hyperparams/`` when no ``-conf``
-is given. See ``docs/zoo.md``. ``-optimize`` on a database ``--storage`` (PostgreSQL) goes through
+is given. See ``docs/guide/zoo.md``. ``-optimize`` on a database ``--storage`` (PostgreSQL) goes through
 :mod:`sb3_kl.zoo.distributed` (heartbeat and retry of killed workers' trials, exact ``--max-total-trials``), and
-``python -m sb3_kl.zoo export`` writes a trial as a config: see ``docs/distributed.md``.
+``python -m sb3_kl.zoo export`` writes a trial as a config: see ``docs/guide/distributed.md``.
 """
 
 import itertools

@@ -64,7 +64,7 @@ def with_default_config(argv: Sequence[str]) -> list[str]:
             raise ZooUsageError(
                 f"--algo {known.algo} ships no config for --env {known.env} (its config {default_config(known.algo)} "
                 f"has {', '.join(entries)}): write an entry for {known.env} in a YAML file and pass it with -conf "
-                "my.yml (docs/zoo.md)"
+                "my.yml (docs/guide/zoo.md)"
             )
         argv += ["-conf", default_config(known.algo)]
     return argv
