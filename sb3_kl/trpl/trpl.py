@@ -1,0 +1,556 @@
+import copy
+import math
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.distributions import (
+    BernoulliDistribution,
+    DiagGaussianDistribution,
+    Distribution,
+    StateDependentNoiseDistribution,
+)
+from stable_baselines3.common.policies import BasePolicy
+from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
+from stable_baselines3.common.utils import explained_variance
+from torch import nn
+from torch.nn import functional as F
+
+from sb3_kl.common.kl import GaussianParams, MultiCategoricalParams, as_float64, kl_normal, per_state_kl
+from sb3_kl.common.modes import acting_mode
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
+from sb3_kl.common.projections import (
+    PROJECTIONS,
+    gaussian_distances,
+    gaussian_entropy_projection,
+    project_bernoulli,
+    project_categorical,
+    project_gaussian,
+)
+from sb3_kl.common.validation import check_bool, check_choice, check_finite, check_int, check_non_negative, check_positive
+from sb3_kl.trpl.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
+
+SelfTRPL = TypeVar("SelfTRPL", bound="TRPL")
+
+
+@th.no_grad()
+def _copy_flat_to_parameters(flat: th.Tensor, parameters: list[nn.Parameter]) -> None:
+    """Write a flat vector into the parameters, in place (unlike ``vector_to_parameters``, no aliasing of ``flat``)."""
+    start = 0
+    for param in parameters:
+        param.copy_(flat[start : start + param.numel()].view_as(param))
+        start += param.numel()
+
+
+class TRPL(KLOnPolicyAlgorithm):
+    """
+    Trust Region Projection Layers (TRPL): a trust region held in every state, by differentiable projection.
+
+    In each minibatch, the action distribution the network outputs in a state is projected onto the set of
+    distributions within ``mean_bound`` (mean part) and ``cov_bound`` (covariance part) of the rollout policy's
+    distribution in that state, and the loss is built on the projected policy: the importance-sampled surrogate
+    ``-E[pi_proj / pi_old * A]`` (no ratio clipping), plus ``trust_region_coef * d(pi_net, stopgrad(pi_proj))``, which
+    pulls the network toward its projection, plus the value loss and the optional entropy bonus. The gradient flows
+    through the projection.
+
+    With ``projection="kl"`` the bound is on KL(pi_new || pi_old) per state (the package's ``kl_direction="reverse"``):
+    for a Gaussian the mean part ``0.5 (mu - mu_old)^T Sigma_old^-1 (mu - mu_old) <= mean_bound`` and the covariance
+    part ``<= cov_bound``, so the joint per-state KL is at most ``mean_bound + cov_bound``; for a categorical policy
+    (``Discrete``; ``MultiDiscrete`` and ``MultiBinary`` jointly over their factors) the joint per-state KL is at most
+    ``mean_bound``. ``"w2"`` and ``"frobenius"`` bound the Gaussian's parts in those distances instead
+    (:mod:`sb3_kl.common.projections` defines them).
+
+    As in SB3, the policy that acts (``predict``, ``policy.get_distribution``) is the network itself, not its
+    projection. After the epochs the bound is enforced on it over the update's rollout states: while the largest
+    per-state distance exceeds ``bound_tolerance * bound``, up to ``max_enforce_steps`` optimizer steps regress the
+    network onto its projection on the states above the bound; if that is not enough, the actor's parameters are
+    moved back along the straight line to the rollout policy's (where the distance is 0) until the bound holds.
+
+    Paper: Otto et al., "Differentiable Trust Region Layers for Deep Reinforcement Learning", ICLR 2021,
+    https://arxiv.org/abs/2101.09207
+
+    :param policy: The policy model to use (MlpPolicy, CnnPolicy, ...)
+    :param env: The environment to learn from (if registered in Gym, can be str)
+    :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0)
+    :param n_steps: The number of steps to run for each environment per update
+        (i.e. rollout buffer size is n_steps * n_envs where n_envs is number of environment copies running in parallel)
+    :param batch_size: Minibatch size
+    :param n_epochs: Number of epochs when optimizing the surrogate loss
+    :param gamma: Discount factor
+    :param gae_lambda: Factor for trade-off of bias vs variance for Generalized Advantage Estimator
+    :param normalize_advantage: Whether to normalize or not the advantage
+    :param ent_coef: Entropy coefficient for the loss calculation (entropy of the projected policy)
+    :param vf_coef: Value function coefficient for the loss calculation
+    :param max_grad_norm: The maximum value for the gradient clipping
+    :param use_sde: Whether to use generalized State Dependent Exploration (gSDE): the std is then per state and so
+        is its projection (without gSDE the std is state-independent and projected once per minibatch)
+    :param sde_sample_freq: Sample a new noise matrix every n steps when using gSDE
+        Default: -1 (only sample at the beginning of the rollout)
+    :param rollout_buffer_class: Rollout buffer class to use; must subclass ``KLRolloutBuffer`` (or its Dict variant).
+        If ``None``, it will be automatically selected.
+    :param rollout_buffer_kwargs: Keyword arguments to pass to the rollout buffer on creation
+    :param projection: ``"kl"`` (default), ``"w2"`` or ``"frobenius"`` (the last two for ``Box`` actions only)
+    :param mean_bound: Bound on the mean part of the per-state distance (for categorical policies: on the whole
+        per-state KL)
+    :param cov_bound: Bound on the covariance part of the per-state distance (Gaussian policies)
+    :param trust_region_coef: Coefficient alpha of the regression of the network onto its projection
+    :param target_entropy: Entropy control for Gaussian policies: when set, the projected policy's joint entropy per
+        state is kept at least ``target_entropy + (initial - target_entropy) * progress_remaining``, where ``initial``
+        is the rollout policy's mean entropy at the first update (``initial_entropy``, saved with the model): a lower
+        bound decaying linearly from the initial entropy to the target. Applied to the network's std before the
+        trust-region projection. None (default): no entropy control
+    :param max_enforce_steps: Largest number of regression steps of the bound enforcement after the epochs (0: go
+        straight to the move back toward the rollout policy when the bound is exceeded)
+    :param bound_tolerance: The acting policy's largest per-state distance over the update's states must end at most
+        ``bound_tolerance * (mean_bound + cov_bound)`` (``mean_bound`` for categorical policies)
+    :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
+    :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
+        the reported success rate, mean episode length, and mean reward over
+    :param tensorboard_log: the log location for tensorboard (if None, no logging)
+    :param policy_kwargs: additional arguments to be passed to the policy on creation
+    :param verbose: the verbosity level: 0 no output, 1 info, 2 debug
+    :param seed: Seed for the pseudo random generators
+    :param device: Device (cpu, cuda, ...) on which the code should be run.
+        Setting it to auto, the code will be run on the GPU if possible.
+    :param _init_setup_model: Whether or not to build the network at the creation of the instance
+    """
+
+    policy_aliases: ClassVar[dict[str, type[BasePolicy]]] = {
+        "MlpPolicy": MlpPolicy,
+        "CnnPolicy": CnnPolicy,
+        "MultiInputPolicy": MultiInputPolicy,
+    }
+    has_kl_coef: ClassVar[bool] = False  # a projection, no penalty coefficient
+
+    def __init__(
+        self,
+        policy: str | type[MlpPolicy],
+        env: GymEnv | str,
+        learning_rate: float | Schedule = 3e-4,
+        n_steps: int = 2048,
+        batch_size: int = 64,
+        n_epochs: int = 10,
+        gamma: float = 0.99,
+        gae_lambda: float = 0.95,
+        normalize_advantage: bool = True,
+        ent_coef: float = 0.0,
+        vf_coef: float = 0.5,
+        max_grad_norm: float = 0.5,
+        use_sde: bool = False,
+        sde_sample_freq: int = -1,
+        rollout_buffer_class: type[RolloutBuffer] | None = None,
+        rollout_buffer_kwargs: dict[str, Any] | None = None,
+        projection: str = "kl",
+        mean_bound: float = 0.03,
+        cov_bound: float = 0.001,
+        trust_region_coef: float = 8.0,
+        target_entropy: float | None = None,
+        max_enforce_steps: int = 20,
+        bound_tolerance: float = 1.05,
+        kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+        stats_window_size: int = 100,
+        tensorboard_log: str | None = None,
+        policy_kwargs: dict[str, Any] | None = None,
+        verbose: int = 0,
+        seed: int | None = None,
+        device: th.device | str = "auto",
+        _init_setup_model: bool = True,
+    ):
+        # Checked before building anything, so a bad argument fails fast
+        check_choice("projection", projection, PROJECTIONS)
+        mean_bound = check_positive("mean_bound", mean_bound)
+        cov_bound = check_positive("cov_bound", cov_bound)
+        trust_region_coef = check_non_negative("trust_region_coef", trust_region_coef)
+        if target_entropy is not None:
+            target_entropy = check_finite("target_entropy", target_entropy)
+        check_int("max_enforce_steps", max_enforce_steps, 0)
+        bound_tolerance = check_positive("bound_tolerance", bound_tolerance)
+        if bound_tolerance < 1:
+            raise ValueError(f"`bound_tolerance` must be >= 1 (a multiple of the bound), got {bound_tolerance!r}.")
+        check_int("batch_size", batch_size, 2)
+        check_int("n_epochs", n_epochs, 1)
+        check_bool("normalize_advantage", normalize_advantage)
+        ent_coef = check_non_negative("ent_coef", ent_coef)
+        vf_coef = check_non_negative("vf_coef", vf_coef)
+        max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+
+        super().__init__(
+            policy,
+            env,
+            learning_rate=learning_rate,
+            n_steps=n_steps,
+            gamma=gamma,
+            gae_lambda=gae_lambda,
+            ent_coef=ent_coef,
+            vf_coef=vf_coef,
+            max_grad_norm=max_grad_norm,
+            use_sde=use_sde,
+            sde_sample_freq=sde_sample_freq,
+            rollout_buffer_class=rollout_buffer_class,
+            rollout_buffer_kwargs=rollout_buffer_kwargs,
+            stats_window_size=stats_window_size,
+            tensorboard_log=tensorboard_log,
+            policy_kwargs=policy_kwargs,
+            verbose=verbose,
+            device=device,
+            seed=seed,
+            _init_setup_model=False,
+            supported_action_spaces=(spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary),
+            # ``target_kl`` is the per-state bound (resolved for the action space in _setup_model); the KL logged
+            # is the one the KL projection bounds: KL(new||old), exact, of the joint action distribution
+            target_kl=None,
+            kl_estimator="analytic",
+            kl_direction="reverse",
+            kl_reduction="sum",
+            kl_quantiles=kl_quantiles,
+        )
+        self.batch_size = batch_size
+        self.n_epochs = n_epochs
+        self.normalize_advantage = normalize_advantage
+        self.projection = projection
+        self.mean_bound = mean_bound
+        self.cov_bound = cov_bound
+        self.trust_region_coef = trust_region_coef
+        self.target_entropy = target_entropy
+        self.initial_entropy: float | None = None
+        self.max_enforce_steps = max_enforce_steps
+        self.bound_tolerance = bound_tolerance
+        if self.env is not None:
+            self._check_action_space(self.action_space)
+            assert self.n_steps * self.env.num_envs > 1 or not normalize_advantage, (
+                "`n_steps * n_envs` must be greater than 1. "
+                f"Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+            )
+        if _init_setup_model:
+            self._setup_model()
+
+    def _check_action_space(self, action_space: spaces.Space) -> None:
+        """Refuse the options that only exist for Gaussian policies on another action space."""
+        if isinstance(action_space, spaces.Box):
+            return
+        kind = type(action_space).__name__
+        if self.projection != "kl":
+            raise ValueError(
+                f"`projection`={self.projection!r} projects Gaussian policies (Box actions); this action space is "
+                f"{kind}, whose categorical policy is projected in KL: pass projection='kl'."
+            )
+        if self.target_entropy is not None:
+            raise ValueError(
+                f"`target_entropy`={self.target_entropy!r} controls the entropy of a Gaussian policy (Box actions); "
+                f"this action space is {kind}: pass target_entropy=None (or use ent_coef for an entropy bonus)."
+            )
+
+    def _setup_model(self) -> None:
+        self._check_action_space(self.action_space)
+        super()._setup_model()
+        action_dist = self.policy.action_dist
+        if getattr(action_dist, "bijector", None) is not None:
+            raise ValueError(
+                "TRPL projects the Gaussian before any squashing: pass policy_kwargs without squash_output=True."
+            )
+        self._is_gaussian = isinstance(self.dist_params, GaussianParams)
+        self._per_state_std = isinstance(action_dist, StateDependentNoiseDistribution)
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_is_gaussian", "_per_state_std"]
+
+    def _target_kl_schedule(self, target_kl: float | Schedule | None) -> Schedule:
+        # The per-state bound of the joint distance is the target the KL logs and callbacks compare with
+        if target_kl is None:
+            target_kl = self.joint_bound
+        return super()._target_kl_schedule(target_kl)
+
+    @property
+    def joint_bound(self) -> float:
+        """The bound on the joint per-state distance: ``mean_bound + cov_bound`` (Gaussian), ``mean_bound`` (categorical)."""
+        return self.mean_bound + (self.cov_bound if isinstance(self.action_space, spaces.Box) else 0.0)
+
+    def min_entropy(self) -> float | None:
+        """The entropy control's current lower bound on the projected Gaussian's joint entropy (None without it)."""
+        if self.target_entropy is None or self.initial_entropy is None:
+            return None
+        progress = min(max(self._current_progress_remaining, 0.0), 1.0)
+        return self.target_entropy + (self.initial_entropy - self.target_entropy) * progress
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The projection
+
+    def _gaussian_parts(self, distribution: Distribution) -> tuple[th.Tensor, th.Tensor]:
+        """
+        The network's Gaussian: mean ``(batch, k)`` and std, ``(k,)`` for SB3's state-independent ``log_std`` (its
+        covariance is projected once per minibatch) or ``(batch, k)`` with gSDE (differentiable through the
+        features, :func:`~sb3_kl.common.kl.attach_sde_features`).
+        """
+        normal = kl_normal(distribution)
+        if self._per_state_std:
+            return normal.loc, normal.scale
+        return normal.loc, th.exp(self.policy.log_std)
+
+    def _old_gaussian(self, old_params: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        """The rollout policy's mean and std, the std shaped as the network's (:meth:`_gaussian_parts`)."""
+        old_mean, old_log_std = self.dist_params.split(old_params)  # type: ignore[attr-defined]
+        return old_mean, th.exp(old_log_std if self._per_state_std else old_log_std[0])
+
+    def _project(self, distribution: Distribution, old_params: th.Tensor, min_entropy: float | None) -> dict[str, Any]:
+        """
+        Project the network's distribution on a minibatch onto the trust region around the rollout policy's.
+
+        :param distribution: The network's distribution (with gradients)
+        :param old_params: The rollout policy's distribution parameters on the same states
+        :param min_entropy: Lower bound on the projected Gaussian's joint entropy (None: no entropy control)
+        :return: ``distribution``: the projected distribution (SB3 ``Distribution``, differentiable);
+            ``trust_region``: ``d(pi_net, stopgrad(pi_proj))`` per state; ``moved``: whether the projection changed
+            each state; ``projected``: the projected distribution's joint distance to the rollout policy per state,
+            and ``parts``: its mean and covariance parts (no gradient)
+        """
+        if self._is_gaussian:
+            mean, std = self._gaussian_parts(distribution)
+            old_mean, old_std = self._old_gaussian(old_params)
+            net_std = std
+            if min_entropy is not None:
+                std = gaussian_entropy_projection(std, min_entropy)
+            proj_mean, proj_std = project_gaussian(
+                mean, std, old_mean, old_std, self.mean_bound, self.cov_bound, self.projection
+            )
+            mean_dist, cov_dist = gaussian_distances(mean, net_std, proj_mean.detach(), proj_std.detach(), self.projection)
+            trust_region = mean_dist + cov_dist
+            with th.no_grad():
+                before_mean, before_cov = gaussian_distances(mean, std, old_mean, old_std, self.projection)
+                moved = (before_mean > self.mean_bound) | (before_cov > self.cov_bound)
+                after_mean, after_cov = gaussian_distances(proj_mean, proj_std, old_mean, old_std, self.projection)
+                after_cov = after_cov.expand_as(after_mean)
+            projected = DiagGaussianDistribution(self.dist_params.n_dims).proba_distribution(proj_mean, th.log(proj_std))
+            return {
+                "distribution": projected,
+                "trust_region": trust_region,
+                "moved": moved,
+                "projected": after_mean + after_cov,
+                "parts": (after_mean, after_cov),
+            }
+        logits = self.dist_params.extract(distribution)
+        if isinstance(self.policy.action_dist, BernoulliDistribution):
+            proj_logits = project_bernoulli(logits, old_params, self.mean_bound)
+        else:
+            action_dims = self.dist_params.nvec if isinstance(self.dist_params, MultiCategoricalParams) else [logits.shape[-1]]
+            proj_logits = project_categorical(logits, old_params, self.mean_bound, action_dims)
+        # KL(pi_net || stopgrad(pi_proj)) and the distances to the rollout policy, from the shared KL core
+        trust_region = self.dist_params.kl_per_dim(logits, proj_logits.detach()).sum(dim=-1)
+        with th.no_grad():
+            moved = self.dist_params.kl_per_dim(logits, old_params).sum(dim=-1) > self.mean_bound
+            after = self.dist_params.kl_per_dim(proj_logits, old_params).sum(dim=-1)
+        projected = copy.copy(self.policy.action_dist).proba_distribution(action_logits=proj_logits)
+        return {"distribution": projected, "trust_region": trust_region, "moved": moved, "projected": after, "parts": None}
+
+    def _distance_to_old(self, new_params: th.Tensor, old_params: th.Tensor) -> th.Tensor:
+        """
+        The joint per-state distance the projection bounds, between two parameter tensors (computed in float64):
+        KL(new||old) (the shared KL core, the convention of ``train/kl``), or the sum of the W2/Frobenius parts.
+
+        :return: ``(batch,)`` float64
+        """
+        new_params, old_params = as_float64(new_params, old_params)
+        if self.projection == "kl":
+            return per_state_kl(self.kl_settings, self.dist_params, old_params, new_params)
+        new_mean, new_log_std = self.dist_params.split(new_params)  # type: ignore[attr-defined]
+        old_mean, old_log_std = self.dist_params.split(old_params)  # type: ignore[attr-defined]
+        mean_dist, cov_dist = gaussian_distances(
+            new_mean, th.exp(new_log_std), old_mean, th.exp(old_log_std), self.projection
+        )
+        return mean_dist + cov_dist
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The update
+
+    def _optimizer_step(self, loss: th.Tensor) -> bool:
+        """
+        zero_grad, backward, clip and step; a non-finite loss or gradient norm skips the step.
+
+        :return: whether the step was applied
+        """
+        self.policy.optimizer.zero_grad()
+        loss.backward()
+        grad_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        if not math.isfinite(grad_norm.item()):
+            self.policy.optimizer.zero_grad()
+            return False
+        self.policy.optimizer.step()
+        return True
+
+    def train(self) -> None:
+        """
+        Update policy using the currently gathered rollout buffer.
+        """
+        self._prepare_rollout_distribution()
+        if self.target_entropy is not None and self.initial_entropy is None:
+            old_params = th.as_tensor(self.rollout_buffer.old_dist_params)
+            self.initial_entropy = float(self.dist_params.entropy(old_params).mean())
+        # Switch to train mode (this affects batch norm / dropout)
+        self.policy.set_training_mode(True)
+        # Update optimizer learning rate
+        self._update_learning_rate(self.policy.optimizer)
+        min_entropy = self.min_entropy()
+        actor_params = self._actor_parameters()
+        rollout_actor = nn.utils.parameters_to_vector(actor_params).detach().clone()
+
+        entropy_losses, pg_losses, value_losses, trust_region_losses, moved_fractions = [], [], [], [], []
+        projected_max, mean_part_max, cov_part_max = 0.0, 0.0, 0.0
+        nonfinite_steps, applied_steps = 0, 0
+        loss = th.zeros(())
+        for _ in range(self.n_epochs):
+            for rollout_data in self.rollout_buffer.get(self.batch_size):
+                actions = self._actions_for_log_prob(rollout_data.actions)
+                values, distribution = self._forward_samples(rollout_data)
+                projection = self._project(distribution, rollout_data.old_dist_params, min_entropy)
+                projected = projection["distribution"]
+                # Importance-sampled surrogate of the projected policy, no clipping (the projection is the trust
+                # region); the log-ratio is clamped before exponentiation so that one far-off sample cannot overflow
+                log_ratio = projected.log_prob(actions) - rollout_data.old_log_prob
+                clip = self.kl_settings.log_ratio_clip
+                ratio = th.exp(th.clamp(log_ratio, -clip, clip))
+                advantages = self._normalized_advantages(rollout_data.advantages)
+                policy_loss = -(advantages * ratio).mean()
+                trust_region_loss = projection["trust_region"].mean()
+                value_loss = F.mse_loss(rollout_data.returns, values)
+                with th.set_grad_enabled(self.ent_coef != 0):
+                    entropy_loss = -projected.entropy().mean()
+                loss = policy_loss + self.trust_region_coef * trust_region_loss + self.vf_coef * value_loss
+                if self.ent_coef != 0:
+                    loss = loss + self.ent_coef * entropy_loss
+
+                pg_losses.append(policy_loss.item())
+                value_losses.append(value_loss.item())
+                entropy_losses.append(entropy_loss.item())
+                trust_region_losses.append(trust_region_loss.item())
+                moved_fractions.append(projection["moved"].float().mean().item())
+                projected_max = max(projected_max, projection["projected"].max().item())
+                if projection["parts"] is not None:
+                    mean_part_max = max(mean_part_max, projection["parts"][0].max().item())
+                    cov_part_max = max(cov_part_max, projection["parts"][1].max().item())
+
+                applied = self._optimizer_step(loss)  # False: a non-finite loss or gradient, the step is skipped
+                applied_steps += int(applied)
+                nonfinite_steps += int(not applied)
+        self._n_updates += self.n_epochs
+
+        if applied_steps == 0 and nonfinite_steps > 0:
+            raise NonFiniteUpdateError(
+                f"All {nonfinite_steps} optimizer steps of this update had a non-finite loss or gradient, so none was "
+                "applied. Check the environment's observations and rewards for NaN/inf (wrap it with VecCheckNan), "
+                "normalize them (VecNormalize), lower the learning rate, or set max_grad_norm."
+            )
+        self.nonfinite_steps_total += nonfinite_steps
+
+        enforcement = self._enforce_bound(actor_params, rollout_actor, min_entropy)
+        per_state, new_params = self._measure_update_kl()
+        self._finish_update()
+        explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
+
+        # Logs (PPO's keys for the same things)
+        self.logger.record("train/entropy_loss", np.mean(entropy_losses))
+        self.logger.record("train/policy_gradient_loss", np.mean(pg_losses))
+        self.logger.record("train/value_loss", np.mean(value_losses))
+        self.logger.record("train/trust_region_loss", np.mean(trust_region_losses))
+        self.logger.record("train/loss", loss.item())
+        self.logger.record("train/explained_variance", explained_var)
+        if hasattr(self.policy, "log_std"):
+            self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
+        self.logger.record("train/projected_fraction", np.mean(moved_fractions))
+        self.logger.record("train/projected_max", projected_max)
+        if self._is_gaussian:
+            self.logger.record("train/projected_mean_part_max", mean_part_max)
+            self.logger.record("train/projected_cov_part_max", cov_part_max)
+        if min_entropy is not None:
+            self.logger.record("train/min_entropy", min_entropy)
+        self.logger.record("train/distance_max_before_enforcement", enforcement["before"])
+        self.logger.record("train/distance_max", enforcement["after"])
+        self.logger.record("train/enforcement_steps", enforcement["steps"])
+        self.logger.record("train/enforcement_step_fraction", enforcement["step_fraction"])
+        self.logger.record("train/bound_met", float(enforcement["after"] <= self.bound_tolerance * self.joint_bound))
+        self.logger.record("train/nonfinite_steps", nonfinite_steps)
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self._record_update_kl(per_state, new_params, self.joint_bound)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The bound on the acting policy
+
+    def _actor_parameters(self) -> list[nn.Parameter]:
+        """Every trainable parameter of the policy except the critic's (``mlp_extractor.value_net``, ``value_net``)."""
+        critic = set()
+        for module in (self.policy.value_net, self.policy.mlp_extractor.value_net):
+            critic.update(id(p) for p in module.parameters())
+        if not self.policy.share_features_extractor:
+            critic.update(id(p) for p in self.policy.vf_features_extractor.parameters())
+        return [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic]
+
+    @th.no_grad()
+    def _network_distances(self, chunk_size: int = 4096) -> th.Tensor:
+        """The acting policy's joint per-state distance to the rollout policy on every state of the buffer (float64)."""
+        distances = []
+        with acting_mode(self.policy):
+            for data in self.rollout_buffer.ordered_samples(chunk_size):
+                distribution = self._samples_distribution(self.policy, data)
+                distances.append(self._distance_to_old(self.dist_params.extract(distribution), data.old_dist_params))
+        return th.cat(distances)
+
+    def _enforce_bound(
+        self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
+    ) -> dict[str, float]:
+        """
+        Bring the acting policy's largest per-state distance to the rollout policy, over the update's states, within
+        ``bound_tolerance * joint_bound``: first up to ``max_enforce_steps`` optimizer steps on the regression of the
+        network onto its projection, on the states above the bound; then, if still needed, the actor's parameters
+        are moved back toward the rollout policy's, ``theta = theta_old + t (theta - theta_old)``, with the largest
+        ``t`` of ``1, 0.8, 0.8^2, ...`` (20 tries, then ``t = 0``: the rollout policy, distance 0) meeting the bound.
+
+        :param actor_params: The parameters of the action distribution
+        :param rollout_actor: Their values at the rollout (flat)
+        :param min_entropy: The entropy control's bound of this update (the projection's target)
+        :return: the largest distance before and after, the regression steps taken and the factor ``t``
+        """
+        limit = self.bound_tolerance * self.joint_bound
+        distances = self._network_distances()
+        before = distances.max().item()
+        steps = 0
+        while distances.max().item() > limit and steps < self.max_enforce_steps:
+            outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
+            data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
+            _, distribution = self._forward_samples(data)
+            trust_region = self._project(distribution, data.old_dist_params, min_entropy)["trust_region"]
+            self._optimizer_step(trust_region.mean())
+            steps += 1
+            distances = self._network_distances()
+        step_fraction = 1.0
+        if distances.max().item() > limit:
+            with th.no_grad():
+                current = nn.utils.parameters_to_vector(actor_params).detach().clone()
+                for _ in range(20):
+                    step_fraction *= 0.8
+                    _copy_flat_to_parameters(rollout_actor + step_fraction * (current - rollout_actor), actor_params)
+                    distances = self._network_distances()
+                    if distances.max().item() <= limit:
+                        break
+                else:
+                    step_fraction = 0.0
+                    _copy_flat_to_parameters(rollout_actor, actor_params)
+                    distances = self._network_distances()
+        return {"before": before, "after": distances.max().item(), "steps": steps, "step_fraction": step_fraction}
+
+    def learn(
+        self: SelfTRPL,
+        total_timesteps: int,
+        callback: MaybeCallback = None,
+        log_interval: int = 1,
+        tb_log_name: str = "TRPL",
+        reset_num_timesteps: bool = True,
+        progress_bar: bool = False,
+    ) -> SelfTRPL:
+        return super().learn(
+            total_timesteps=total_timesteps,
+            callback=callback,
+            log_interval=log_interval,
+            tb_log_name=tb_log_name,
+            reset_num_timesteps=reset_num_timesteps,
+            progress_bar=progress_bar,
+        )
