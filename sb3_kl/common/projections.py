@@ -1,0 +1,470 @@
+"""
+Differentiable per-state trust-region projections of action distributions (the layers of TRPL).
+
+Otto et al., "Differentiable Trust Region Layers for Deep Reinforcement Learning", ICLR 2021
+(https://arxiv.org/abs/2101.09207): in every state, the policy's distribution ``pi`` is replaced by the closest
+distribution ``pi~`` that lies within a bound of the rollout ("old") policy's distribution ``pi_old`` in that state, and
+the loss is differentiated through this projection. A distribution already inside its bound is returned unchanged.
+
+Gaussians (diagonal, as in SB3) are bounded separately in mean and covariance, each with its own bound:
+
+- ``"kl"``: mean part ``0.5 (mu - mu_old)^T Sigma_old^-1 (mu - mu_old)`` (Mahalanobis under the old covariance),
+  covariance part ``0.5 [tr(Sigma_old^-1 Sigma) - k + log det Sigma_old - log det Sigma]``; the two add up to
+  KL(pi || pi_old). The covariance projection interpolates the precisions,
+  ``Sigma~^-1 = (Sigma^-1 + eta Sigma_old^-1) / (1 + eta)``, with the multiplier ``eta >= 0`` found per state by a
+  1-D root search.
+- ``"w2"``: the squared 2-Wasserstein distance, unscaled: mean part ``||mu - mu_old||^2`` (plain Euclidean),
+  covariance part ``||sigma - sigma_old||^2`` on the standard deviations. The bounds are therefore in squared
+  action units. Closed form: both parts interpolate linearly (means, resp. standard deviations).
+- ``"frobenius"``: mean part ``(mu - mu_old)^T Sigma_old^-1 (mu - mu_old)`` (Mahalanobis, without the 0.5),
+  covariance part ``||Sigma - Sigma_old||_F^2``. Closed form: interpolation of the means, resp. the variances.
+
+Every closed form is ``x~ = (x + omega x_old) / (1 + omega)`` with ``omega = sqrt(d / bound) - 1`` when the
+distance ``d`` exceeds the bound.
+
+Categorical, MultiDiscrete and Bernoulli (MultiBinary) distributions are projected with the I-projection
+``min KL(q || p) s.t. KL(q || p_old) <= bound``, whose solution is the geometric interpolation of the natural
+parameters (logits), ``z~ = (z + eta z_old) / (1 + eta)``. One ``eta`` per state is shared by all factors of a
+MultiDiscrete / MultiBinary distribution, so that the *joint* KL is bounded.
+
+The root searches run in float64 on ``t = 1 / (1 + eta)`` in ``(0, 1]`` (a safeguarded Newton iteration inside a
+bracket), and the returned point always satisfies the constraint in float64. The gradient of the multiplier is
+implicit differentiation, implemented as one Newton step at the converged root whose value is zero and whose
+derivative of the constraint in ``t`` is detached: ``t = t* - (g(t*, theta) - g(t*, theta).detach()) / g_t(t*)``,
+so that ``dt/dtheta = -g_theta / g_t``, exact at the root.
+
+Old tensors are treated as constants (detached). Outputs have the dtype of the inputs. With float32 inputs the
+projected parameters are rounded to float32, which can move the distance by a relative amount of order
+``1e-7 * |parameter| / |parameter - old parameter|``; the search therefore aims at ``bound * (1 - 1e-4)`` for
+float32 inputs (and at ``bound`` for float64 ones).
+"""
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch as th
+from torch.nn import functional as F
+
+PROJECTIONS = ("kl", "w2", "frobenius")
+
+# Relative margin below the bound aimed at for float32 inputs, so that rounding the result to float32 stays inside.
+_FLOAT32_MARGIN = 1e-4
+# Stop the root search when |g| <= _ROOT_RTOL * bound (or the bracket is at machine precision).
+_ROOT_RTOL = 1e-9
+_MAX_ROOT_ITERATIONS = 100
+
+
+def _check_bound(bound: float, name: str) -> None:
+    """Fail early on a bound that is not a positive finite number."""
+    if not (isinstance(bound, (int, float)) and 0.0 < float(bound) < float("inf")):
+        raise ValueError(f"`{name}` must be a positive finite number, got {bound!r}: pass e.g. {name}=0.01")
+
+
+def _check_projection(projection: str) -> None:
+    """Fail early on an unknown projection name."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"`projection` must be one of {PROJECTIONS}, got {projection!r}")
+
+
+def _round_inside(
+    solve: Callable[[float | th.Tensor], th.Tensor],
+    distance: Callable[[th.Tensor], th.Tensor],
+    old: th.Tensor,
+    bound: float,
+    dtype: th.dtype,
+) -> th.Tensor:
+    """
+    Run a projection in float64 and return it in ``dtype``, inside the bound after rounding.
+
+    For float32 the search aims at ``bound * (1 - _FLOAT32_MARGIN)``; states whose rounded result is still outside
+    (re-evaluated in float64) are solved again with a target lowered by their excess, up to three times, and a state
+    that still fails (a difference below float32 resolution) falls back to the old parameters.
+
+    :param solve: maps a target (float or per-state tensor) to the projected parameters in float64
+    :param distance: maps parameters (float64) to the constrained distance per state
+    :param old: the old parameters, in ``dtype``
+    :param bound: the bound
+    :param dtype: the dtype of the result
+    :return: the projected parameters in ``dtype``
+    """
+    if dtype == th.float64:
+        return solve(bound)
+    target: float | th.Tensor = bound * (1.0 - _FLOAT32_MARGIN)
+    result = solve(target).to(dtype)
+    for _ in range(3):
+        with th.no_grad():
+            dist = distance(result.detach().to(th.float64))
+        over = dist > bound
+        if not bool(over.any()):
+            return result
+        target = th.where(over, target * (bound / dist) * (1.0 - _FLOAT32_MARGIN), target)
+        result = solve(target).to(dtype)
+    with th.no_grad():
+        over = distance(result.detach().to(th.float64)) > bound
+    return th.where(over.unsqueeze(-1), old, result)
+
+
+def _solve_increasing(fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], t0: th.Tensor, bound: float) -> th.Tensor:
+    """
+    Batched root search of ``g(t) = 0`` for ``g`` increasing on ``[0, 1]`` with ``g(0) < 0 < g(1)``.
+
+    Safeguarded Newton: a bracket ``[lo, hi]`` is kept, and a Newton step that leaves it is replaced by the
+    geometric (or, with ``lo = 0``, a tenfold) reduction of ``hi``. Returns, per entry, the final iterate, stepped
+    back if it is a rounding error outside (``g > 0``), and otherwise the feasible end of the bracket.
+
+    :param fn: maps ``t`` (float64, no grad) to ``(g(t), g'(t))``
+    :param t0: starting point in ``(0, 1]``
+    :param bound: the bound, to scale the stopping tolerance
+    :return: the root, float64, without grad
+    """
+    lo = th.zeros_like(t0)
+    hi = th.ones_like(t0)
+    t = t0.clamp(1e-300, 1.0)
+    for _ in range(_MAX_ROOT_ITERATIONS):
+        g, dg = fn(t)
+        feasible = g <= 0
+        lo = th.where(feasible, th.maximum(lo, t), lo)
+        hi = th.where(feasible, hi, th.minimum(hi, t))
+        if bool(((g.abs() <= _ROOT_RTOL * bound) | (hi - lo <= 4e-16 * hi)).all()):
+            break
+        newton = t - g / dg
+        inside = (newton > lo) & (newton < hi) & th.isfinite(newton)
+        fallback = th.where(lo > 0, th.sqrt(lo * hi), 0.1 * hi)
+        t = th.where(inside, newton, fallback)
+    # Converged within rounding but possibly a hair outside: step back until feasible (else keep the bracket's end)
+    for _ in range(4):
+        g, dg = fn(t)
+        if bool((g <= 0).all()):
+            break
+        back = th.maximum(2.0 * g / dg, 4e-16 * t)
+        t = th.where(g > 0, th.where(th.isfinite(back), t - back, lo), t).clamp(min=0.0)
+    g, _ = fn(t)
+    return th.where(g <= 0, t, lo)
+
+
+def _implicit_t(t_root: th.Tensor, fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], active: th.Tensor) -> th.Tensor:
+    """
+    Attach the implicit gradient to a root ``t*`` of ``g(t, theta) = 0``: value ``t*``, derivative ``-g_theta / g_t``.
+
+    :param t_root: the root (no grad)
+    :param fn: maps ``t`` to ``(g, g_t)``, with ``g`` differentiable in the new parameters
+    :param active: entries where the constraint is active (elsewhere ``t = 1`` and no gradient is attached)
+    :return: ``t`` with the implicit gradient
+    """
+    g, dg = fn(t_root)
+    dg = th.where(active & (dg > 0), dg.detach(), th.ones_like(dg))
+    step = th.where(active, (g - g.detach()) / dg, th.zeros_like(g))
+    return t_root - step
+
+
+def _mean_distance(mean: th.Tensor, old_mean: th.Tensor, old_std: th.Tensor, projection: str) -> th.Tensor:
+    """Mean part of the distance per state (any floating dtype)."""
+    if projection == "w2":
+        return ((mean - old_mean) ** 2).sum(-1)
+    mahalanobis = (((mean - old_mean) / old_std) ** 2).sum(-1)
+    return 0.5 * mahalanobis if projection == "kl" else mahalanobis
+
+
+def _cov_distance(std: th.Tensor, old_std: th.Tensor, projection: str) -> th.Tensor:
+    """Covariance part of the distance per state, or a scalar for state-independent stds (any floating dtype)."""
+    if projection == "w2":
+        return ((std - old_std) ** 2).sum(-1)
+    if projection == "frobenius":
+        return ((std**2 - old_std**2) ** 2).sum(-1)
+    # 0.5 * sum(r - 1 - log r) with r = var / old_var, written with expm1 to keep small values exact
+    log_ratio = 2.0 * (th.log(std) - th.log(old_std))
+    return 0.5 * (th.expm1(log_ratio) - log_ratio).sum(-1)
+
+
+def gaussian_distances(
+    mean: th.Tensor, std: th.Tensor, old_mean: th.Tensor, old_std: th.Tensor, projection: str = "kl"
+) -> tuple[th.Tensor, th.Tensor]:
+    """
+    The mean and covariance parts of the distance between two diagonal Gaussians, per state.
+
+    :param mean: new means, shape ``(batch, k)``
+    :param std: new standard deviations, ``(k,)`` (state-independent) or ``(batch, k)``
+    :param old_mean: old means, ``(batch, k)``
+    :param old_std: old standard deviations, ``(k,)`` or ``(batch, k)``
+    :param projection: one of ``PROJECTIONS`` (see the module docstring for each distance)
+    :return: the mean part, shape ``(batch,)``, and the covariance part, ``(batch,)`` if either std is per state,
+        else shape ``()``
+    """
+    _check_projection(projection)
+    return _mean_distance(mean, old_mean, old_std, projection), _cov_distance(std, old_std, projection)
+
+
+def _project_mean(
+    mean: th.Tensor, old_mean: th.Tensor, old_std: th.Tensor, bound: float, target: float | th.Tensor, projection: str
+) -> th.Tensor:
+    """Closed-form mean projection, float64 in and out."""
+    dist = _mean_distance(mean, old_mean, old_std, projection)
+    active = dist > bound
+    # mu~ = (mu + omega mu_old) / (1 + omega) = mu_old + (mu - mu_old) / (1 + omega), with 1 + omega = sqrt(d / target)
+    scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
+    return th.where(active.unsqueeze(-1), old_mean + (mean - old_mean) * scale, mean)
+
+
+def _project_closed_cov(
+    std: th.Tensor, old_std: th.Tensor, bound: float, target: float | th.Tensor, projection: str
+) -> th.Tensor:
+    """Closed-form W2 (std interpolation) or Frobenius (variance interpolation) covariance projection, float64."""
+    dist = _cov_distance(std, old_std, projection)
+    active = dist > bound
+    scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
+    if projection == "w2":
+        projected = old_std + (std - old_std) * scale
+    else:
+        projected = th.sqrt(old_std**2 + (std**2 - old_std**2) * scale)
+    return th.where(active.unsqueeze(-1), projected, std)
+
+
+def _kl_cov_constraint(t: th.Tensor, ratio_m1: th.Tensor, target: float | th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+    """
+    KL covariance part after interpolating precisions with weight ``t``, minus the target, and its derivative in ``t``.
+
+    The projected precision over the old one is ``x = 1 + t (r - 1)`` per dimension, and the covariance part is
+    ``0.5 sum(1/x - 1 + log x)``, written with ``u = x - 1`` as ``0.5 sum(log1p(u) - u / (1 + u))``.
+    """
+    u = t.unsqueeze(-1) * ratio_m1
+    value = 0.5 * (th.log1p(u) - u / (1.0 + u)).sum(-1) - target
+    slope = 0.5 * (ratio_m1 * u / (1.0 + u) ** 2).sum(-1)
+    return value, slope
+
+
+def _project_kl_cov(std: th.Tensor, old_std: th.Tensor, bound: float, target: float | th.Tensor) -> th.Tensor:
+    """KL covariance projection (precision interpolation with a per-state multiplier), float64 in and out."""
+    log_ratio = 2.0 * (th.log(old_std) - th.log(std))  # log r, with r = precision / old precision
+    ratio_m1 = th.expm1(log_ratio)
+    cov_part = 0.5 * (th.expm1(-log_ratio) + log_ratio).sum(-1)
+    active = cov_part > bound
+    with th.no_grad():
+        fixed = ratio_m1.detach()
+        t0 = th.sqrt(target / th.where(active, cov_part, th.ones_like(cov_part))).clamp(max=1.0)
+        t_root = _solve_increasing(lambda t: _kl_cov_constraint(t, fixed, target), t0, bound)
+        t_root = th.where(active, t_root, th.ones_like(t_root))
+    t = _implicit_t(t_root, lambda t: _kl_cov_constraint(t, ratio_m1, target), active)
+    projected = old_std * th.rsqrt(1.0 + t.unsqueeze(-1) * ratio_m1)  # std~ = old_std / sqrt(x)
+    return th.where(active.unsqueeze(-1), projected, std)
+
+
+def project_gaussian(
+    mean: th.Tensor,
+    std: th.Tensor,
+    old_mean: th.Tensor,
+    old_std: th.Tensor,
+    mean_bound: float,
+    cov_bound: float,
+    projection: str = "kl",
+) -> tuple[th.Tensor, th.Tensor]:
+    """
+    Project diagonal Gaussians, state by state, onto the trust region around the old ones.
+
+    Mean and covariance are projected separately, each onto its own bound (see the module docstring). With
+    state-independent standard deviations (SB3's ``log_std``, shape ``(k,)`` for both ``std`` and ``old_std``), the
+    covariance projection is computed once for all states.
+
+    :param mean: new means, shape ``(batch, k)``
+    :param std: new standard deviations, ``(k,)`` or ``(batch, k)``
+    :param old_mean: old means, ``(batch, k)`` (treated as a constant)
+    :param old_std: old standard deviations, ``(k,)`` or ``(batch, k)`` (treated as a constant)
+    :param mean_bound: bound on the mean part of the distance
+    :param cov_bound: bound on the covariance part of the distance
+    :param projection: one of ``PROJECTIONS``
+    :return: the projected means ``(batch, k)`` and standard deviations (the shape of ``std``, or ``(batch, k)`` if
+        only ``old_std`` is per state)
+    """
+    _check_projection(projection)
+    _check_bound(mean_bound, "mean_bound")
+    _check_bound(cov_bound, "cov_bound")
+    dtype = mean.dtype
+    mean64, std64 = mean.to(th.float64), std.to(th.float64)
+    old_mean64, old_std64 = old_mean.detach().to(th.float64), old_std.detach().to(th.float64)
+    new_mean = _round_inside(
+        lambda target: _project_mean(mean64, old_mean64, old_std64, mean_bound, target, projection),
+        lambda x: _mean_distance(x, old_mean64, old_std64, projection),
+        old_mean.detach().to(dtype),
+        mean_bound,
+        dtype,
+    )
+    if projection == "kl":
+        solve_cov = lambda target: _project_kl_cov(std64, old_std64, cov_bound, target)  # noqa: E731
+    else:
+        solve_cov = lambda target: _project_closed_cov(std64, old_std64, cov_bound, target, projection)  # noqa: E731
+    new_std = _round_inside(
+        solve_cov, lambda x: _cov_distance(x, old_std64, projection), old_std.detach().to(dtype), cov_bound, dtype
+    )
+    return new_mean.to(dtype), new_std.to(dtype)
+
+
+def gaussian_entropy_projection(std: th.Tensor, min_entropy: float) -> th.Tensor:
+    """
+    Scale standard deviations up, state by state, so that the entropy of the diagonal Gaussian is at least
+    ``min_entropy``; states already at or above it are unchanged. (Optional entropy control of TRPL.)
+
+    :param std: standard deviations, ``(k,)`` or ``(batch, k)``
+    :param min_entropy: the lowest entropy allowed, in nats
+    :return: standard deviations of the same shape
+    """
+    k = std.shape[-1]
+    entropy = th.log(std).sum(-1) + 0.5 * k * (1.0 + math.log(2.0 * math.pi))
+    # multiplying every std by exp(delta / k) adds delta to the entropy
+    raise_by = th.clamp(min_entropy - entropy, min=0.0)
+    return th.where((raise_by > 0).unsqueeze(-1), std * th.exp(raise_by / k).unsqueeze(-1), std)
+
+
+def _split_factors(logits: th.Tensor, action_dims: Sequence[int]) -> tuple[th.Tensor, ...]:
+    """Split concatenated logits into one tensor per factor, checking the sizes."""
+    if logits.shape[-1] != sum(action_dims):
+        raise ValueError(
+            f"`action_dims` {list(action_dims)} must add up to the last dimension of the logits ({logits.shape[-1]}): "
+            "pass [n] for Discrete(n) and list(nvec) for MultiDiscrete(nvec)"
+        )
+    return th.split(logits, list(action_dims), dim=-1)
+
+
+def _categorical_kl_factors(logits: tuple[th.Tensor, ...], old_logits: tuple[th.Tensor, ...]) -> th.Tensor:
+    """Joint KL(new || old) of independent categorical factors, summed over factors."""
+    total = th.zeros((), dtype=logits[0].dtype, device=logits[0].device)
+    for new, old in zip(logits, old_logits, strict=True):
+        log_q = F.log_softmax(new, dim=-1)
+        total = total + (log_q.exp() * (log_q - F.log_softmax(old, dim=-1))).sum(-1)
+    return total
+
+
+def categorical_kl(logits: th.Tensor, old_logits: th.Tensor, action_dims: Sequence[int]) -> th.Tensor:
+    """
+    Joint KL(new || old) per state of (Multi)Categorical distributions given by concatenated logits.
+
+    :param logits: new logits, ``(batch, sum(action_dims))``
+    :param old_logits: old logits, same shape
+    :param action_dims: ``[n]`` for ``Discrete(n)``, ``list(nvec)`` for ``MultiDiscrete(nvec)``
+    :return: the KL per state, ``(batch,)``
+    """
+    return _categorical_kl_factors(_split_factors(logits, action_dims), _split_factors(old_logits, action_dims))
+
+
+def _categorical_constraint(
+    t: th.Tensor, deltas: tuple[th.Tensor, ...], old_logits: tuple[th.Tensor, ...], target: float
+) -> tuple[th.Tensor, th.Tensor]:
+    """
+    Joint KL of the geometric interpolation ``z_old + t (z - z_old)`` to the old factors, minus the target, and its
+    derivative in ``t``, which is ``t * Var_q(z - z_old)`` summed over factors.
+    """
+    value = th.zeros_like(t)
+    slope = th.zeros_like(t)
+    for delta, old in zip(deltas, old_logits, strict=True):
+        log_q = F.log_softmax(old + t.unsqueeze(-1) * delta, dim=-1)
+        q = log_q.exp()
+        value = value + (q * (log_q - F.log_softmax(old, dim=-1))).sum(-1)
+        centred = delta - (q * delta).sum(-1, keepdim=True)
+        slope = slope + t * (q * centred**2).sum(-1)
+    return value - target, slope
+
+
+def _project_interpolation(
+    logits: th.Tensor,
+    old_logits: th.Tensor,
+    bound: float,
+    split: Callable[[th.Tensor], tuple[th.Tensor, ...]],
+    constraint: Callable[[th.Tensor, tuple[th.Tensor, ...], tuple[th.Tensor, ...], float], tuple[th.Tensor, th.Tensor]],
+    normalize: Callable[[tuple[th.Tensor, ...]], th.Tensor],
+) -> th.Tensor:
+    """
+    I-projection by geometric interpolation of natural parameters, shared by the categorical and Bernoulli cases.
+
+    :param split: splits logits into factors
+    :param constraint: ``(t, deltas, old factors, target) -> (KL - target, dKL/dt)``
+    :param normalize: maps projected factors back to one logits tensor (normalized, for float32 precision)
+    """
+    dtype = logits.dtype
+    z = split(logits.to(th.float64))
+    z_old = split(old_logits.detach().to(th.float64))
+    deltas = tuple(new - old for new, old in zip(z, z_old, strict=True))
+    fixed = tuple(delta.detach() for delta in deltas)
+    with th.no_grad():
+        full, _ = constraint(th.ones(logits.shape[:-1], dtype=th.float64, device=logits.device), fixed, z_old, 0.0)
+    active = full > bound
+
+    def solve(target: float | th.Tensor) -> th.Tensor:
+        with th.no_grad():
+            t0 = th.sqrt(target / th.where(active, full, th.ones_like(full))).clamp(max=1.0)
+            t_root = _solve_increasing(lambda t: constraint(t, fixed, z_old, target), t0, bound)
+            t_root = th.where(active, t_root, th.ones_like(t_root))
+        t = _implicit_t(t_root, lambda t: constraint(t, deltas, z_old, target), active).unsqueeze(-1)
+        projected = normalize(tuple(old + t * delta for old, delta in zip(z_old, deltas, strict=True)))
+        return th.where(active.unsqueeze(-1), projected, logits.to(th.float64))
+
+    def distance(x: th.Tensor) -> th.Tensor:
+        return constraint(
+            th.ones(x.shape[:-1], dtype=th.float64, device=x.device),
+            tuple(new - old for new, old in zip(split(x), z_old, strict=True)),
+            z_old,
+            0.0,
+        )[0]
+
+    return _round_inside(solve, distance, old_logits.detach().to(dtype), bound, dtype).to(dtype)
+
+
+def project_categorical(logits: th.Tensor, old_logits: th.Tensor, bound: float, action_dims: Sequence[int]) -> th.Tensor:
+    """
+    Project (Multi)Categorical distributions, state by state, onto ``KL(new || old) <= bound`` (joint KL over the
+    factors), minimising ``KL(projected || new)``: ``z~ = (z + eta z_old) / (1 + eta)`` with one ``eta`` per state.
+
+    :param logits: new logits, ``(batch, sum(action_dims))``, concatenated as in SB3
+    :param old_logits: old logits, same shape (treated as a constant)
+    :param bound: the KL bound
+    :param action_dims: ``[n]`` for ``Discrete(n)``, ``list(nvec)`` for ``MultiDiscrete(nvec)``
+    :return: projected logits, same shape and dtype; states inside the bound are returned as they were, projected
+        ones as normalized log-probabilities
+    """
+    _check_bound(bound, "bound")
+    _split_factors(logits, action_dims)
+    return _project_interpolation(
+        logits,
+        old_logits,
+        bound,
+        lambda x: _split_factors(x, action_dims),
+        _categorical_constraint,
+        lambda factors: th.cat([F.log_softmax(factor, dim=-1) for factor in factors], dim=-1),
+    )
+
+
+def bernoulli_kl(logits: th.Tensor, old_logits: th.Tensor) -> th.Tensor:
+    """
+    Joint KL(new || old) per state of independent Bernoulli variables (MultiBinary), summed over the last dimension.
+
+    :param logits: new logits, ``(batch, n)``
+    :param old_logits: old logits, same shape
+    :return: the KL per state, ``(batch,)``
+    """
+    p = th.sigmoid(logits)
+    kl = p * (F.logsigmoid(logits) - F.logsigmoid(old_logits)) + (1.0 - p) * (
+        F.logsigmoid(-logits) - F.logsigmoid(-old_logits)
+    )
+    return kl.sum(-1)
+
+
+def _bernoulli_constraint(
+    t: th.Tensor, deltas: tuple[th.Tensor, ...], old_logits: tuple[th.Tensor, ...], target: float
+) -> tuple[th.Tensor, th.Tensor]:
+    """Joint Bernoulli KL of the interpolated logits minus the target, and its derivative ``t sum s (1 - s) delta^2``."""
+    (delta,), (old,) = deltas, old_logits
+    new = old + t.unsqueeze(-1) * delta
+    s = th.sigmoid(new)
+    return bernoulli_kl(new, old) - target, t * (s * (1.0 - s) * delta**2).sum(-1)
+
+
+def project_bernoulli(logits: th.Tensor, old_logits: th.Tensor, bound: float) -> th.Tensor:
+    """
+    Project independent Bernoulli distributions (MultiBinary), state by state, onto ``KL(new || old) <= bound``
+    (joint KL over the last dimension), minimising ``KL(projected || new)``: the logits are interpolated,
+    ``z~ = (z + eta z_old) / (1 + eta)``, with one ``eta`` per state.
+
+    :param logits: new logits, ``(batch, n)``
+    :param old_logits: old logits, same shape (treated as a constant)
+    :param bound: the KL bound
+    :return: projected logits, same shape and dtype
+    """
+    _check_bound(bound, "bound")
+    return _project_interpolation(logits, old_logits, bound, lambda x: (x,), _bernoulli_constraint, lambda factors: factors[0])
