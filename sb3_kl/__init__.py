@@ -8,6 +8,7 @@ from sb3_kl.klppo import KLPPO
 from sb3_kl.kltrpo import KLTRPO
 from sb3_kl.ppo_mask import MaskableKLPPO
 from sb3_kl.ppo_recurrent import RecurrentKLPPO
+from sb3_kl.trpl import TRPL
 
 # Read version from file
 version_file = os.path.join(os.path.dirname(__file__), "version.txt")
@@ -17,6 +18,7 @@ with open(version_file) as file_handler:
 __all__ = [
     "KLPPO",
     "KLTRPO",
+    "TRPL",
     "AdaptiveKLController",
     "ClipKLPPO",
     "FixedKLController",

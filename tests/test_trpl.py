@@ -1,0 +1,295 @@
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.envs import IdentityEnvMultiBinary, IdentityEnvMultiDiscrete, SimpleMultiObsEnv
+
+from sb3_kl import TRPL, KLAdaptiveLRCallback, KLAlarmCallback, KLMonitorCallback, VarianceFloorCallback
+
+TINY = dict(policy_kwargs=dict(net_arch=[16]), batch_size=32, n_epochs=2)
+
+#: Every key TRPL logs after an update, beside SB3's own
+LOGGED_KEYS = (
+    "train/kl",
+    "train/kl_max",
+    "train/target_kl",
+    "train/policy_gradient_loss",
+    "train/value_loss",
+    "train/entropy_loss",
+    "train/trust_region_loss",
+    "train/explained_variance",
+    "train/projected_fraction",
+    "train/projected_max",
+    "train/distance_max_before_enforcement",
+    "train/distance_max",
+    "train/enforcement_steps",
+    "train/enforcement_step_fraction",
+    "train/bound_met",
+)
+
+
+class TrainLogs(BaseCallback):
+    """Keeps the logged ``train/`` values of every update (read before the next dump clears them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.updates: list[dict[str, float]] = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _keep(self) -> None:
+        values = self.model.logger.name_to_value
+        if "train/distance_max" in values:
+            self.updates.append({k: v for k, v in values.items() if k.startswith("train/")})
+
+    def _on_rollout_start(self) -> None:
+        self._keep()
+
+    def _on_training_end(self) -> None:
+        self._keep()
+
+
+def snapshot(model) -> th.nn.Module:
+    """An independent copy of the acting policy, in eval mode."""
+    policy = model.policy_class(
+        model.observation_space, model.action_space, model.lr_schedule, use_sde=model.use_sde, **model.policy_kwargs
+    )
+    policy.load_state_dict(model.policy.state_dict())
+    policy.set_training_mode(False)
+    return policy
+
+
+def as_float64(distribution: th.distributions.Distribution) -> th.distributions.Distribution:
+    """The same torch distribution with float64 parameters."""
+    if isinstance(distribution, th.distributions.Normal):
+        return th.distributions.Normal(distribution.loc.double(), distribution.scale.double())
+    return type(distribution)(logits=distribution.logits.double())
+
+
+def reverse_kl(old_policy, new_policy, obs: np.ndarray) -> np.ndarray:
+    """Per-state joint KL(new || old) from torch.distributions.kl_divergence, in float64 (independent of sb3_kl)."""
+    with th.no_grad():
+        obs_tensor = th.as_tensor(obs)
+        old = old_policy.get_distribution(obs_tensor).distribution
+        new = new_policy.get_distribution(obs_tensor).distribution
+        if not isinstance(old, list):
+            old, new = [old], [new]
+        total = 0
+        for p, q in zip(map(as_float64, new), map(as_float64, old), strict=True):
+            kl = th.distributions.kl_divergence(p, q)
+            total = total + (kl.sum(dim=-1) if kl.dim() > 1 else kl)
+    return total.numpy()
+
+
+class UpdateProbe(TrainLogs):
+    """
+    The acting policy and the rollout's states are snapshot before each ``train()`` (at the end of the rollout) and
+    the per-state KL(new || old) is measured after it from outside, plus the update's logged values.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.pending = None
+        self.kls: list[np.ndarray] = []
+
+    def _on_rollout_end(self) -> None:
+        obs = self.model.rollout_buffer.observations
+        self.pending = (snapshot(self.model), obs.reshape(-1, *obs.shape[2:]).copy())
+
+    def _measure(self) -> None:
+        if self.pending is not None:
+            old_policy, obs = self.pending
+            self.kls.append(reverse_kl(old_policy, snapshot(self.model), obs))
+            self.pending = None
+
+    def _on_rollout_start(self) -> None:
+        self._measure()
+        super()._on_rollout_start()
+
+    def _on_training_end(self) -> None:
+        self._measure()
+        super()._on_training_end()
+
+
+@pytest.mark.parametrize(
+    "make_env, kwargs",
+    [
+        ("CartPole-v1", {}),
+        ("Pendulum-v1", {}),
+        ("Pendulum-v1", dict(use_sde=True)),
+        (lambda: IdentityEnvMultiDiscrete(3), {}),
+        (lambda: IdentityEnvMultiBinary(3), {}),
+    ],
+)
+def test_runs_and_logs(make_env, kwargs):
+    env = make_env if isinstance(make_env, str) else make_env()
+    logs = TrainLogs()
+    model = TRPL("MlpPolicy", env, n_steps=64, seed=0, **TINY, **kwargs)
+    model.learn(2 * 64, callback=logs)
+    assert len(logs.updates) == 2
+    for values in logs.updates:
+        for key in LOGGED_KEYS:
+            assert math.isfinite(values[key]), key
+        assert values["train/bound_met"] == 1.0
+        assert values["train/target_kl"] == pytest.approx(model.joint_bound)
+        assert values["train/kl_convention"] == "reverse/analytic/sum"
+    assert ("train/std" in logs.updates[0]) == isinstance(model.action_space, gym.spaces.Box)
+
+
+def test_dict_observations():
+    logs = TrainLogs()
+    model = TRPL("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), n_steps=32, seed=0, **TINY)
+    model.learn(2 * 32, callback=logs)
+    assert len(logs.updates) == 2 and all(v["train/bound_met"] == 1.0 for v in logs.updates)
+
+
+@pytest.mark.parametrize(
+    "env_id, kwargs",
+    [
+        ("CartPole-v1", dict(learning_rate=3e-3)),
+        ("Pendulum-v1", dict(learning_rate=3e-3, mean_bound=0.01, cov_bound=0.0005)),
+        ("Pendulum-v1", dict(learning_rate=3e-3, use_sde=True, mean_bound=0.01, cov_bound=0.0005)),
+    ],
+)
+def test_bound_holds_in_every_state_measured_from_outside(env_id, kwargs):
+    """
+    A large learning rate pushes the network out of the trust region during the epochs; after each update the
+    acting policy's largest per-state KL(new || old) over the rollout's states, measured independently in float64,
+    is within 1.05 x (mean_bound + cov_bound), and every minibatch's projected distribution was inside its bounds.
+    """
+    probe = UpdateProbe()
+    model = TRPL(
+        "MlpPolicy", env_id, n_steps=256, batch_size=64, n_epochs=4, seed=1, policy_kwargs=dict(net_arch=[32]), **kwargs
+    )
+    model.learn(6 * 256, callback=probe)
+    assert len(probe.kls) == len(probe.updates) == 6
+    bound = model.joint_bound
+    for kl, values in zip(probe.kls, probe.updates, strict=True):
+        assert kl.max() <= 1.05 * bound
+        assert kl.max() == pytest.approx(values["train/kl_max"], rel=1e-4, abs=1e-9)
+        assert values["train/projected_max"] <= bound * (1 + 1e-4)
+        if isinstance(model.action_space, gym.spaces.Box):
+            assert values["train/projected_mean_part_max"] <= model.mean_bound * (1 + 1e-4)
+            assert values["train/projected_cov_part_max"] <= model.cov_bound * (1 + 1e-4)
+    # the bound binds: the projection moved states, and the network left the trust region at least once
+    assert max(v["train/projected_fraction"] for v in probe.updates) > 0
+    assert max(v["train/distance_max_before_enforcement"] for v in probe.updates) > bound
+
+
+def test_move_back_toward_the_rollout_policy_when_regression_is_not_allowed():
+    """With no regression steps the enforcement falls back to shrinking the actor's step; the bound still holds."""
+    probe = UpdateProbe()
+    model = TRPL("MlpPolicy", "CartPole-v1", learning_rate=1e-2, max_enforce_steps=0, n_steps=256, seed=0, **TINY)
+    model.learn(3 * 256, callback=probe)
+    assert any(v["train/enforcement_step_fraction"] < 1 for v in probe.updates)
+    assert all(v["train/enforcement_steps"] == 0 for v in probe.updates)
+    assert all(kl.max() <= 1.05 * model.joint_bound for kl in probe.kls)
+
+
+def test_acting_policy_is_the_network():
+    """predict() and get_distribution() give the network's output, as in SB3 (no projection at acting time)."""
+    model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, seed=0, **TINY)
+    model.learn(64)
+    obs = model.env.reset()
+    with th.no_grad():
+        mean = model.policy.get_distribution(th.as_tensor(obs)).distribution.mean
+    action, _ = model.predict(obs, deterministic=True)
+    np.testing.assert_allclose(action, np.clip(mean.numpy(), -2, 2), rtol=1e-5)
+
+
+def test_entropy_control_decays_and_persists(tmp_path):
+    logs = TrainLogs()
+    model = TRPL("MlpPolicy", "Pendulum-v1", target_entropy=-1.0, n_steps=64, seed=0, **TINY)
+    model.learn(3 * 64, callback=logs)
+    initial = model.initial_entropy
+    assert initial is not None and math.isfinite(initial)
+    bounds = [v["train/min_entropy"] for v in logs.updates]
+    assert bounds[0] == pytest.approx(-1.0 + (initial + 1.0) * (1 - 64 / 192), rel=1e-6)
+    assert bounds == sorted(bounds, reverse=True)
+    model.save(tmp_path / "model.zip")
+    loaded = TRPL.load(tmp_path / "model.zip")
+    assert loaded.initial_entropy == initial and loaded.target_entropy == -1.0
+
+
+def test_save_load_round_trip(tmp_path):
+    kwargs = dict(projection="w2", mean_bound=0.02, cov_bound=0.002, trust_region_coef=4.0, max_enforce_steps=7)
+    model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, seed=0, **TINY, **kwargs)
+    model.learn(64)
+    model.save(tmp_path / "model.zip")
+    loaded = TRPL.load(tmp_path / "model.zip", env=model.env)
+    for name, value in kwargs.items():
+        assert getattr(loaded, name) == value
+    assert loaded.joint_bound == pytest.approx(0.022)
+    for key, tensor in model.policy.state_dict().items():
+        assert th.equal(tensor, loaded.policy.state_dict()[key]), key
+    loaded.learn(64, reset_num_timesteps=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(projection="l2"), ValueError, "projection"),
+        (dict(mean_bound=0.0), ValueError, "mean_bound"),
+        (dict(mean_bound=-0.1), ValueError, "mean_bound"),
+        (dict(mean_bound=math.inf), ValueError, "mean_bound"),
+        (dict(mean_bound=math.nan), ValueError, "mean_bound"),
+        (dict(cov_bound=0.0), ValueError, "cov_bound"),
+        (dict(cov_bound=math.inf), ValueError, "cov_bound"),
+        (dict(mean_bound="0.1"), TypeError, "mean_bound"),
+        (dict(trust_region_coef=-1.0), ValueError, "trust_region_coef"),
+        (dict(trust_region_coef=math.nan), ValueError, "trust_region_coef"),
+        (dict(target_entropy=math.inf), ValueError, "target_entropy"),
+        (dict(max_enforce_steps=-1), ValueError, "max_enforce_steps"),
+        (dict(bound_tolerance=0.9), ValueError, "bound_tolerance"),
+        (dict(batch_size=1), ValueError, "batch_size"),
+        (dict(n_epochs=0), ValueError, "n_epochs"),
+        (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
+        (dict(ent_coef=-0.1), ValueError, "ent_coef"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(projection="w2"), "projection='kl'"),
+        (dict(projection="frobenius"), "projection='kl'"),
+        (dict(target_entropy=0.5), "target_entropy=None"),
+    ],
+)
+def test_gaussian_options_refused_for_discrete_actions(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TRPL("MlpPolicy", "CartPole-v1", n_steps=64, **kwargs)
+    # also when the env comes later (load, or _init_setup_model with env=None then set up)
+    model = TRPL("MlpPolicy", None, n_steps=64, _init_setup_model=False, **kwargs)
+    model.action_space, model.observation_space = gym.spaces.Discrete(2), gym.spaces.Box(-1, 1, (4,))
+    with pytest.raises(ValueError, match=match):
+        model._setup_model()
+
+
+def test_squashed_gsde_refused():
+    with pytest.raises(ValueError, match="squash_output"):
+        TRPL("MlpPolicy", "Pendulum-v1", use_sde=True, policy_kwargs=dict(squash_output=True), n_steps=64)
+
+
+def test_callbacks_work():
+    monitor = KLMonitorCallback(direction="reverse")
+    callbacks = [
+        monitor,
+        KLAlarmCallback(monitor=monitor),
+        KLAdaptiveLRCallback(target_kl=0.01, monitor=monitor),
+        VarianceFloorCallback(min_std=0.1),
+    ]
+    model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, seed=0, **TINY)
+    model.learn(3 * 64, callback=callbacks)
+    assert len(monitor.history) == 3
+    # the monitor's exact KL(new || old) is the one TRPL logs as train/kl
+    assert monitor.history[-1]["mean"] == pytest.approx(model.logger.name_to_value["train/kl"], rel=1e-3, abs=1e-7)
+    assert float(th.exp(model.policy.log_std.detach()).min()) >= 0.1 - 1e-6
