@@ -136,3 +136,237 @@ def test_extreme_logits_within_bound():
     for bound in BOUNDS:
         _assert_within(_independent_categorical_kl(project_categorical(new, old, bound, [3]), old, [3]), bound)
         _assert_within(_independent_bernoulli_kl(project_bernoulli(new, old, bound), old), bound)
+
+
+def test_inside_bound_is_unchanged_with_identity_gradient():
+    """States already inside the bound come back bit for bit, and the gradient through them is the identity."""
+    old_mean, old_std = th.randn(5, 3), 0.5 + th.rand(5, 3)
+    mean = (old_mean + 1e-3).requires_grad_()
+    std = (old_std * 1.001).requires_grad_()
+    for projection in PROJECTIONS:
+        new_mean, new_std = project_gaussian(mean, std, old_mean, old_std, 0.1, 0.1, projection)
+        assert th.equal(new_mean, mean) and th.equal(new_std, std)
+        mean_grad, std_grad = th.autograd.grad((new_mean * 2).sum() + (new_std * 3).sum(), (mean, std))
+        assert th.equal(mean_grad, th.full_like(mean, 2.0)) and th.equal(std_grad, th.full_like(std, 3.0))
+    old_logits = 3 * th.randn(5, 10)
+    logits = (old_logits + 1e-3 * th.randn(5, 10)).requires_grad_()
+    for projected in (
+        project_categorical(logits, old_logits, 0.1, MULTI_DISCRETE),
+        project_bernoulli(logits, old_logits, 0.1),
+    ):
+        assert th.equal(projected, logits)
+        (grad,) = th.autograd.grad((projected * 2).sum(), logits)
+        assert th.equal(grad, th.full_like(logits, 2.0))
+
+
+def test_mixed_batch_changes_only_outside_states():
+    """In one batch, states inside the bound are untouched and the others are moved onto the boundary."""
+    mean, std, old_mean, old_std = _gaussian_batch(64, 3, 1.0, 1.0, True, th.float64)
+    for projection in PROJECTIONS:
+        mean_part, cov_part = gaussian_distances(mean, std, old_mean, old_std, projection)
+        bound = mean_part.median().item()
+        new_mean, new_std = project_gaussian(mean, std, old_mean, old_std, bound, cov_part.median().item(), projection)
+        inside = mean_part <= bound
+        assert th.equal(new_mean[inside], mean[inside]) and not th.equal(new_mean[~inside], mean[~inside])
+        new_part, _ = _independent_distances(new_mean, new_std, old_mean, old_std, projection)
+        assert th.allclose(new_part[~inside], th.full_like(new_part[~inside], bound), rtol=1e-6)
+
+
+def test_distance_functions_match_torch_distributions():
+    """The public distance helpers agree with the independent float64 evaluations."""
+    for projection in PROJECTIONS:
+        for per_state in (False, True):
+            args = _gaussian_batch(32, 4, 2.0, 1.7, per_state, th.float64)
+            mean_part, cov_part = gaussian_distances(*args, projection=projection)
+            assert mean_part.shape == (32,) and cov_part.shape == ((32,) if per_state else ())
+            reference = _independent_distances(*args, projection)
+            assert th.allclose(mean_part, reference[0], rtol=1e-9)
+            assert th.allclose(cov_part.expand(32), reference[1], rtol=1e-9)
+    logits, old_logits = _logits_batch(32, 10, 3.0, th.float64)
+    assert th.allclose(
+        categorical_kl(logits, old_logits, MULTI_DISCRETE), _independent_categorical_kl(logits, old_logits, MULTI_DISCRETE)
+    )
+    assert th.allclose(bernoulli_kl(logits, old_logits), _independent_bernoulli_kl(logits, old_logits))
+
+
+def _boundary_points(old, directions, constraint, bound):
+    """Points ``old + s * direction`` with ``constraint == bound`` (bisection on ``s``, float64), one per direction."""
+    low = th.zeros(directions.shape[0], dtype=th.float64)
+    high = th.ones_like(low)
+    for _ in range(80):
+        outside = constraint(old + high.unsqueeze(-1) * directions) > bound
+        if outside.all():
+            break
+        high = th.where(outside, high, 2 * high)
+    for _ in range(80):
+        middle = 0.5 * (low + high)
+        outside = constraint(old + middle.unsqueeze(-1) * directions) > bound
+        low, high = th.where(outside, low, middle), th.where(outside, middle, high)
+    return old + low.unsqueeze(-1) * directions
+
+
+def _closeness(projection, part, candidate, mean, std, old_std):
+    """
+    What each projection minimises: the same distance, measured from the candidate to the new (unprojected)
+    distribution. Means: under the old covariance for KL and Frobenius, plain Euclidean for W2. Covariances:
+    KL(Sigma~ || Sigma), |sigma~ - sigma|^2, |Sigma~ - Sigma|_F^2.
+    """
+    if part == "mean":
+        return gaussian_distances(candidate, old_std, mean, old_std, projection)[0]
+    return gaussian_distances(mean, candidate, mean, std, projection)[1]
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("part", ["mean", "cov"])
+def test_gaussian_projection_is_the_closest_point(projection, part):
+    """No random point on the boundary of the trust region is closer to the new distribution than the projection."""
+    gen = th.Generator().manual_seed(3)
+    k, bound = 4, 0.05
+    old_mean, old_std = th.randn(1, k, generator=gen, dtype=th.float64), 0.5 + th.rand(1, k, generator=gen, dtype=th.float64)
+    mean = old_mean + 2 * th.randn(1, k, generator=gen, dtype=th.float64)
+    std = old_std * th.exp(th.randn(1, k, generator=gen, dtype=th.float64))
+    new_mean, new_std = project_gaussian(mean, std, old_mean, old_std, bound, bound, projection)
+    directions = th.randn(4000, k, generator=gen, dtype=th.float64)
+    if part == "mean":
+        alternatives = _boundary_points(
+            old_mean, directions, lambda x: gaussian_distances(x, old_std, old_mean, old_std, projection)[0], bound
+        )
+        best = _closeness(projection, part, new_mean, mean, std, old_std)
+        others = _closeness(projection, part, alternatives, mean, std, old_std)
+    else:
+        # random directions in log-std space
+        log_alternatives = _boundary_points(
+            old_std.log(), directions, lambda x: gaussian_distances(old_mean, x.exp(), old_mean, old_std, projection)[1], bound
+        )
+        best = _closeness(projection, part, new_std, mean, std, old_std)
+        others = _closeness(projection, part, log_alternatives.exp(), mean, std, old_std)
+    assert best.item() <= others.min().item() * (1 + 1e-9)
+    assert best.item() >= others.min().item() * 0.5  # the sampled boundary comes close: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_one_dimensional_projection_matches_brute_force(projection):
+    """In one dimension, a fine grid over the feasible interval finds the same closest mean and std."""
+    old_mean, old_std = th.tensor([[0.3]], dtype=th.float64), th.tensor([[0.7]], dtype=th.float64)
+    bound = 0.02
+    for mean, std in ((2.0, 2.5), (-1.0, 0.1)):
+        mean, std = th.tensor([[mean]], dtype=th.float64), th.tensor([[std]], dtype=th.float64)
+        new_mean, new_std = project_gaussian(mean, std, old_mean, old_std, bound, bound, projection)
+        means = th.linspace(-1.0, 2.0, 300001, dtype=th.float64).unsqueeze(-1)
+        stds = th.exp(th.linspace(-3.0, 3.0, 300001, dtype=th.float64)).unsqueeze(-1)
+        mean_part, _ = gaussian_distances(means, old_std, old_mean, old_std, projection)
+        _, cov_part = gaussian_distances(old_mean, stds, old_mean, old_std, projection)
+        mean_objective = _closeness(projection, "mean", means, mean, std, old_std)
+        std_objective = _closeness(projection, "cov", stds, mean, std, old_std)
+        best_mean = means[th.where(mean_part <= bound, mean_objective, th.inf).argmin()]
+        best_std = stds[th.where(cov_part <= bound, std_objective, th.inf).argmin()]
+        assert abs(best_mean.item() - new_mean.item()) < 2e-5
+        assert abs(best_std.item() / new_std.item() - 1) < 5e-5
+
+
+@pytest.mark.parametrize("space", ["discrete", "multi_discrete", "multi_binary"])
+def test_categorical_projection_is_the_closest_point(space):
+    """No random distribution on the boundary KL(q || p_old) = bound has a smaller KL(q || p) than the projection."""
+    gen = th.Generator().manual_seed(4)
+    action_dims = {"discrete": [6], "multi_discrete": MULTI_DISCRETE}.get(space)
+    n, bound = (sum(action_dims) if action_dims else 5), 0.05
+    old_logits = 2 * th.randn(1, n, generator=gen, dtype=th.float64)
+    logits = old_logits + 3 * th.randn(1, n, generator=gen, dtype=th.float64)
+    if action_dims is None:
+        projected = project_bernoulli(logits, old_logits, bound)
+
+        def kl(x, y):
+            return bernoulli_kl(x, y.expand_as(x))
+
+    else:
+        projected = project_categorical(logits, old_logits, bound, action_dims)
+
+        def kl(x, y):
+            return categorical_kl(x, y.expand_as(x), action_dims)
+
+    assert kl(logits, old_logits).item() > 2 * bound  # outside: the projection is active
+    alternatives = _boundary_points(
+        old_logits, th.randn(4000, n, generator=gen, dtype=th.float64), lambda x: kl(x, old_logits), bound
+    )
+    best, others = kl(projected, logits), kl(alternatives, logits)
+    assert best.item() <= others.min().item() * (1 + 1e-9)
+    assert best.item() >= others.min().item() * 0.5
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("per_state", [False, True])
+def test_gaussian_gradcheck(projection, per_state):
+    """Gradients through the projection (and, for KL, the implicit multiplier) match finite differences."""
+    mean, std, old_mean, old_std = _gaussian_batch(3, 3, 3.0, 2.5, per_state, th.float64, seed=5)
+    mean[0] = old_mean[0] + 1e-3  # one state inside the mean bound: identity there
+    assert th.autograd.gradcheck(
+        lambda m, s: project_gaussian(m, s, old_mean, old_std, 0.05, 0.05, projection),
+        (mean.requires_grad_(), std.requires_grad_()),
+    )
+
+
+def test_categorical_and_bernoulli_gradcheck():
+    """Gradients through the categorical and Bernoulli projections (implicit multiplier) match finite differences."""
+    logits, old_logits = _logits_batch(3, 10, 2.0, th.float64, seed=6)
+    logits[0] = old_logits[0] + 1e-3  # one state inside the bound: identity there
+    logits.requires_grad_()
+    assert th.autograd.gradcheck(lambda x: project_categorical(x, old_logits, 0.05, MULTI_DISCRETE), (logits,))
+    assert th.autograd.gradcheck(lambda x: project_bernoulli(x, old_logits, 0.05), (logits,))
+
+
+def test_old_tensors_may_require_grad():
+    """Old parameters are constants: passing ones that require grad neither fails nor receives a gradient."""
+    mean, std, old_mean, old_std = (x.requires_grad_() for x in _gaussian_batch(8, 3, 5.0, 3.0, True, th.float32))
+    new_mean, new_std = project_gaussian(mean, std, old_mean, old_std, 0.01, 0.01)
+    (new_mean.sum() + new_std.sum()).backward()
+    assert old_mean.grad is None and old_std.grad is None and mean.grad is not None
+    logits, old_logits = (x.requires_grad_() for x in _logits_batch(8, 10, 5.0, th.float32))
+    (
+        project_categorical(logits, old_logits, 0.01, MULTI_DISCRETE).sum() + project_bernoulli(logits, old_logits, 0.01).sum()
+    ).backward()
+    assert old_logits.grad is None and logits.grad is not None
+
+
+@pytest.mark.parametrize("batch", [1, 4096])
+def test_shapes_and_large_batch_speed(batch):
+    """A batch of one and a large batch (4096 x 6) keep their shapes, stay within bound and run fast."""
+    start = time.perf_counter()
+    for per_state in (False, True):
+        mean, std, old_mean, old_std = _gaussian_batch(batch, 6, 10.0, 3.0, per_state, th.float32)
+        new_mean, new_std = project_gaussian(mean, std, old_mean, old_std, 0.01, 0.001)
+        assert new_mean.shape == (batch, 6) and new_std.shape == std.shape
+    logits, old_logits = _logits_batch(batch, 10, 3.0, th.float32)
+    assert project_categorical(logits, old_logits, 0.01, MULTI_DISCRETE).shape == (batch, 10)
+    assert project_bernoulli(logits, old_logits, 0.01).shape == (batch, 10)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_state_independent_std_is_projected_once():
+    """With SB3's state-independent std, the projected std is one (k,) vector, equal to the per-state result."""
+    mean, std, old_mean, old_std = _gaussian_batch(16, 3, 1.0, 4.0, False, th.float64)
+    _, shared = project_gaussian(mean, std, old_mean, old_std, 0.1, 0.01)
+    _, per_state = project_gaussian(mean, std.expand(16, 3), old_mean, old_std.expand(16, 3), 0.1, 0.01)
+    assert shared.shape == (3,) and th.allclose(per_state, shared.expand(16, 3), rtol=1e-12)
+
+
+def test_bad_arguments_fail_early():
+    mean, std, old_mean, old_std = _gaussian_batch(4, 2, 1.0, 1.0, False, th.float32)
+    with pytest.raises(ValueError, match="projection"):
+        project_gaussian(mean, std, old_mean, old_std, 0.1, 0.1, projection="l2")
+    with pytest.raises(ValueError, match="cov_bound"):
+        project_gaussian(mean, std, old_mean, old_std, 0.1, 0.0)
+    logits, old_logits = _logits_batch(4, 5, 1.0, th.float32)
+    with pytest.raises(ValueError, match="action_dims"):
+        project_categorical(logits, old_logits, 0.1, [2, 2])
+    with pytest.raises(ValueError, match="bound"):
+        project_bernoulli(logits, old_logits, -1.0)
+
+
+def test_entropy_projection_raises_low_entropy_only():
+    std = th.tensor([[1e-3, 1e-2], [1.0, 2.0]], requires_grad=True)
+    min_entropy = 0.0
+    new_std = gaussian_entropy_projection(std, min_entropy)
+    entropy = Independent(Normal(th.zeros(2, 2), new_std), 1).entropy()
+    assert entropy[0].item() == pytest.approx(min_entropy, abs=1e-5)
+    assert th.equal(new_std[1], std[1]) and entropy[1].item() > min_entropy
+    assert gaussian_entropy_projection(std[1].detach(), min_entropy).shape == (2,)
