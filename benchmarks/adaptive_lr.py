@@ -28,9 +28,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
+import run_records  # noqa: E402
 
-RESULTS = learning.RESULTS
+RESULTS = run_records.RESULTS
 RUNS = RESULTS / "adaptive_lr_runs"
 ENV_ID = "Pendulum-v1"
 SCRIPT = "benchmarks/adaptive_lr.py"
@@ -42,7 +42,7 @@ def code_version() -> str:
     The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
     process starts its first run (the package is imported then: later edits of the checkout do not change the run).
     """
-    return learning.code_version("adaptive_lr.py", "learning.py")
+    return run_records.code_version("adaptive_lr.py", "learning.py")
 
 
 def callback_label(adapt: bool) -> str:
@@ -117,7 +117,7 @@ def run_one(steps: int, learning_rate: float, target_kl: float, seed: int, adapt
         cpu_count=os.cpu_count(),
         torch_threads=1,
         code_version=version,
-        run_environment=learning.run_environment(),
+        run_environment=run_records.run_environment(),
     )
     path = record_path(steps, learning_rate, target_kl, seed, adapt, runs)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,8 +167,8 @@ def report(steps: int, learning_rate: float, target_kl: float, runs: Path = RUNS
             f"no records in {runs} for --steps {steps} --learning-rate {learning_rate:g} --target-kl {target_kl:g}"
         )
     seeds = sorted({r["seed"] for r in records})
-    versions = learning.code_versions(records)
-    environments = learning.run_environments(records)
+    versions = run_records.code_versions(records)
+    environments = run_records.run_environments(records)
     monitors = sorted({json.dumps(r["monitor"], sort_keys=True) for r in records})
     settings = sorted({json.dumps(r["callback_settings"], sort_keys=True) for r in records if r["callback_settings"]})
     monitor_text = "; ".join("/".join(json.loads(m)[key] for key in ("direction", "estimator", "reduction")) for m in monitors)

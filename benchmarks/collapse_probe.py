@@ -1,7 +1,7 @@
 """
 What happens in the learning grid's collapses, and what the per-update KL does not see there.
 
-Each collapsed sb3-kl run of ``benchmarks/results/runs/<tier>/`` (``learning.count_collapses``) is trained again with
+Each collapsed sb3-kl run of ``benchmarks/results/runs/<tier>/`` (``measures.count_collapses``) is trained again with
 the same settings and seed and a probe that records, after each rollout:
 
 - how the rollout's episodes end: the environment's forward velocity (``x_velocity`` in its ``info``, where it reports
@@ -18,10 +18,10 @@ the same settings and seed and a probe that records, after each rollout:
   of a Gaussian policy.
 
 The probe draws no random numbers and changes neither the model nor the environment, so the run trains as the grid's
-record did on the machine that made it (checked: same evaluation returns and per-update KLs, ``learning.same_run``).
+record did on the machine that made it (checked: same evaluation returns and per-update KLs, ``run_records.same_run``).
 The 20 rollouts up to the curve's best point (*before*) are compared with those of the fall (*fall*: the rollouts
 after the best point up to the one after which the curve fell below 50 % of its gain), and the updates that made their
-policies (as ``learning.fall_kl`` takes them); the falls also with the rest of the run (*after*).
+policies (as ``measures.fall_kl`` takes them); the falls also with the rest of the run (*after*).
 
     python benchmarks/collapse_probe.py [--tier full] [--workers 2]
     python benchmarks/collapse_probe.py --report    # only rewrite the table from collapse_probe.json
@@ -43,7 +43,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
+import grid  # noqa: E402
+import grid_runs  # noqa: E402
+import measures  # noqa: E402
+import run_records  # noqa: E402
 
 #: Rollouts before the curve's best point that make the *before* phase
 BEFORE_ROLLOUTS = 20
@@ -125,7 +128,7 @@ def make_probe() -> Any:
 def probe_run(record: dict[str, Any]) -> dict[str, Any]:
     """Train a record's run again with the probe; :return: the probe's rows and whether the training repeated"""
     probe = make_probe()
-    again = learning.train_and_evaluate(learning.rerun_spec(record), probes=[probe])
+    again = grid_runs.train_and_evaluate(grid_runs.rerun_spec(record), probes=[probe])
     # the monitor measured each rollout's normalization shift with the update that trained on it (same step count)
     shifts = {u["timesteps"]: u.get("normalization_shift", float("nan")) for u in again["kl_updates"]}
     for row in probe.rows:
@@ -137,9 +140,9 @@ def probe_run(record: dict[str, Any]) -> dict[str, Any]:
         lr_mult=record["lr_mult"],
         target_kl=record["target_kl"],
         record_code_version=record.get("code_version"),
-        code_version=learning.code_version(),
-        run_environment=learning.run_environment(),
-        same_run=learning.same_run(again, record),
+        code_version=run_records.code_version(),
+        run_environment=run_records.run_environment(),
+        same_run=run_records.same_run(again, record),
         curve=record["curve"],
         kl_updates=record["kl_updates"],
         rollouts=probe.rows,
@@ -153,7 +156,7 @@ def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
         forward velocity, falls per 1000 steps, normalization KL / target, per-update KL / target (the monitor's,
         from the record), share of updates with beta at its floor, and rollouts
     """
-    best_at, fell_at = learning.fall_span(probed)  # the same fall as learning.fall_kl's
+    best_at, fell_at = measures.fall_span(probed)  # the same fall as measures.fall_kl's
     times = [point[0] for point in probed["curve"]]
     spans = {
         "before": (times[max(times.index(best_at) - BEFORE_ROLLOUTS, 0)], best_at),
@@ -186,16 +189,16 @@ def phases(probed: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def collapsed_runs(tier: str) -> list[dict[str, Any]]:
-    """The grid's sb3-kl records with a collapse, one per distinct training (``learning.distinct_trainings``)."""
-    records = learning.sb3_kl_collapses(learning.group_records(learning.load_records(tier)))
-    return sorted(learning.distinct_trainings(records), key=learning.seed_key)
+    """The grid's sb3-kl records with a collapse, one per distinct training (``run_records.distinct_trainings``)."""
+    records = measures.sb3_kl_collapses(run_records.group_records(run_records.load_records(tier)))
+    return sorted(run_records.distinct_trainings(records), key=run_records.seed_key)
 
 
 def healthy_runs(tier: str, cells: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """The grid's runs at the zoo's learning rate of the ``(algo, env)`` cells that did not collapse."""
-    groups = learning.group_records(learning.load_records(tier))
-    runs = [r for algo, env in cells for r in groups.get((env, algo, 1.0), []) if not learning.count_collapses(r["curve"])]
-    return sorted(runs, key=learning.seed_key)
+    groups = run_records.group_records(run_records.load_records(tier))
+    runs = [r for algo, env in cells for r in groups.get((env, algo, 1.0), []) if not measures.count_collapses(r["curve"])]
+    return sorted(runs, key=run_records.seed_key)
 
 
 #: A rollout whose last update's KL where it acted exceeds this multiple of the target counts as flagged
@@ -247,7 +250,7 @@ def detection_report(results: list[dict[str, Any]], healthy: list[dict[str, Any]
     for r in sorted(runs, key=lambda r: (r["env"], r["algo"], r["seed"])):
         w = where_it_acted(r)
         lines.append(
-            f"| {r['env']} | {r['algo']} | {r['seed']} | {learning.count_collapses(r['curve'])} | {w['median']:.2f} | "
+            f"| {r['env']} | {r['algo']} | {r['seed']} | {measures.count_collapses(r['curve'])} | {w['median']:.2f} | "
             f"{w['p95']:.2f} | {w['max']:.1f} | {w['flagged']:.0f} ({w['flagged_falling']:.0f}) | {w['falling']:.0f} |"
         )
     return lines
@@ -320,7 +323,7 @@ def report(results: list[dict[str, Any]], healthy: list[dict[str, Any]] | None =
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tier", default="full", choices=list(learning.BUDGETS))
+    parser.add_argument("--tier", default="full", choices=list(grid.BUDGETS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only rewrite the table from collapse_probe.json")
     parser.add_argument(
@@ -332,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
         "from collapse_probe.json), written to collapse_probe_healthy.json",
     )
     args = parser.parse_args(argv)
-    collapsed_path = learning.RESULTS / "collapse_probe.json"
-    healthy_path = learning.RESULTS / "collapse_probe_healthy.json"
+    collapsed_path = run_records.RESULTS / "collapse_probe.json"
+    healthy_path = run_records.RESULTS / "collapse_probe_healthy.json"
     healthy = json.loads(healthy_path.read_text()) if healthy_path.exists() else None
     if args.report or args.healthy_cells:
         results = json.loads(collapsed_path.read_text())
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         healthy = probe_all(healthy_runs(args.tier, cells), args.workers, "runs that did not collapse")  # type: ignore[arg-type]
         healthy_path.write_text(json.dumps(healthy, indent=1))
     text = report(results, healthy)
-    (learning.RESULTS / "collapse_probe.md").write_text(text)
+    (run_records.RESULTS / "collapse_probe.md").write_text(text)
     print(text)
 
 

@@ -3,7 +3,7 @@ Does KLPPO's KL controller hold the KL under stress? KLPPO at a multiple of rl-z
 with PPO's clip (the drop-in, ``klppo``) and with KLPPO's own default ``clip_range=None`` (``klppo_noclip``), under
 variants of the KL options: the share of updates whose exact KL (``KLMonitorCallback``) lies in [0.5, 2] x target,
 how the others miss it (over or under, in the first updates or later, beta at a bound), the evaluation return and
-collapses (``learning.count_collapses``).
+collapses (``measures.count_collapses``).
 
 Same settings, budgets, seeds and evaluation as ``learning.py``'s full tier; one JSON record per run under
 ``benchmarks/results/controller_stress_runs/`` (written as each run finishes, naming the commit that made it);
@@ -27,18 +27,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from learning import (  # noqa: E402
-    BAND,
-    BUDGETS,
-    N_EVAL_EPISODES,
-    area_under_curve,
-    code_version,
-    count_collapses,
-    default_target_kl,
-    run_environment,
-    scale_learning_rate,
-    verdict,
-)
+from grid import BAND, BUDGETS, N_EVAL_EPISODES  # noqa: E402
+from grid_runs import default_target_kl, scale_learning_rate  # noqa: E402
+from measures import area_under_curve, count_collapses  # noqa: E402
+from run_records import code_version, run_environment  # noqa: E402
+from significance import verdict  # noqa: E402
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "controller_stress_runs"
@@ -190,7 +183,7 @@ def grid_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     The learning grid's committed records (``learning.py``, full tier) of the (algorithm, environment, learning rate)
     cells measured here, as records of a variant named ``learning grid``: the state before this benchmark existed.
     """
-    from learning import load_records as load_grid_records
+    from run_records import load_records as load_grid_records
 
     cells = {(r["algo"], r["env"], r["lr_mult"]) for r in records}
     out = []

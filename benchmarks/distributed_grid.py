@@ -112,7 +112,7 @@ def work(study: optuna.Study, run_cell: Callable[[dict[str, Any]], dict[str, Any
     and run here). A cell that raises is marked failed (the exception is logged) and the worker goes on.
 
     :param study: Grid study
-    :param run_cell: Runs one cell and returns its record (``learning.train_and_evaluate``)
+    :param run_cell: Runs one cell and returns its record (``grid_runs.train_and_evaluate``)
     :param log: Where to report each finished cell
     :return: Number of cells this worker ran
     """
@@ -135,7 +135,7 @@ def collect(study: optuna.Study, record_path: Callable[[dict[str, Any]], Path], 
     newest record is the one that stays.
 
     :param study: Grid study
-    :param record_path: Path of a record's file (``learning.record_path`` of the record's fields)
+    :param record_path: Path of a record's file (``run_records.record_path`` of the record's fields)
     :param replace_from: First trial number of this grid run (None: replace nothing)
     :return: The files written by this call
     """
@@ -158,9 +158,11 @@ def collect(study: optuna.Study, record_path: Callable[[dict[str, Any]], Path], 
 
 def _worker(storage_url: str, study_name: str, heartbeat: HeartbeatSettings) -> int:
     """One local worker process (spawned by :func:`run`)."""
-    import learning
+    import grid_runs
 
-    return work(open_grid(storage_url, study_name, heartbeat), learning.train_and_evaluate, log=lambda m: print(m, flush=True))
+    return work(
+        open_grid(storage_url, study_name, heartbeat), grid_runs.train_and_evaluate, log=lambda m: print(m, flush=True)
+    )
 
 
 def run(
@@ -201,11 +203,12 @@ def run(
 
 if __name__ == "__main__":  # a bare worker: python benchmarks/distributed_grid.py URL STUDY [HEARTBEAT_S [GRACE_S]]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import learning
+    import grid_runs
+    import run_records
 
     url, name, *times = sys.argv[1:]
     settings = HeartbeatSettings(*map(int, times))  # every worker of a grid must use the same heartbeat settings
     grid = open_grid(url, name, settings)
-    work(grid, learning.train_and_evaluate, log=lambda m: print(m, flush=True))
-    for written in collect(grid, learning.record_file):
+    work(grid, grid_runs.train_and_evaluate, log=lambda m: print(m, flush=True))
+    for written in collect(grid, run_records.record_file):
         print(f"wrote {written}", flush=True)

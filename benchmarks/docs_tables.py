@@ -21,10 +21,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
+import grid  # noqa: E402
+import run_records  # noqa: E402
 import maskable_learning  # noqa: E402
 import recurrent_learning  # noqa: E402
-from learning import fmt, summarize, verdict  # noqa: E402
+from measures import summarize  # noqa: E402
+from significance import fmt, verdict  # noqa: E402
 
 DOCS = HERE.parent / "docs"
 GENERATED = DOCS / "_generated"
@@ -82,15 +84,15 @@ def grid_table(algo: str, columns: list[tuple[str, str]], title: str) -> str:
     One algorithm of the learning grid (``benchmarks/results/learning.md``): a row per task and learning rate where it
     has records, its evaluation return beside each other column's, and its verdict against each.
     """
-    records = learning.load_records("full")
-    groups = learning.group_records(records)
+    records = run_records.load_records("full")
+    groups = run_records.group_records(records)
     names = [name for name, _ in columns]
-    lines = header(title, "`benchmarks/results/learning.md` reports them", learning.RESULTS / "runs" / "full", records)
+    lines = header(title, "`benchmarks/results/learning.md` reports them", run_records.RESULTS / "runs" / "full", records)
     lines += [
         "| task | lr | " + " | ".join(names) + " | seeds | steps | " + " | ".join(f"vs {n}" for n in names[1:]) + " |",
         "|---|---|" + "---|" * (2 * len(names) + 1),
     ]
-    for cell in sorted(groups, key=learning.cell_order):
+    for cell in sorted(groups, key=grid.cell_order):
         env, cell_algo, lr_mult = cell
         if cell_algo != algo:
             continue
@@ -98,8 +100,11 @@ def grid_table(algo: str, columns: list[tuple[str, str]], title: str) -> str:
         means = [fmt(evals(r)) if r else "n/a" for r in runs]
         verdicts = [verdict_cell(runs[0], other) for other in runs[1:]]
         lines.append(
-            f"| {env} | x{lr_mult:g} | " + " | ".join(means) + f" | {seeds_cell(*runs)} | {runs[0][0]['budget']:,} | "
-            + " | ".join(verdicts) + " |"
+            f"| {env} | x{lr_mult:g} | "
+            + " | ".join(means)
+            + f" | {seeds_cell(*runs)} | {runs[0][0]['budget']:,} | "
+            + " | ".join(verdicts)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -158,7 +163,7 @@ def maskable_table() -> str:
 
 
 def mean_series(runs: Records, series: Callable[[dict[str, Any]], list[list[float]]]) -> tuple[np.ndarray, np.ndarray]:
-    """The seeds' series interpolated on a common grid of steps (as ``learning.plot`` draws them): the grid, the values."""
+    """The seeds' series on a common grid of steps (as ``learning_plots.plot`` draws them): the grid, the values."""
     curves = [np.array(series(r), dtype=float) for r in runs]
     curves = [c for c in curves if len(c) > 1]
     grid = np.linspace(max(c[0, 0] for c in curves), min(c[-1, 0] for c in curves), 100)
@@ -168,7 +173,7 @@ def mean_series(runs: Records, series: Callable[[dict[str, Any]], list[list[floa
 def headline_tasks(groups: dict[tuple[str, str, float], Records]) -> list[str]:
     """The tasks where the higher learning rate matters: PPO's evaluation return there is worse than at x1 (Welch)."""
     tasks = []
-    for env in learning.MAIN_ENVS:
+    for env in grid.MAIN_ENVS:
         fast, base = groups.get((env, "ppo", HEADLINE_LR_MULT), []), groups.get((env, "ppo", 1.0), [])
         if fast and groups.get((env, "klppo", HEADLINE_LR_MULT)) and base and verdict(evals(fast), evals(base))[1] == "worse":
             tasks.append(env)
@@ -182,7 +187,7 @@ def headline_figure() -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = learning.group_records(learning.load_records("full"))
+    groups = run_records.group_records(run_records.load_records("full"))
     tasks = headline_tasks(groups)
     fig, (kl_ax, return_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
     styles = ["-", "--", ":", "-."]

@@ -6,7 +6,7 @@ itself ``lag`` updates before: the algorithm's reference-policy KL (``ref_kl_coe
 penalty ``beta_ref * KL(pi || pi_ref)`` in the loss, beta_ref adapted so that the KL to the reference tracks
 ``ref_target_kl``) with a reference that, at the start of every rollout, is set to the weights of the policy that
 acted ``lag`` rollouts earlier (the initial policy until then). Same settings and seeds as the grid's cells
-(``learning.train_and_evaluate``, rl-zoo's hyperparameters), the drift target a multiple of the run's ``target_kl``.
+(``grid_runs.train_and_evaluate``, rl-zoo's hyperparameters), the drift target a multiple of the run's ``target_kl``.
 
     python benchmarks/drift_anchor.py --algos klppo_noclip clip_klppo --envs Hopper-v5 --seeds 0..9 --lag 10 --multiple 10
     python benchmarks/drift_anchor.py --report
@@ -28,11 +28,16 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import grid  # noqa: E402
+import grid_runs  # noqa: E402
+import run_records  # noqa: E402
+import side_studies  # noqa: E402
+import significance  # noqa: E402
 import learning  # noqa: E402
 
-FOLDER = learning.RESULTS / "drift_anchor"
+FOLDER = run_records.RESULTS / "drift_anchor"
 #: the benchmark's classes, before run_one makes them anchored
-_ALGORITHM_CLASS = learning.algorithm_class
+_ALGORITHM_CLASS = grid_runs.algorithm_class
 #: beta_ref at the start: small, so that the anchor only weighs once the drift exceeds its target
 INITIAL_REF_KL_COEF = 0.1
 
@@ -72,14 +77,14 @@ def make_anchor(lag: int) -> Any:
 
 def record_path(lag: int, multiple: float, tier: str, algo: str, env_id: str, seed: int) -> Path:
     """Where the record of an anchored run goes (the grid's file name, in the anchor's folder)."""
-    return FOLDER / f"lag{lag}_x{multiple:g}" / "runs" / tier / learning.record_path(tier, algo, env_id, 1.0, seed).name
+    return FOLDER / f"lag{lag}_x{multiple:g}" / "runs" / tier / run_records.record_path(tier, algo, env_id, 1.0, seed).name
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train and evaluate one anchored run and write its record (in a worker process)."""
     lag, multiple = spec.pop("lag"), spec.pop("multiple")
-    learning.algorithm_class = anchored_class  # the worker process trains anchored classes only
-    record = learning.train_and_evaluate(spec, probes=[make_anchor(lag)])
+    grid_runs.algorithm_class = anchored_class  # the worker process trains anchored classes only
+    record = grid_runs.train_and_evaluate(spec, probes=[make_anchor(lag)])
     record["anchor"] = dict(lag=lag, multiple=multiple)
     path = record_path(lag, multiple, spec["tier"], spec["algo"], spec["env"], spec["seed"])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +97,7 @@ def target_of(algo: str, env_id: str) -> float:
     from settings import settings_for
 
     kwargs = settings_for(algo, env_id)["kwargs"]
-    return learning.default_target_kl(algo, env_id, kwargs)
+    return grid_runs.default_target_kl(algo, env_id, kwargs)
 
 
 def drift_rows(
@@ -102,7 +107,7 @@ def drift_rows(
 ) -> list[str]:
     """Per cell: the mean drift / target over each run's updates, and the share of updates over ``multiple``."""
     rows = []
-    for (env, algo, mult), old, new in learning.paired_runs(grid, side):
+    for (env, algo, mult), old, new in side_studies.paired_runs(grid, side):
 
         def stats(records: list[dict[str, Any]]) -> tuple[str, str]:
             runs = [np.array([u.get("drift", np.nan) for u in r["kl_updates"]]) / r["target_kl"] for r in records]
@@ -110,7 +115,7 @@ def drift_rows(
             runs = [d for d in runs if len(d)]
             if not runs:
                 return "-", "-"
-            return learning.fmt([float(d.mean()) for d in runs]), learning.fmt(
+            return significance.fmt([float(d.mean()) for d in runs]), significance.fmt(
                 [float(np.mean(d > multiple)) for d in runs], digits=0, percent=True
             )
 
@@ -120,7 +125,7 @@ def drift_rows(
 
 
 def report(tier: str = "full") -> str:
-    grid = learning.group_records(learning.load_records(tier))
+    grid = run_records.group_records(run_records.load_records(tier))
     lines = [
         "# Anchoring the policy to itself some updates before: does it stop the collapses?",
         "",
@@ -128,12 +133,12 @@ def report(tier: str = "full") -> str:
         " (see the script's docstring for the method). *anchored*: the run with the anchor, *grid*: the grid's record of"
         " the same cell and seed (`benchmarks/results/runs/<tier>/`). Evaluation, AUC, in band, over 2x and collapses as"
         " in `learning.md`; difference of the evaluation returns (anchored - grid) with its Welch p-value: tie when"
-        f" p ≥ {learning.SIGNIFICANCE}. The drift target is `multiple` x the run's target_kl; beta_ref starts at"
+        f" p ≥ {significance.SIGNIFICANCE}. The drift target is `multiple` x the run's target_kl; beta_ref starts at"
         f" {INITIAL_REF_KL_COEF}.",
         "",
     ]
     for path in sorted(p for p in FOLDER.glob("lag*_x*") if p.is_dir()):
-        side = learning.group_records([json.loads(p.read_text()) for p in sorted((path / "runs" / tier).glob("*.json"))])
+        side = run_records.group_records([json.loads(p.read_text()) for p in sorted((path / "runs" / tier).glob("*.json"))])
         if not side:
             continue
         versions = sorted({r.get("code_version", "?") for rs in side.values() for r in rs})
@@ -143,9 +148,9 @@ def report(tier: str = "full") -> str:
         lines += [
             f"## lag {lag} updates, drift target {multiple} x target_kl (code {', '.join(f'`{v}`' for v in versions)})",
             "",
-            "| env | lr | algo | n " + learning.PAIRED_HEADER.format(a="grid", b="anchored"),
+            "| env | lr | algo | n " + side_studies.PAIRED_HEADER.format(a="grid", b="anchored"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-            *learning.paired_rows(grid, side),
+            *side_studies.paired_rows(grid, side),
             "",
             f"The drift (`kl/drift`, lag {', '.join(map(str, drift_lags))} updates, / target; mean over the run's updates)"
             " and the share of updates whose drift"
@@ -158,19 +163,19 @@ def report(tier: str = "full") -> str:
             "",
         ]
     text = "\n".join(lines)
-    (learning.RESULTS / ("drift_anchor.md" if tier == "full" else f"drift_anchor_{tier}.md")).write_text(text)
+    (run_records.RESULTS / ("drift_anchor.md" if tier == "full" else f"drift_anchor_{tier}.md")).write_text(text)
     return text
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algos", nargs="+", choices=list(learning.KL_PENALIZED_ALGOS), default=["klppo_noclip"])
-    parser.add_argument("--envs", nargs="+", choices=learning.MAIN_ENVS, default=["Hopper-v5"])
+    parser.add_argument("--algos", nargs="+", choices=list(grid.KL_PENALIZED_ALGOS), default=["klppo_noclip"])
+    parser.add_argument("--envs", nargs="+", choices=grid.MAIN_ENVS, default=["Hopper-v5"])
     parser.add_argument("--seeds", nargs="+", default=["0..9"], help="seeds, or inclusive ranges such as 0..4")
     parser.add_argument("--lag", type=int, default=10, help="updates between the policy and its anchor")
     parser.add_argument("--multiple", type=float, default=10.0, help="drift target, as a multiple of target_kl")
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--tier", choices=list(learning.BUDGETS), default="full", help="budget tier (as learning.py's)")
+    parser.add_argument("--tier", choices=list(grid.BUDGETS), default="full", help="budget tier (as learning.py's)")
     parser.add_argument("--report", action="store_true", help="only rewrite the table from the records")
     args = parser.parse_args(argv)
     if args.report:
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.lag < 1 or not args.multiple > 0:
         parser.error("--lag must be >= 1 and --multiple > 0")
     seeds = learning.seed_list(args.seeds)
-    version = learning.code_version("settings.py", "learning.py", Path(__file__).name)
+    version = run_records.code_version("settings.py", "learning.py", Path(__file__).name)
     specs = []
     for env_id in args.envs:
         for algo in args.algos:

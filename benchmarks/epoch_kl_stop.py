@@ -34,7 +34,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
+import run_records  # noqa: E402
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "epoch_kl_stop_runs"
@@ -52,7 +52,7 @@ def code_version() -> str:
     The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
     process starts its first run (the package is imported then: later edits of the checkout do not change the run).
     """
-    return learning.code_version("settings.py", "learning.py", "epoch_kl_stop.py")
+    return run_records.code_version("settings.py", "learning.py", "epoch_kl_stop.py")
 
 
 def instrumented(base: type, rule: str) -> type:
@@ -101,7 +101,8 @@ def run_one(algo: str, rule: str, seed: int, budget: int = 100_000, runs: Path =
     from stable_baselines3.common.evaluation import evaluate_policy
 
     import sb3_kl
-    from learning import N_EVAL_EPISODES, scale_learning_rate
+    from grid import N_EVAL_EPISODES
+    from grid_runs import scale_learning_rate
     from settings import settings_for
 
     setting = settings_for(algo, ENV_ID)
@@ -160,7 +161,7 @@ def run_one(algo: str, rule: str, seed: int, budget: int = 100_000, runs: Path =
         wall_seconds=wall,
         torch_threads=1,
         code_version=code_version(),
-        run_environment=learning.run_environment(),
+        run_environment=run_records.run_environment(),
     )
     runs.mkdir(parents=True, exist_ok=True)
     (runs / f"{algo}__{rule}__s{seed}.json").write_text(json.dumps(record, indent=1))

@@ -26,7 +26,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
+import run_records  # noqa: E402
 
 ENVS = ["CartPole-v1", "Pendulum-v1", "Acrobot-v1", "LunarLanderContinuous-v3", "Hopper-v5", "HalfCheetah-v5"]
 VARIANTS = {"grow": {}, "backtrack": {"line_search_grow_iter": 0}}
@@ -37,7 +37,7 @@ REL_TOL = 1e-4
 
 def code_version() -> str:
     """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
-    return learning.code_version("settings.py", Path(__file__).name)
+    return run_records.code_version("settings.py", Path(__file__).name)
 
 
 def run(env_id: str, variant: str, seed: int, n_updates: int) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def run(env_id: str, variant: str, seed: int, n_updates: int) -> dict[str, Any]:
         train_seconds=seconds,
         env_steps_per_second=steps / seconds,
         code_version=code_version(),
-        run_environment=learning.run_environment(),
+        run_environment=run_records.run_environment(),
     )
 
 

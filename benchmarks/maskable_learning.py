@@ -30,17 +30,10 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from learning import (  # noqa: E402
-    BAND,
-    SIGNIFICANCE,
-    code_version,
-    count_collapses,
-    fmt,
-    run_environment,
-    summarize,
-    trained_steps,
-    verdict,
-)
+from grid import BAND  # noqa: E402
+from measures import count_collapses, summarize  # noqa: E402
+from run_records import code_version, run_environment, trained_steps  # noqa: E402
+from significance import SIGNIFICANCE, fmt, verdict  # noqa: E402
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "maskable_runs"
@@ -79,7 +72,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     :return: its record; ``trained_steps`` is the steps it trained (``learn`` ends with the rollout in which the budget
         is reached, so up to one rollout more than ``budget``) and ``env_steps_per_second`` is ``trained_steps /
         train_seconds`` (records made before ``trained_steps`` was stored hold ``budget / train_seconds`` there; the
-        report reads the steps trained with ``learning.trained_steps``)
+        report reads the steps trained with ``run_records.trained_steps``)
     """
     import torch as th
 
@@ -155,7 +148,7 @@ def load_records() -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(RUNS.glob("*.json"))] if RUNS.exists() else []
 
 
-#: The report's measures: (label, key of ``learning.summarize``, digits, percent, whether higher is better; None: a
+#: The report's measures: (label, key of ``measures.summarize``, digits, percent, whether higher is better; None: a
 #: measure without a better side, whose significant differences are called ``differs``)
 MEASURES = [
     ("evaluation return (10 masked deterministic episodes)", "eval_mean", 1, False, True),
@@ -169,7 +162,7 @@ MEASURES = [
 
 def difference_cell(ours: list[float], theirs: list[float], higher_is_better: bool | None) -> str:
     """
-    :return: ``learning.verdict``'s difference of the means (ours - theirs) with its Welch p-value and *better* /
+    :return: ``significance.verdict``'s difference of the means (ours - theirs) with its Welch p-value and *better* /
         *worse* (in bold, as ``learning.py`` marks it) only when p < ``SIGNIFICANCE``, *tie* otherwise; ``differs`` for
         a significant difference of a measure without a better side
     """
@@ -180,7 +173,7 @@ def difference_cell(ours: list[float], theirs: list[float], higher_is_better: bo
 
 
 def steps_per_second(record: dict[str, Any]) -> float:
-    """A run's env-steps/s: the steps it trained (``learning.trained_steps``) over its training time."""
+    """A run's env-steps/s: the steps it trained (``run_records.trained_steps``) over its training time."""
     return (trained_steps(record) or record["budget"]) / record["train_seconds"]
 
 
@@ -220,9 +213,9 @@ def report() -> None:
         " MaskablePPO keeps its `clip_range=0.2` and its `target_kl=None` (no early stop); MaskableKLPPO runs with"
         " no ratio clip and the KL target. KL: exact forward KL(old||new) between the masked rollout and updated"
         f" policies after every update (`KLMonitorCallback`); in-band: share of updates within [{BAND[0]}, {BAND[1]}] x"
-        " 0.02 (MaskablePPO's band is the discrete family default). Collapses: `learning.count_collapses`."
+        " 0.02 (MaskablePPO's band is the discrete family default). Collapses: `measures.count_collapses`."
         " Values: mean ± std over seeds (n per column below). Difference: the seed means' (maskable_klppo -"
-        " maskable_ppo) with the two-sided Welch p-value (`learning.verdict`); *better* / *worse* only when"
+        " maskable_ppo) with the two-sided Welch p-value (`significance.verdict`); *better* / *worse* only when"
         f" p < {SIGNIFICANCE}, *tie* otherwise (a difference inside the seed noise is a tie; lower is better for the KL"
         " tail and collapses; the mean KL has no better side: *differs*); shares differ in percentage points.",
         "",

@@ -296,9 +296,9 @@ def measure(pairs: int, steps_scale: float, comparisons: list[str], envs: list[s
     :return: the JSON record: the command and its arguments, ``code_version``, ``run_environment``, the load average
         when the measurement ended and, per comparison and environment, every pair's measurements and the ratios
     """
-    import learning
+    import run_records
 
-    version = learning.code_version("overhead.py", "settings.py")  # the checkout the runs start from
+    version = run_records.code_version("overhead.py", "settings.py")  # the checkout the runs start from
     rows = []
     for comparison in comparisons:
         for env_id in envs:
@@ -350,7 +350,7 @@ def measure(pairs: int, steps_scale: float, comparisons: list[str], envs: list[s
         cpu_count=os.cpu_count(),
         load_average_end=list(os.getloadavg()),
         code_version=version,
-        run_environment=learning.run_environment(),
+        run_environment=run_records.run_environment(),
         rows=rows,
     )
 
@@ -367,7 +367,7 @@ def render(record: dict[str, Any], json_name: str) -> str:
     :param record: What :func:`measure` returned (or its JSON file holds)
     :param json_name: How the report names the JSON file
     """
-    import learning
+    import run_records
 
     lines = [
         "# Overhead of KL control",
@@ -386,7 +386,7 @@ def render(record: dict[str, Any], json_name: str) -> str:
         " `KLOnPolicyAlgorithm._use_fused_adam`); the rows against *PPO with fused Adam* give stock PPO that kernel too,"
         " so they show what the KL machinery itself costs.",
         "",
-        f"Machine: {record['cpu_count']} cores; " + learning.describe_run_environment(record["run_environment"]) + ".",
+        f"Machine: {record['cpu_count']} cores; " + run_records.describe_run_environment(record["run_environment"]) + ".",
         "",
         f"Load average when the run ended: {', '.join(f'{x:.1f}' for x in record['load_average_end'])} (wall-clock ratios"
         " are only meaningful on an otherwise idle machine; the CPU-time ratio divides each side's thread CPU seconds"

@@ -2,11 +2,11 @@
 Do the learning grid's records still describe the current code? The records of ``benchmarks/results/runs/<tier>/``
 were made by many commits; each names its commit, CPU and library versions. A run repeats bit for bit only on one
 machine with one set of library versions, so on the machine that made a record, re-running its cell with the current
-checkout and getting the same evaluation returns and per-update KLs (:func:`learning.same_run`) shows that no change
+checkout and getting the same evaluation returns and per-update KLs (:func:`run_records.same_run`) shows that no change
 since its commit altered that training.
 
 For every commit that made sb3-kl records on this machine (same CPU model and library versions as
-:func:`learning.run_environment` reports now, a simulator's version counting for its own tasks only), the
+:func:`run_records.run_environment` reports now, a simulator's version counting for its own tasks only), the
 ``--per-commit`` cheapest of its records (by training time) are re-run with the current checkout; the result,
 naming the checkout's commit, goes to ``benchmarks/results/record_reproduction.md`` and ``.json``. Records from other
 machines cannot be checked this way (``learning.md``'s replication section compares such cells statistically
@@ -30,16 +30,18 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
+import grid  # noqa: E402
+import grid_runs  # noqa: E402
+import run_records  # noqa: E402
 
 
-#: The simulator packages of :func:`learning.run_environment`: a task's run depends only on the one it runs on
+#: The simulator packages of :func:`run_records.run_environment`: a task's run depends only on the one it runs on
 SIMULATORS = ("mujoco", "box2d")
 
 
 def task_environment(environment: dict[str, str], env_id: str) -> dict[str, str]:
     """
-    :param environment: a :func:`learning.run_environment`
+    :param environment: a :func:`run_records.run_environment`
     :param env_id: a registered Gymnasium task
     :return: ``environment`` without the versions of the simulators ``env_id`` does not run on (told by the package
         of its registered entry point: a CartPole run is the same whatever MuJoCo is installed)
@@ -56,7 +58,7 @@ def task_environment(environment: dict[str, str], env_id: str) -> dict[str, str]
 def reproducible_records(records: list[dict[str, Any]], environment: dict[str, str], per_commit: int) -> list[dict[str, Any]]:
     """
     :param records: the grid's records
-    :param environment: this machine's :func:`learning.run_environment`
+    :param environment: this machine's :func:`run_records.run_environment`
     :param per_commit: records to pick per commit
     :return: for each commit, its ``per_commit`` sb3-kl records with the shortest training time among those made on
         this machine with the versions of the libraries their task runs on (:func:`task_environment`), ordered by
@@ -64,7 +66,7 @@ def reproducible_records(records: list[dict[str, Any]], environment: dict[str, s
     """
     by_commit: dict[str, list[dict[str, Any]]] = {}
     for record in records:
-        if record["algo"] in learning.STOCK:
+        if record["algo"] in grid.STOCK:
             continue
         made_in = record.get("run_environment")
         if made_in is None or task_environment(made_in, record["env"]) != task_environment(environment, record["env"]):
@@ -74,7 +76,7 @@ def reproducible_records(records: list[dict[str, Any]], environment: dict[str, s
         by_commit.setdefault(record["code_version"], []).append(record)
     chosen = []
     for commit in sorted(by_commit):
-        chosen += sorted(by_commit[commit], key=lambda r: (r.get("train_seconds", float("inf")), learning.seed_key(r)))[
+        chosen += sorted(by_commit[commit], key=lambda r: (r.get("train_seconds", float("inf")), run_records.seed_key(r)))[
             :per_commit
         ]
     return chosen
@@ -83,7 +85,7 @@ def reproducible_records(records: list[dict[str, Any]], environment: dict[str, s
 def near_band_edge_records(records: list[dict[str, Any]], environment: dict[str, str], rel: float) -> list[dict[str, Any]]:
     """
     :param records: the grid's records
-    :param environment: this machine's :func:`learning.run_environment`
+    :param environment: this machine's :func:`run_records.run_environment`
     :param rel: the relative distance to a band edge
     :return: the reproducible records (as :func:`reproducible_records` admits them) of the algorithms whose beta follows
         the band rule of ``AdaptiveKLController``'s default band, with an update whose KL lies within ``rel`` of
@@ -96,7 +98,7 @@ def near_band_edge_records(records: list[dict[str, Any]], environment: dict[str,
     band = inspect.signature(AdaptiveKLController).parameters["kl_band"].default
     chosen = []
     for record in reproducible_records(records, environment, per_commit=len(records)):
-        if not learning.algorithm_class(record["algo"]).has_kl_coef:
+        if not grid_runs.algorithm_class(record["algo"]).has_kl_coef:
             continue
         edges = [factor * record["target_kl"] for factor in band]
         if any(abs(update["mean"] - edge) <= rel * edge for update in record["kl_updates"] for edge in edges):
@@ -106,14 +108,14 @@ def near_band_edge_records(records: list[dict[str, Any]], environment: dict[str,
 
 def rerun(record: dict[str, Any]) -> dict[str, Any]:
     """Re-run a record's cell and seed with the current checkout; :return: the comparison's row"""
-    new = learning.train_and_evaluate(learning.rerun_spec(record))
+    new = grid_runs.train_and_evaluate(grid_runs.rerun_spec(record))
     return dict(
         algo=record["algo"],
         env=record["env"],
         seed=record["seed"],
         lr_mult=record["lr_mult"],
         record_commit=record["code_version"],
-        identical=learning.same_run(record, new),
+        identical=run_records.same_run(record, new),
         eval_record=record["eval_mean"],
         eval_now=new["eval_mean"],
     )
@@ -126,7 +128,7 @@ def table(rows: list[dict[str, Any]], checkout: str, environment: dict[str, str]
         "# Do the learning grid's records describe the current code?",
         "",
         f"Generated by `{command}` with the checkout of commit `{checkout}` on "
-        f"{learning.describe_run_environment(environment)}. For each commit that made sb3-kl records of "
+        f"{run_records.describe_run_environment(environment)}. For each commit that made sb3-kl records of "
         "`benchmarks/results/runs/` on this machine with these versions of the libraries their task runs on (a "
         "simulator's version counts for its tasks only), its cheapest records were re-run with "
         "this checkout. *identical*: the same evaluation returns and the same per-update KLs, bit for bit, so no change "
@@ -151,7 +153,7 @@ def table(rows: list[dict[str, Any]], checkout: str, environment: dict[str, str]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tier", choices=list(learning.BUDGETS), default="full")
+    parser.add_argument("--tier", choices=list(grid.BUDGETS), default="full")
     parser.add_argument("--per-commit", type=int, default=1, help="records re-run per commit (the cheapest ones)")
     parser.add_argument(
         "--near-band-edge",
@@ -161,10 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         help="also re-run the KLPPO-family records with an update whose KL lies within REL (relative) of a band edge",
     )
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=learning.RESULTS / "record_reproduction.md")
+    parser.add_argument("--out", type=Path, default=run_records.RESULTS / "record_reproduction.md")
     args = parser.parse_args(argv)
-    environment = learning.run_environment()
-    records = learning.load_records(args.tier)
+    environment = run_records.run_environment()
+    records = run_records.load_records(args.tier)
     chosen = reproducible_records(records, environment, args.per_commit)
     reasons = ["cheapest of its commit"] * len(chosen)
     if args.near_band_edge is not None:
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = pool.map(rerun, chosen)
     for row, reason in zip(rows, reasons, strict=True):
         row["picked"] = reason
-    checkout = learning.code_version("record_reproduction.py", "learning.py", "settings.py")
+    checkout = run_records.code_version("record_reproduction.py", "learning.py", "settings.py")
     command = f"python benchmarks/record_reproduction.py --tier {args.tier} --per-commit {args.per_commit}"
     if args.near_band_edge is not None:
         command += f" --near-band-edge {args.near_band_edge:g}"

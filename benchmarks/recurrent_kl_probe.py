@@ -34,8 +34,8 @@ sys.path.insert(0, str(HERE))
 
 from recurrent_learning import ZOO_ONLY, code_version, zoo_settings  # noqa: E402
 
-import learning  # noqa: E402
-from learning import scale_learning_rate  # noqa: E402
+import run_records  # noqa: E402
+from grid_runs import scale_learning_rate  # noqa: E402
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "recurrent_kl_probe"
@@ -187,7 +187,7 @@ def run_probe(env_id: str, lr_mult: float, updates: int, detached_sde: bool, see
         n_envs=model.n_envs,
         updates=model.probe,
         code_version=version,
-        run_environment=learning.run_environment(),
+        run_environment=run_records.run_environment(),
     )
     RUNS.mkdir(parents=True, exist_ok=True)
     name = f"{env_id}__lr{lr_mult:g}__{'detached' if detached_sde else 'attached'}.json"
@@ -249,7 +249,7 @@ def run_feedforward(seed: int, updates: int, detached_sde: bool) -> dict[str, An
         kl_updates=kls,
         target_kl=model._current_target_kl(),
         code_version=version,
-        run_environment=learning.run_environment(),
+        run_environment=run_records.run_environment(),
     )
     RUNS.mkdir(parents=True, exist_ok=True)
     name = f"feedforward__Pendulum-v1__lr10__s{seed}__{'detached' if detached_sde else 'attached'}.json"

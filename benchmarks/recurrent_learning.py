@@ -31,8 +31,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
-from learning import BAND, default_target_kl, describe, fmt, scale_learning_rate, summarize, verdict  # noqa: E402
+import run_records  # noqa: E402
+from grid import BAND  # noqa: E402
+from grid_runs import default_target_kl, describe, scale_learning_rate  # noqa: E402
+from measures import summarize  # noqa: E402
+from significance import fmt, verdict  # noqa: E402
 
 RESULTS = HERE / "results"
 RUNS = RESULTS / "recurrent_runs"
@@ -83,7 +86,7 @@ def record_path(budget: str, algo: str, env_id: str, lr_mult: float, seed: int) 
 
 def code_version() -> str:
     """The commit that ran, ``+modified`` when the package or this script had uncommitted changes."""
-    return learning.code_version("recurrent_learning.py", "learning.py")
+    return run_records.code_version("recurrent_learning.py", "learning.py")
 
 
 def kl_options(model: Any) -> dict[str, Any] | None:
@@ -181,7 +184,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         env_steps_per_second=budget / train_seconds,
         torch_threads=1,
         code_version=version,
-        run_environment=learning.run_environment(),
+        run_environment=run_records.run_environment(),
     )
     path = record_path(budget_tier, algo, env_id, lr_mult, seed)
     path.parent.mkdir(parents=True, exist_ok=True)

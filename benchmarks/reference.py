@@ -56,7 +56,7 @@ from sb3_kl import KLPPO
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import learning  # noqa: E402
+import run_records  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = os.path.join(RESULTS, "reference_runs")
@@ -73,12 +73,12 @@ def code_version() -> str:
     The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
     benchmark starts (before its worker processes fork: later edits of the checkout do not change the runs).
     """
-    return learning.code_version("reference.py")
+    return run_records.code_version("reference.py")
 
 
 def provenance() -> dict[str, Any]:
     """What every new record holds about what made it: ``code_version`` and ``run_environment``."""
-    return dict(code_version=code_version(), run_environment=learning.run_environment())
+    return dict(code_version=code_version(), run_environment=run_records.run_environment())
 
 
 def commit_that_added(path: str) -> str | None:
@@ -365,7 +365,7 @@ def report(args: argparse.Namespace, command: str, plot_figure: bool = True) -> 
         "- KL to the reference = `train/ref_kl`: exact mean per-state KL(pi || pi_ref) (reverse/analytic/sum) over the "
         "buffer's states after each update. Returns: 20 deterministic episodes, reset seeds 1000-1019.",
         "- Machine and library versions: "
-        + "; ".join(f"{count} records: {machine}" for machine, count in learning.run_environments(records).items())
+        + "; ".join(f"{count} records: {machine}" for machine, count in run_records.run_environments(records).items())
         + ". Time (s): the wall-clock time of each run on that machine, beside whatever else ran on it.",
         "",
         f"Pretrained policy: original-task return {pre['original_return']:.1f}, new-task return {pre['new_task_return']:.1f}.",

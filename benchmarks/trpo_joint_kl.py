@@ -8,7 +8,7 @@ which overestimates the KL, so TRPO takes less than its target per update (60-75
 one-dimensional tasks of the grid, the table), where KLTRPO's grows to use all of it
 (``benchmarks/results/kltrpo_budget_use.md``): at TRPO's ``target_kl`` KLTRPO takes larger steps than TRPO on the
 discrete and one-dimensional tasks, and smaller ones on the multi-dimensional. The target of the grid's
-``kltrpo_matched`` cell is this mean on the TRPO records that cell was first made beside (``learning.matched_target_kl``:
+``kltrpo_matched`` cell is this mean on the TRPO records that cell was first made beside (``grid_runs.matched_target_kl``:
 once the cell has records, the target they ran with, which re-made TRPO records do not move: on Pendulum-v1 it is
 2.4 % above this mean on the current records); rounded to two significant digits, that target is the
 ``target_kl`` of the shipped KLTRPO zoo configs for every task of the grid, so that ``--algo kltrpo`` takes steps of
@@ -39,9 +39,9 @@ ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-v3", 
 
 def code_version() -> str:
     """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
-    import learning
+    import run_records
 
-    return learning.code_version(Path(__file__).name)
+    return run_records.code_version(Path(__file__).name)
 
 
 #: TRPO's seeds the targets come from: those ``learning.py``'s ``kltrpo_matched`` takes its target from, so that
@@ -67,9 +67,9 @@ def joint_kl(env_id: str) -> dict[str, Any]:
         ]
     per_seed = [float(np.mean([update["mean"] for update in record["kl_updates"]])) for record in records]
     mean = float(np.mean(per_seed))
-    import learning
+    import grid_runs
 
-    grid_target = learning.matched_target_kl("full", env_id)
+    grid_target = grid_runs.matched_target_kl("full", env_id)
     return dict(
         env=env_id,
         trpo_target_kl=records[0]["target_kl"],

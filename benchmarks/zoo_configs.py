@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import learning  # noqa: E402
+import run_records  # noqa: E402
 
 HYPERPARAMS_DIR = ROOT / "sb3_kl" / "hyperparams"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -64,7 +64,7 @@ def shipped_entries(algos: list[str], envs: list[str] | None) -> list[tuple[str,
 
 def code_version() -> str:
     """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
-    return learning.code_version("zoo_configs.py")
+    return run_records.code_version("zoo_configs.py")
 
 
 def evaluate(model_dir: Path, algo: str, env_id: str, n_episodes: int, seed: int) -> tuple[float, float]:
@@ -131,7 +131,7 @@ def run_entry(algo: str, env_id: str, config: dict[str, Any], seed: int, log_roo
         "wall_time_s": round(wall, 1),
         "returncode": status.returncode,
         "code_version": version,
-        "run_environment": learning.run_environment(),
+        "run_environment": run_records.run_environment(),
     }
     if status.returncode == 0:
         run_dirs = sorted((log_folder / algo).glob(f"{env_id}_*"), key=lambda path: path.stat().st_mtime)

@@ -14,13 +14,15 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import collapse_probe  # noqa: E402
-import learning  # noqa: E402
+import grid_runs  # noqa: E402
+import measures  # noqa: E402
+import run_records  # noqa: E402
 
 
 def test_probe_leaves_the_training_unchanged_and_takes_the_monitors_normalization_shift():
     # Acrobot's zoo entry normalizes observations; its rollout is 16 x 256 steps: the tiny budget takes one
     spec = dict(algo="klppo", env="Acrobot-v1", seed=3, lr_mult=1.0, tier="tiny")
-    record = learning.train_and_evaluate(spec)
+    record = grid_runs.train_and_evaluate(spec)
     probed = collapse_probe.probe_run(record)
     assert probed["same_run"]
     assert [row["timesteps"] for row in probed["rollouts"]] == [4096.0]
@@ -35,7 +37,7 @@ def test_probe_leaves_the_training_unchanged_and_takes_the_monitors_normalizatio
     older = copy.deepcopy(record)
     for update in older["kl_updates"]:
         del update["normalization_shift"]
-    assert learning.same_run(older, record)
+    assert run_records.same_run(older, record)
 
 
 def test_phases_split_a_collapse_at_its_best_point():
@@ -43,7 +45,7 @@ def test_phases_split_a_collapse_at_its_best_point():
     times = [100.0 * (i + 1) for i in range(40)]
     returns = [10.0 + 33.0 * i for i in range(31)] + [900.0, 700.0, 400.0, 200.0] + [150.0] * 5
     curve = [[t, r] for t, r in zip(times, returns, strict=True)]
-    assert learning.collapse_points(curve) == [(30, 33)]
+    assert measures.collapse_points(curve) == [(30, 33)]
     # the rollouts after the best one fall; beta, recorded before each update, leaves its floor at the best point
     # the fall's falls: 4, 1, 1 (half of them in one rollout); after it, one fall per rollout
     falls = {31: 4.0, 32: 1.0, 33: 1.0}

@@ -175,9 +175,10 @@ def test_learning_grid_over_two_workers_survives_a_killed_worker(postgres_server
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_grid
-    import learning
+    import learning_report
+    import run_records
 
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     url = postgres_server.create_database("grid")
     specs = [
         dict(algo=algo, env="CartPole-v1", seed=seed, lr_mult=1.0, tier="tiny") for algo in ("ppo", "klppo") for seed in (0, 1)
@@ -211,12 +212,14 @@ def test_learning_grid_over_two_workers_survives_a_killed_worker(postgres_server
     assert retry.user_attrs["cell_key"] == killed.user_attrs["cell_key"]
     # the surviving worker wrote each record file once; collecting again writes nothing
     files = sorted(tmp_path.glob("runs/tiny/*.json"))
-    assert [path.name for path in files] == sorted(learning.record_file(spec).name for spec in specs)
+    assert [path.name for path in files] == sorted(run_records.record_file(spec).name for spec in specs)
     assert output.count("wrote ") == 4
-    assert distributed_grid.collect(optuna.load_study(study_name="grid", storage=url), learning.record_file) == []
+    assert distributed_grid.collect(optuna.load_study(study_name="grid", storage=url), run_records.record_file) == []
     records = [json.loads(path.read_text()) for path in files]
     assert {trial.number for trial in complete} == {record["grid_trial"] for record in records}
-    assert "| CartPole-v1 | 1,024 |" in learning.report("tiny")  # the report comes from the records, as without a database
+    assert "| CartPole-v1 | 1,024 |" in learning_report.report(
+        "tiny"
+    )  # the report comes from the records, as without a database
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -329,9 +332,10 @@ def test_learning_grid_remakes_cells_on_force_and_stale(postgres_server, tmp_pat
     """
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_grid
+    import run_records
     import learning
 
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     url = postgres_server.create_database("remake")
     heartbeat = distributed_grid.HeartbeatSettings(interval=None)
     specs = [dict(algo="klppo", env="CartPole-v1", seed=seed, lr_mult=1.0, tier="tiny") for seed in (0, 1)]
@@ -346,10 +350,10 @@ def test_learning_grid_remakes_cells_on_force_and_stale(postgres_server, tmp_pat
         first = len(study.get_trials(deepcopy=False))
         distributed_grid.enqueue(study, cells, **kwargs)
         distributed_grid.work(study, run_cell, log=lambda message: None)
-        return distributed_grid.collect(study, learning.record_file, replace_from=first)
+        return distributed_grid.collect(study, run_records.record_file, replace_from=first)
 
     def versions() -> list[str]:
-        return [json.loads(learning.record_file(spec).read_text())["code_version"] for spec in specs]
+        return [json.loads(run_records.record_file(spec).read_text())["code_version"] for spec in specs]
 
     assert len(grid_run("a", specs)) == 2 and versions() == ["a", "a"]
     assert grid_run("b", specs) == [] and versions() == ["a", "a"]  # nothing to do: the study has both cells

@@ -52,7 +52,7 @@ def test_the_reference_is_the_policy_lag_updates_before_and_its_kl_is_penalized(
 
 def test_records_land_beside_the_grid_cells(tmp_path, monkeypatch):
     monkeypatch.setattr(drift_anchor, "FOLDER", tmp_path / "drift_anchor")
-    monkeypatch.setattr(drift_anchor.learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(drift_anchor.run_records, "RESULTS", tmp_path)
     drift_anchor.main(["--tier", "tiny", "--algos", "klppo", "--envs", "Pendulum-v1", "--seeds", "0", "--lag", "2"])
     path = drift_anchor.record_path(2, 10.0, "tiny", "klppo", "Pendulum-v1", 0)
     record = json.loads(path.read_text())

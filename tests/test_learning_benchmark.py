@@ -18,6 +18,13 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import grid  # noqa: E402
+import grid_runs  # noqa: E402
+import learning_report  # noqa: E402
+import measures  # noqa: E402
+import run_records  # noqa: E402
+import side_studies  # noqa: E402
+import significance  # noqa: E402
 import learning  # noqa: E402
 import settings  # noqa: E402
 
@@ -25,13 +32,13 @@ import settings  # noqa: E402
 @pytest.mark.parametrize("t", [0.0, 0.3, 1.0, 2.5, 12.7, -4.0])
 def test_t_p_value_matches_closed_forms(t):
     # Student's t with 1 degree of freedom is the Cauchy distribution; with 2 its CDF is elementary
-    assert learning.t_two_sided_p(t, 1.0) == pytest.approx(1.0 - 2.0 * math.atan(abs(t)) / math.pi, abs=1e-10)
-    assert learning.t_two_sided_p(t, 2.0) == pytest.approx(1.0 - abs(t) / math.sqrt(2.0 + t * t), abs=1e-10)
+    assert significance.t_two_sided_p(t, 1.0) == pytest.approx(1.0 - 2.0 * math.atan(abs(t)) / math.pi, abs=1e-10)
+    assert significance.t_two_sided_p(t, 2.0) == pytest.approx(1.0 - abs(t) / math.sqrt(2.0 + t * t), abs=1e-10)
 
 
 @pytest.mark.parametrize("t, dof", [(2.776445, 4), (2.228139, 10), (1.959964, 1e6), (4.302653, 2.0)])
 def test_t_p_value_at_tabulated_critical_values(t, dof):
-    assert learning.t_two_sided_p(t, dof) == pytest.approx(0.05, abs=1e-5)
+    assert significance.t_two_sided_p(t, dof) == pytest.approx(0.05, abs=1e-5)
 
 
 def test_welch_p_value_against_numerical_integration():
@@ -43,17 +50,17 @@ def test_welch_p_value_against_numerical_integration():
     x = np.linspace(abs(t), 2000.0, 2_000_001)
     log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
     density = np.exp(log_norm - (dof + 1) / 2 * np.log1p(x**2 / dof))
-    assert learning.welch_p_value(a, b) == pytest.approx(2 * np.trapezoid(density, x), rel=1e-4)
-    assert learning.welch_p_value(a, b) == pytest.approx(learning.welch_p_value(b, a))
-    assert math.isnan(learning.welch_p_value([1.0], b))
-    assert learning.welch_p_value([2.0, 2.0], [2.0, 2.0]) == 1.0
-    assert learning.welch_p_value([2.0, 2.0], [3.0, 3.0]) == 0.0
+    assert significance.welch_p_value(a, b) == pytest.approx(2 * np.trapezoid(density, x), rel=1e-4)
+    assert significance.welch_p_value(a, b) == pytest.approx(significance.welch_p_value(b, a))
+    assert math.isnan(significance.welch_p_value([1.0], b))
+    assert significance.welch_p_value([2.0, 2.0], [2.0, 2.0]) == 1.0
+    assert significance.welch_p_value([2.0, 2.0], [3.0, 3.0]) == 0.0
 
 
 def test_verdict_calls_noise_a_tie():
-    assert learning.verdict([1.0, 2.0, 3.0], [1.5, 2.5, 2.0])[1] == "tie"
-    assert learning.verdict([10.0, 10.1, 9.9], [1.0, 1.1, 0.9])[1] == "better"
-    assert learning.verdict([10.0, 10.1, 9.9], [1.0, 1.1, 0.9], higher_is_better=False)[1] == "worse"
+    assert significance.verdict([1.0, 2.0, 3.0], [1.5, 2.5, 2.0])[1] == "tie"
+    assert significance.verdict([10.0, 10.1, 9.9], [1.0, 1.1, 0.9])[1] == "better"
+    assert significance.verdict([10.0, 10.1, 9.9], [1.0, 1.1, 0.9], higher_is_better=False)[1] == "worse"
 
 
 def test_seed_ranges():
@@ -68,13 +75,13 @@ def test_ppo_target_kl_is_ppo_at_klppo_target_and_clip(env_id, target):
     ppo, baseline = settings.settings_for("ppo", env_id), settings.settings_for("ppo_target_kl", env_id)
     assert baseline["kwargs"].pop("target_kl") == target
     assert baseline == ppo  # everything else, the clip included, is PPO's zoo entry
-    assert learning.algorithm_class("ppo_target_kl").__name__ == "PPO"
-    assert learning.default_target_kl("klppo", env_id, {}) == target
+    assert grid_runs.algorithm_class("ppo_target_kl").__name__ == "PPO"
+    assert grid_runs.default_target_kl("klppo", env_id, {}) == target
 
 
 def test_other_machines_re_runs_the_records_this_machine_did_not_make(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    here = learning.run_environment()
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    here = run_records.run_environment()
     # seed 0 made here, seed 1 on another CPU, seed 2 before records named their machine, seed 3 never
     for seed, described in ((0, here), (1, {**here, "cpu": "Another CPU"}), (2, None)):
         record = _record("klppo", "CartPole-v1", seed, 500.0, [0.02], 0.02)
@@ -97,16 +104,16 @@ def test_other_machines_re_runs_the_records_this_machine_did_not_make(tmp_path, 
 
 
 def test_matched_target_stays_that_of_the_cells_records(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    for seed in learning.MATCHED_SEEDS:
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    for seed in grid.MATCHED_SEEDS:
         _write(tmp_path / "runs" / "tiny", _record("trpo", "CartPole-v1", seed, 500.0, [0.008, 0.006], 0.01))
-    assert learning.matched_target_kl("tiny", "CartPole-v1") == pytest.approx(0.007)
+    assert grid_runs.matched_target_kl("tiny", "CartPole-v1") == pytest.approx(0.007)
     # once kltrpo_matched has records, re-made TRPO records (another machine) do not move its target
     _write(tmp_path / "runs" / "tiny", _record("kltrpo_matched", "CartPole-v1", 0, 500.0, [0.007], 0.0071))
-    assert learning.matched_target_kl("tiny", "CartPole-v1") == 0.0071
+    assert grid_runs.matched_target_kl("tiny", "CartPole-v1") == 0.0071
     _write(tmp_path / "runs" / "tiny", _record("kltrpo_matched", "CartPole-v1", 1, 500.0, [0.007], 0.0072))
     with pytest.raises(SystemExit, match="different targets"):
-        learning.matched_target_kl("tiny", "CartPole-v1")
+        grid_runs.matched_target_kl("tiny", "CartPole-v1")
 
 
 def test_grid_skips_noclip_where_the_zoo_does_not_clip():
@@ -119,14 +126,14 @@ def test_grid_skips_noclip_where_the_zoo_does_not_clip():
 
 
 def test_ppo_target_kl_run_records_the_monitored_kl(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    record = learning.run_one(dict(algo="ppo_target_kl", env="CartPole-v1", seed=0, lr_mult=1.0, tier="tiny"))
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    record = grid_runs.run_one(dict(algo="ppo_target_kl", env="CartPole-v1", seed=0, lr_mult=1.0, tier="tiny"))
     assert record["hyperparameters"]["target_kl"] == 0.02 and record["target_kl"] == 0.02
     assert record["kl_source"].startswith("sb3_kl.callbacks.KLMonitorCallback")
     # CartPole's zoo rollout is 8 x 32 steps: one measured update per rollout of the tiny budget
     assert len(record["kl_updates"]) == 1024 // 256
     assert all(u["mean"] >= 0 and u["p99"] >= 0 for u in record["kl_updates"])
-    written = learning.record_path("tiny", "ppo_target_kl", "CartPole-v1", 1.0, 0).read_text()
+    written = run_records.record_path("tiny", "ppo_target_kl", "CartPole-v1", 1.0, 0).read_text()
     assert json.loads(written) == json.loads(json.dumps(record))
     # the machine and the library versions, which decide the numbers besides the code
     described = record["run_environment"]
@@ -145,11 +152,11 @@ def test_override_sets_a_candidate_default_and_is_recorded(tmp_path, monkeypatch
         override={"kl_coef": 0.2},
     )  # fmt: skip
     (spec,) = learning.grid_specs(args)
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    record = learning.run_one(spec)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    record = grid_runs.run_one(spec)
     assert record["overrides"] == {"kl_coef": 0.2} and record["hyperparameters"]["kl_coef"] == 0.2
     # the same run without the override starts beta at the default and trains differently
-    default = learning.train_and_evaluate({**spec, "overrides": {}})
+    default = grid_runs.train_and_evaluate({**spec, "overrides": {}})
     assert default["overrides"] == {} and "kl_coef" not in default["hyperparameters"]
     assert [u["mean"] for u in default["kl_updates"]] != [u["mean"] for u in record["kl_updates"]]
 
@@ -158,16 +165,16 @@ def test_override_names_the_policy_activation_as_rl_zoo_does():
     import torch.nn as nn
 
     given = {"gamma": 0.999, "policy_kwargs": {"activation_fn": "nn.ReLU", "net_arch": [8]}}
-    resolved = learning.resolve_activation(given)
+    resolved = grid_runs.resolve_activation(given)
     assert resolved == {"gamma": 0.999, "policy_kwargs": {"activation_fn": nn.ReLU, "net_arch": [8]}}
     assert given["policy_kwargs"]["activation_fn"] == "nn.ReLU"  # the record keeps the name
     assert (
-        learning.resolve_activation({"policy_kwargs": {"activation_fn": "Tanh"}})["policy_kwargs"]["activation_fn"] is nn.Tanh
+        grid_runs.resolve_activation({"policy_kwargs": {"activation_fn": "Tanh"}})["policy_kwargs"]["activation_fn"] is nn.Tanh
     )
     with pytest.raises(ValueError, match="activation_fn='relu'"):
-        learning.resolve_activation({"policy_kwargs": {"activation_fn": "relu"}})
+        grid_runs.resolve_activation({"policy_kwargs": {"activation_fn": "relu"}})
     spec = dict(algo="kltrpo", env="Pendulum-v1", seed=0, lr_mult=1.0, tier="tiny", overrides={"n_steps": 256, **given})
-    record = learning.train_and_evaluate(spec)
+    record = grid_runs.train_and_evaluate(spec)
     assert record["hyperparameters"]["policy_kwargs"]["activation_fn"] == "ReLU" and record["overrides"] == spec["overrides"]
 
 
@@ -182,7 +189,7 @@ def _record(algo, env, seed, eval_mean, kls, target, lr_mult=1.0, curve=None):
 def _write(folder: Path, record: dict) -> None:
     """Store a record in a results folder under the grid's file name for it."""
     folder.mkdir(parents=True, exist_ok=True)
-    name = learning.record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"]).name
+    name = run_records.record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"]).name
     (folder / name).write_text(json.dumps(record))
 
 
@@ -198,8 +205,8 @@ def _empty(folder: Path) -> None:
 
 
 def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
     folder = tmp_path / "runs" / "tiny"
     records = []
     for seed in range(3):
@@ -212,7 +219,7 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     records[0]["run_environment"] = {"cpu": "Test CPU", "torch": "9.9"}
     for record in records:
         _write(folder, record)
-    text = learning.report("tiny")
+    text = learning_report.report("tiny")
     assert (tmp_path / "learning_tiny.md").read_text() == text
     row = _row(text, "| x1 | Pendulum-v1 | klppo |")
     assert "tie" in row.split("|")[4] and "better" in row.split("|")[6]
@@ -230,7 +237,7 @@ def test_stress_return_goal_compares_the_seeds_both_learning_rates_have():
     # x1 has seeds 0-2 only; seed 3's x1 run (say, a lucky 9000) must not enter a comparison x10 has no partner for
     records += [_record("klppo", "HalfCheetah-v5", seed, 3600.0, [0.03], 0.03) for seed in range(3)]
     records.append(_record("klppo", "HalfCheetah-v5", 4, 9000.0, [0.03], 0.03))
-    (line,) = [g for g in learning.goal_stress(learning.group_records(records)) if "HalfCheetah-v5, klppo " in g]
+    (line,) = [g for g in learning_report.goal_stress(run_records.group_records(records)) if "HalfCheetah-v5, klppo " in g]
     assert "(4 seeds pooled): updates in band 100%" in line
     assert "return 3000.0 vs x1 3600.0 on the 3 seeds both have, -16.7% (**met**, goal: within 20%)" in line
 
@@ -242,7 +249,7 @@ def test_baseline_section_names_cells_where_sb3_early_stop_never_fired():
     records = ppo + same + stopped + [_record("klppo", e, 0, -90.0, [0.02], 0.02) for e in ("Acrobot-v1", "Pendulum-v1")]
     for r in records:
         r["eval_returns"] = [r["eval_mean"]]
-    text = learning.baseline_comparison(learning.group_records(records), learning.MAIN_ENVS)
+    text = learning_report.baseline_comparison(run_records.group_records(records), grid.MAIN_ENVS)
     assert "SB3's early stop never fired, so there the baseline is PPO itself): Acrobot-v1 (x1, 2 seeds)." in text
 
 
@@ -253,27 +260,27 @@ def test_collapses_are_listed_with_their_evaluation_after_training():
     collapsed["eval_returns"] = [1040.0]
     # one update after each rollout; the one after the best rollout (400 steps) is 3 x target
     collapsed["kl_updates"] = [dict(timesteps=100 * i, mean=0.09 if i == 4 else 0.03, p99=0.1) for i in range(10)]
-    groups = learning.group_records([collapsed, _record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
+    groups = run_records.group_records([collapsed, _record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
     # best at 400 steps (980), below 50 % of the gain at 600 steps (400): the updates at 400 and 500 made the fall
-    assert learning.collapse_points(falling) == [(4, 6)]
-    assert learning.count_collapses(rising) == 0
-    assert learning.fall_kl(collapsed) == dict(n=2, mean=2.0, max=3.0, over=0.5, over_run=0.1)
-    table = learning.collapse_table(groups)
+    assert measures.collapse_points(falling) == [(4, 6)]
+    assert measures.count_collapses(rising) == 0
+    assert measures.fall_kl(collapsed) == dict(n=2, mean=2.0, max=3.0, over=0.5, over_run=0.1)
+    table = learning_report.collapse_table(groups)
     assert _row(table, "| Hopper-v5 | x1 | klppo | 0 |") == (
         "| Hopper-v5 | x1 | klppo | 0 | 10.0 | 980.0 | 270.0 | 1040.0 | 1000.0 | 2 | 2.00 | 3.00 | 50% (10%) |"
     )
     assert "| Hopper-v5 | x1 | klppo | 1 |" not in table
-    goal = learning.goal_collapses(groups)[0]
+    goal = learning_report.goal_collapses(groups)[0]
     assert (
         "**NOT met** (collapsed: 1 runs, 1 distinct trainings: klppo Hopper-v5 x1 s0, evaluation after training 1040.0,"
         " per-update KL in its fall"
         " 2.00 x target on average, at most 3.00;" in goal
     )
     # ClipKLPPO training identically to the collapsed KLPPO run: one more run, not one more training
-    twin = learning.group_records([collapsed, {**collapsed, "algo": "clip_klppo"}])
-    assert "(collapsed: 2 runs, 1 distinct trainings: klppo Hopper-v5 x1 s0" in learning.goal_collapses(twin)[0]
-    quiet = learning.group_records([_record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
-    assert "| none |" in learning.collapse_table(quiet)
+    twin = run_records.group_records([collapsed, {**collapsed, "algo": "clip_klppo"}])
+    assert "(collapsed: 2 runs, 1 distinct trainings: klppo Hopper-v5 x1 s0" in learning_report.goal_collapses(twin)[0]
+    quiet = run_records.group_records([_record("klppo", "Hopper-v5", 1, 960.0, [0.03], 0.03, curve=rising)])
+    assert "| none |" in learning_report.collapse_table(quiet)
 
 
 def test_drift_table_sets_the_drift_before_a_collapse_beside_the_cells_healthy_runs():
@@ -288,14 +295,14 @@ def test_drift_table_sets_the_drift_before_a_collapse_beside_the_cells_healthy_r
     for i, update in enumerate(healthy["kl_updates"]):
         update.update(timesteps=100 * i, drift=0.02)
     other = {**healthy, "seed": 1, "kl_updates": [{**u, "drift": 0.04} for u in healthy["kl_updates"]]}
-    table = learning.drift_table(learning.group_records([collapsed, healthy, other]))
+    table = learning_report.drift_table(run_records.group_records([collapsed, healthy, other]))
     # 5 updates up to the best: KL 0.5 x target, drift (4 x 0.2 + 0.04) / 5 / 0.02 = 8.4 x; healthy 1 x and 2 x
     assert _row(table, "| CartPole-v1 | x1 | clip_klppo | 2 |") == (
         "| CartPole-v1 | x1 | clip_klppo | 2 | 10 | 5 | 0.50 | 8.40 | 1.50 | 2.00 | 2 | 2 | 0.50 | 2.00 |"
     )
     # records made before the monitor measured the drift: no section
     no_drift = _record("clip_klppo", "CartPole-v1", 2, 117.0, [0.01] * 10, 0.02, curve=falling)
-    assert learning.drift_table(learning.group_records([no_drift, healthy])) == ""
+    assert learning_report.drift_table(run_records.group_records([no_drift, healthy])) == ""
 
 
 @pytest.mark.parametrize(
@@ -304,34 +311,34 @@ def test_drift_table_sets_the_drift_before_a_collapse_beside_the_cells_healthy_r
     [((2, 10, 8, 10), 0.02301413756522116), ((3, 30, 0, 30), 0.23728813559322035), ((0, 10, 0, 10), 1.0)],
 )
 def test_fisher_exact_p_value(counts, p):
-    assert learning.fisher_exact_p(*counts) == pytest.approx(p, rel=1e-12)
+    assert significance.fisher_exact_p(*counts) == pytest.approx(p, rel=1e-12)
 
 
 def test_collapse_rates_pool_the_grid_and_the_extra_seeds(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     grid = [_record(a, "CartPole-v1", s, 500.0, [0.01], 0.02) for a in ("ppo", "clip_klppo") for s in range(2)]
     grid[2] = _record("clip_klppo", "CartPole-v1", 0, 117.0, [0.01], 0.02, curve=falling)
-    extra = tmp_path / learning.MORE_SEEDS_RUNS["CartPole-v1"][0] / "runs" / "tiny"
+    extra = tmp_path / side_studies.MORE_SEEDS_RUNS["CartPole-v1"][0] / "runs" / "tiny"
     for algo in ("ppo", "clip_klppo"):
         for seed in (10, 11):
             _write(extra, _record(algo, "CartPole-v1", seed, 500.0, [0.01], 0.02))
-    text = learning.collapse_rates(learning.group_records(grid), "tiny", "CartPole-v1")
+    text = side_studies.collapse_rates(run_records.group_records(grid), "tiny", "CartPole-v1")
     assert text.startswith("## CartPole-v1 collapses over more seeds")
     assert "--seeds 10..11" in text
     assert _row(text, "| ppo |") == "| ppo | 4 | 0 | - | - | 0 | 500.0 ± 0.0 | - |"
     assert _row(text, "| clip_klppo |") == "| clip_klppo | 4 | 1 | 0 | 117.0 | 1 | 404.2 ± 165.8 | 1.00 |"
     # Hopper's table has no solved line, and only its own environment's records count
-    assert learning.collapse_rates(learning.group_records(grid), "tiny", "Hopper-v5") == ""
-    hopper = tmp_path / learning.MORE_SEEDS_RUNS["Hopper-v5"][0] / "runs" / "tiny"
+    assert side_studies.collapse_rates(run_records.group_records(grid), "tiny", "Hopper-v5") == ""
+    hopper = tmp_path / side_studies.MORE_SEEDS_RUNS["Hopper-v5"][0] / "runs" / "tiny"
     _write(hopper, _record("ppo", "Hopper-v5", 10, 900.0, [0.01], 0.03, curve=falling))
     _write(hopper, _record("klppo", "Hopper-v5", 10, 1000.0, [0.01], 0.03))
-    text = learning.collapse_rates(learning.group_records([]), "tiny", "Hopper-v5")
+    text = side_studies.collapse_rates(run_records.group_records([]), "tiny", "Hopper-v5")
     assert "eval < " not in text
     assert _row(text, "| ppo |") == "| ppo | 1 | 1 | 10 | 900.0 | 900.0 ± 0.0 | - |"
     assert _row(text, "| klppo |") == "| klppo | 1 | 0 | - | - | 1000.0 ± 0.0 | 1.00 |"
     _empty(extra)
-    assert learning.collapse_rates(learning.group_records(grid), "tiny", "CartPole-v1") == ""
+    assert side_studies.collapse_rates(run_records.group_records(grid), "tiny", "CartPole-v1") == ""
 
 
 def test_budget_trains_a_side_experiment_past_the_grid_and_refuses_the_grid_folder(tmp_path, monkeypatch, capsys):
@@ -351,23 +358,23 @@ def test_budget_trains_a_side_experiment_past_the_grid_and_refuses_the_grid_fold
     # over the budget: constant here, as in Hopper's settings)
     constant = {"n_steps": 48, "batch_size": 128, "learning_rate": 1e-3, "clip_range": 0.2}
     spec = dict(algo="ppo", env="CartPole-v1", seed=0, lr_mult=1.0, tier="tiny", overrides=constant)
-    grid = learning.train_and_evaluate(spec)
-    longer = learning.train_and_evaluate({**spec, "budget": 2048})
+    grid = grid_runs.train_and_evaluate(spec)
+    longer = grid_runs.train_and_evaluate({**spec, "budget": 2048})
     assert longer["budget"] == 2048 and longer["trained_steps"] == 6 * 8 * 48
-    assert learning.rerun_spec(longer)["budget"] == 2048 and "budget" not in learning.rerun_spec(grid)
-    assert learning.repeats_grid_run(grid, longer)
-    other_seed = learning.train_and_evaluate({**spec, "seed": 1, "budget": 2048})
-    assert not learning.repeats_grid_run(grid, other_seed)
+    assert grid_runs.rerun_spec(longer)["budget"] == 2048 and "budget" not in grid_runs.rerun_spec(grid)
+    assert side_studies.repeats_grid_run(grid, longer)
+    other_seed = grid_runs.train_and_evaluate({**spec, "seed": 1, "budget": 2048})
+    assert not side_studies.repeats_grid_run(grid, other_seed)
     # with the zoo's schedules, which decay over the budget, the longer run trains differently from its first update
     decaying = {**spec, "overrides": {"n_steps": 48, "batch_size": 128}}
-    assert not learning.repeats_grid_run(
-        learning.train_and_evaluate(decaying), learning.train_and_evaluate({**decaying, "budget": 2048})
+    assert not side_studies.repeats_grid_run(
+        grid_runs.train_and_evaluate(decaying), grid_runs.train_and_evaluate({**decaying, "budget": 2048})
     )
 
 
 def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    env, budget = "Hopper-v5", learning.BUDGETS["tiny"]["Hopper-v5"]  # 1024 steps
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    env, budget = "Hopper-v5", grid.BUDGETS["tiny"]["Hopper-v5"]  # 1024 steps
     rise = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270], start=1)]
     # seed 0 falls by the grid's budget and comes back above 90 % of its best (980) at step 1400; seed 1 falls by
     # the grid's budget for good; seed 2 stands at the grid's budget and falls later; seed 3 never falls (its dip at
@@ -379,18 +386,18 @@ def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp
         3: [[1010, 100.0], [1100, 1000.0], [1200, 1000.0], [1300, 1000.0], [1400, 1000.0], [1500, 1000.0]],
     }
     standing = [[100 * i, 100.0 * i] for i in range(1, 11)]
-    grid, longer = [], tmp_path / learning.LONGER_BUDGET_RUNS[env] / "runs" / "tiny"
+    grid_made, longer = [], tmp_path / side_studies.LONGER_BUDGET_RUNS[env] / "runs" / "tiny"
     for algo in ("ppo", "klppo"):
         for seed, tail in later.items():
             head = rise if seed < 2 else standing
-            grid.append({**_record(algo, env, seed, 900.0, [0.01] * 3, 0.03, curve=head), "eval_returns": [900.0 + seed]})
+            grid_made.append({**_record(algo, env, seed, 900.0, [0.01] * 3, 0.03, curve=head), "eval_returns": [900.0 + seed]})
             made = _record(algo, env, seed, 950.0, [0.01] * 5, 0.03, curve=head + tail)
             made["budget"] = 1500
-            for record in (grid[-1], made):  # an update every 300 steps
+            for record in (grid_made[-1], made):  # an update every 300 steps
                 record["kl_updates"] = [{**u, "timesteps": 300 * (i + 1)} for i, u in enumerate(record["kl_updates"])]
             _write(longer, made)
-    grid_groups = learning.group_records(grid)
-    text = learning.longer_budget_collapses(grid_groups, "tiny", env)
+    grid_groups = run_records.group_records(grid_made)
+    text = side_studies.longer_budget_collapses(grid_groups, "tiny", env)
     assert text.startswith(f"## {env} past the grid's budget")
     assert "--budget 1500" in text and f"instead of the grid's {budget:,}" in text
     # every run repeats its grid run up to the grid run's last step (1000: the curve and the three updates up to it
@@ -399,40 +406,43 @@ def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp
     assert _row(text, "| klppo |") == f"| klppo {row} 1.00 |"
     assert _row(text, "| ppo |") == f"| ppo {row} - |"
     # a grid run that trained differently does not count as repeated
-    changed = [dict(r) for r in grid]
+    changed = [dict(r) for r in grid_made]
     changed[7]["kl_updates"] = [{**u, "mean": 0.02} for u in changed[7]["kl_updates"]]
-    assert "| 3 of 4 |" in _row(learning.longer_budget_collapses(learning.group_records(changed), "tiny", env), "| klppo |")
+    assert "| 3 of 4 |" in _row(
+        side_studies.longer_budget_collapses(run_records.group_records(changed), "tiny", env), "| klppo |"
+    )
     # the goal's line says of each collapsed grid run what it did when trained on
     klppo = grid_groups[(env, "klppo", 1.0)]
-    assert learning.after_the_budget(klppo[0]) == (
+    assert side_studies.after_the_budget(klppo[0]) == (
         "trained on to 1,500 steps its curve came back above 90% of its best at step 1,400 and stood to the end"
         " (evaluation at 1,500 steps 950.0)"
     )
-    assert learning.after_the_budget(klppo[1]).startswith("trained on to 1,500 steps its curve did not come back")
-    assert learning.after_the_budget(klppo[2]) == ""  # did not collapse by the grid's budget
-    (line,) = learning.goal_collapses(grid_groups)
-    assert f"klppo Hopper-v5 x1 s0, evaluation after training 900.0, {learning.after_the_budget(klppo[0])}" in line.replace(
-        ", per-update KL in its fall 0.33 x target on average, at most 0.33", ""
+    assert side_studies.after_the_budget(klppo[1]).startswith("trained on to 1,500 steps its curve did not come back")
+    assert side_studies.after_the_budget(klppo[2]) == ""  # did not collapse by the grid's budget
+    (line,) = learning_report.goal_collapses(grid_groups)
+    assert (
+        f"klppo Hopper-v5 x1 s0, evaluation after training 900.0, {side_studies.after_the_budget(klppo[0])}"
+        in line.replace(", per-update KL in its fall 0.33 x target on average, at most 0.33", "")
     )
     assert "see *The collapses* and *Hopper-v5 past the grid's budget*)" in line
-    swap = tmp_path / learning.KLTRPO_PPO_SETTINGS_RUNS[1] / "runs" / "tiny"
+    swap = tmp_path / side_studies.KLTRPO_PPO_SETTINGS_RUNS[1] / "runs" / "tiny"
     _write(swap, _record("kltrpo", env, 0, 1000.0, [0.01], 0.01))
-    (line,) = learning.goal_collapses(grid_groups)
+    (line,) = learning_report.goal_collapses(grid_groups)
     assert line.endswith("past the grid's budget* and *KLTRPO on Hopper-v5 with PPO's discount, GAE and policy network*)")
     _empty(swap)
     # without stock PPO's runs of every seed, no rate is compared: the runs trained on may be the collapsed ones
-    (longer / learning.record_path("tiny", "ppo", env, 1.0, 3).name).unlink()
-    text = learning.longer_budget_collapses(grid_groups, "tiny", env)
+    (longer / run_records.record_path("tiny", "ppo", env, 1.0, 3).name).unlink()
+    text = side_studies.longer_budget_collapses(grid_groups, "tiny", env)
     assert _row(text, "| klppo |").endswith("| - |") and _row(text, "| ppo |").startswith("| ppo | 0..2 | 3 of 3 |")
     _empty(longer)
-    assert learning.longer_budget_collapses(grid_groups, "tiny", env) == ""
-    assert learning.after_the_budget(klppo[0]) == ""
-    assert learning.goal_collapses(grid_groups)[0].endswith("see *The collapses*)")
+    assert side_studies.longer_budget_collapses(grid_groups, "tiny", env) == ""
+    assert side_studies.after_the_budget(klppo[0]) == ""
+    assert learning_report.goal_collapses(grid_groups)[0].endswith("see *The collapses*)")
 
 
 def test_settings_swap_sets_kltrpo_with_ppo_settings_beside_the_grid_on_its_seeds(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    env, name = learning.KLTRPO_PPO_SETTINGS_RUNS
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    env, name = side_studies.KLTRPO_PPO_SETTINGS_RUNS
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     folder = tmp_path / name / "runs" / "tiny"
     overrides = {"gamma": 0.999, "policy_kwargs": {"activation_fn": "ReLU"}}
@@ -442,10 +452,10 @@ def test_settings_swap_sets_kltrpo_with_ppo_settings_beside_the_grid_on_its_seed
             made["kl_updates"] = [dict(timesteps=t, mean=m, p99=3 * m) for t, m in ((300, 0.02), (450, 0.009), (600, 0.02))]
         _write(folder, {**made, "overrides": overrides})
     # without grid records: the header and its own row
-    assert learning.settings_swap_comparison(learning.group_records([]), "tiny").count("\n| ") == 2
+    assert side_studies.settings_swap_comparison(run_records.group_records([]), "tiny").count("\n| ") == 2
     grid = [_record("kltrpo", env, s, 2000.0 + 10 * s, [0.01], 0.01) for s in range(6)]  # seeds 4, 5: not compared
     grid += [_record("klppo", env, s, 990.0, [0.03], 0.03, curve=falling if s < 2 else None) for s in range(4)]
-    text = learning.settings_swap_comparison(learning.group_records(grid), "tiny")
+    text = side_studies.settings_swap_comparison(run_records.group_records(grid), "tiny")
     assert text.startswith(f"## KLTRPO on {env} with PPO's discount, GAE and policy network")
     # the command as a shell takes it: the JSON quoted
     assert """--override gamma=0.999 'policy_kwargs={"activation_fn":"ReLU"}'""" in text and "--seeds 0..3" in text
@@ -457,17 +467,17 @@ def test_settings_swap_sets_kltrpo_with_ppo_settings_beside_the_grid_on_its_seed
     assert "better" in _row(text, "| kltrpo (grid) |") and "| klppo (grid) | 0..3 | 2 | 0, 1 | n/a, n/a | 1.00 |" in text
     assert "ppo (grid)" not in text.replace("klppo (grid)", "")  # no records of that cell
     _empty(folder)
-    assert learning.settings_swap_comparison(learning.group_records(grid), "tiny") == ""
+    assert side_studies.settings_swap_comparison(run_records.group_records(grid), "tiny") == ""
 
 
 def test_cartpole_standing_check_sets_the_stock_counterparts_seeds_beside():
     def cell(algo, means):
         return [_record(algo, "CartPole-v1", s, m, [0.01], 0.01) for s, m in enumerate(means)]
 
-    groups = learning.group_records(
+    groups = run_records.group_records(
         cell("kltrpo_matched", [500.0, 297.5, 500.0]) + cell("trpo", [351.4, 500.0, 470.0]) + cell("klppo", [500.0] * 3)
     )
-    lines = learning.standing_checks(groups)
+    lines = learning_report.standing_checks(groups)
     assert (
         "- CartPole-v1, kltrpo_matched: every seed ≥ 475: **NOT met** (min 297.5, 1 of 3 seeds under 475; "
         "trpo: min 351.4, 2 of 3 seeds under 475)"
@@ -480,22 +490,22 @@ def test_seeds_goal_asks_five_seeds_of_close_cells_in_the_stress_grid_too():
     def cell(algo, means, lr_mult):
         return [_record(algo, "HalfCheetah-v5", s, m, [0.03], 0.03, lr_mult=lr_mult) for s, m in enumerate(means)]
 
-    groups = learning.group_records(
+    groups = run_records.group_records(
         # x10: klppo and ppo overlap within two standard deviations on 3 seeds; trpo is far from both
         cell("klppo", [3000.0, 2500.0, 3500.0], 10.0) + cell("ppo", [2800.0, 1800.0, 3600.0], 10.0)
         + cell("trpo", [9000.0, 9001.0, 9002.0, 9003.0, 9004.0], 10.0)
     )  # fmt: skip
-    (line,) = learning.goal_seeds(groups)
+    (line,) = learning_report.goal_seeds(groups)
     assert "**NOT met** (2 close cells of the grids' 3; fewer than 5 seeds: klppo on HalfCheetah-v5 x10 (n=3), ppo on" in line
-    more = learning.group_records(
+    more = run_records.group_records(
         cell("klppo", [3000.0, 2500.0, 3500.0, 3100.0, 2900.0], 10.0) + cell("ppo", [2800.0, 1800.0, 3600.0, 3000, 2000], 10.0)
     )
-    assert "**met** (2 close cells of the grids' 2; fewer than 5 seeds: none)" in learning.goal_seeds(more)[0]
+    assert "**met** (2 close cells of the grids' 2; fewer than 5 seeds: none)" in learning_report.goal_seeds(more)[0]
 
 
 def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
     primary, replica = tmp_path / "runs" / "tiny", tmp_path / "replication" / "runs" / "tiny"
     for seed in range(3):
         # seed 0 trains identically on both machines; the others land elsewhere
@@ -520,7 +530,7 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
         record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
         _write(tmp_path / "unrecorded_machine" / "runs" / "tiny", earlier)
         _write(primary, record)
-    text = learning.report("tiny")
+    text = learning_report.report("tiny")
     section = text[text.index("## Records that do not name their machine") :]
     assert "## Goals\n\nThe cells whose earlier records do not name their machine are judged again" in text
     assert "(Other CPU, torch 9.9; the grid's record: 3 runs, else the replication's" in section
@@ -538,12 +548,12 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
     # neither a replication nor records kept from the other machine: no section
     _empty(replica)
     _empty(tmp_path / "unrecorded_machine" / "runs" / "tiny")
-    assert "## Replication" not in learning.report("tiny")
+    assert "## Replication" not in learning_report.report("tiny")
 
 
 def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_machine(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
     primary, default, lowered = (tmp_path / name / "runs" / "tiny" for name in (".", "replication", "kl_coef_0.2"))
     for seed in range(3):
         # the default's first two updates undershoot (0.1 and 0.3 x target); the lower start's first only
@@ -555,9 +565,9 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
             record = _record("klppo", "Pendulum-v1", seed, eval_mean, kls, 0.03)
             record["eval_returns"] = [eval_mean]
             _write(folder, record)
-    assert learning.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.009, 0.03], 0.03)) == 2
-    assert learning.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.1], 0.03)) == 2
-    text = learning.report("tiny")
+    assert measures.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.009, 0.03], 0.03)) == 2
+    assert measures.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.1], 0.03)) == 2
+    text = learning_report.report("tiny")
     section = text[text.index("## KLPPO's initial beta") : text.index("## Goals")]
     row = _row(section, "| Pendulum-v1 | x1 | klppo |")
     # 3 seeds: -151.0 at 1.0, -149.0 at 0.2, a difference of +2.0 that the seeds' spread calls a tie
@@ -573,7 +583,7 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
         # training returns near 0 all along, where the default's curve climbs from -15 to -150
         record["curve"] = [[100 * i, 10.0 * seed] for i in range(1, 11)]
         _write(floor, record)
-    section = learning.initial_kl_coef_comparison("tiny")
+    section = side_studies.initial_kl_coef_comparison("tiny")
     assert section.startswith("## KLPPO's initial beta (`kl_coef`): 1.0 kept as the default, 0.2 and 0.0001 measured")
     floor_part = section[section.index("### Starting at 0.0001") :]
     assert "Pendulum-v1 x1 klppo 2.0 -> 0.0" in floor_part
@@ -582,20 +592,22 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     # without the candidates' records: no section
     _empty(lowered)
     _empty(floor)
-    assert "## KLPPO's initial beta" not in learning.report("tiny")
+    assert "## KLPPO's initial beta" not in learning_report.report("tiny")
 
 
 def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
     _write(tmp_path / "runs" / "tiny", _record("trpo", "CartPole-v1", 0, 500.0, [0.01], 0.01))
-    assert "## KLTRPO against TRPO" not in learning.report("tiny")
-    for (_, folder, algo), returns in zip(learning.KLTRPO_DIRECTION_RUNS[::4], ([100.0, 110.0], [50.0, 60.0]), strict=True):
+    assert "## KLTRPO against TRPO" not in learning_report.report("tiny")
+    for (_, folder, algo), returns in zip(
+        side_studies.KLTRPO_DIRECTION_RUNS[::4], ([100.0, 110.0], [50.0, 60.0]), strict=True
+    ):
         for seed, eval_mean in enumerate(returns):
             record = _record(algo, "HalfCheetah-v5", seed, eval_mean, [0.1, 0.12], 0.1)
             record["overrides"] = {"cg_damping": 0.6} if algo == "kltrpo" else {}
             _write(tmp_path / folder / "runs" / "tiny", record)
-    text = learning.report("tiny")
+    text = learning_report.report("tiny")
     start = text.index("## KLTRPO against TRPO on HalfCheetah-v5")
     section = text[start : text.index("\n## ", start)]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
@@ -606,9 +618,9 @@ def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkey
 
 
 def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_each(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
-    folder, env, target = learning.LOWER_TARGET_RUNS
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
+    folder, env, target = side_studies.LOWER_TARGET_RUNS
     grid, lowered = tmp_path / "runs" / "tiny", tmp_path / folder / "runs" / "tiny"
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     for seed in range(3):
@@ -620,7 +632,7 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
         _write(grid, _record("ppo_target_kl", env, seed, 700.0 - 10 * seed, [0.03], 0.03, curve=falling if seed else None))
         _write(lowered, _record("klppo_noclip", env, seed, 1000.0 + seed, [target, 3 * target], target))
         _write(lowered, _record("ppo_target_kl", env, seed, 800.0 + 10 * seed, [target], target))
-    text = learning.report("tiny")
+    text = learning_report.report("tiny")
     start = text.index(f"## KLPPO's target on {env}: {target:g} against the default 0.03")
     section = text[start : text.index("\n## ", start)]
     assert section.count(f"| {env} | x1 |") == 2  # clip_klppo has no lowered records to pair with
@@ -640,22 +652,22 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     collapsed = _record("clip_klppo", env, 0, 950.0, [target], target, curve=falling)
     collapsed["kl_updates"] = [dict(timesteps=100 * i, mean=target, p99=target) for i in range(10)]
     _write(lowered, collapsed)
-    section = learning.lower_target_comparison(learning.group_records(learning.load_records("tiny")), "tiny")
+    section = side_studies.lower_target_comparison(run_records.group_records(run_records.load_records("tiny")), "tiny")
     assert f"(4 runs): 1 (1 distinct trainings) at 0.03, 1 (1 distinct trainings) at {target:g}. The falls'" in section
     assert f"at {target:g}: clip_klppo s0 1.00 x on average, at most 1.00. A lower target does not end the falls" in section
     # PPO's early stop's own AUC at each target, beside the comparison at the lower one
     assert "losing AUC itself at the lower target (mean " in section
     _empty(lowered)
-    assert "## KLPPO's target on" not in learning.report("tiny")
+    assert "## KLPPO's target on" not in learning_report.report("tiny")
 
 
 def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
-    (folder, coef, _, _), (middle, middle_coef, _, _) = learning.CLIP_KLPPO_START_RUNS[:2]
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
+    (folder, coef, _, _), (middle, middle_coef, _, _) = side_studies.CLIP_KLPPO_START_RUNS[:2]
     # the floor re-run on every cell, the middle start on CartPole only
     starts = [(folder, coef, None, ""), (middle, middle_coef, (("CartPole-v1", 1.0),), "What the middle start showed.")]
-    monkeypatch.setattr(learning, "CLIP_KLPPO_START_RUNS", starts)
+    monkeypatch.setattr(side_studies, "CLIP_KLPPO_START_RUNS", starts)
     grid, lowered = tmp_path / "runs" / "tiny", tmp_path / folder / "runs" / "tiny"
     for seed in range(3):
         _write(grid, _record("ppo", "Pendulum-v1", seed, -200.0 + seed, [0.03], 0.03))
@@ -663,7 +675,7 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
         _write(grid, _record("clip_klppo", "CartPole-v1", seed, 500.0, [0.02], 0.02))
         # the runs from beta's floor: PPO's return on Pendulum (CartPole's cell not re-run yet)
         _write(lowered, _record("clip_klppo", "Pendulum-v1", seed, -200.0 + seed, [0.03, 0.09], 0.03))
-    text = learning.report("tiny")
+    text = learning_report.report("tiny")
     start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} measured against the default 1.0")
     section = text[start : text.index("\n## ", start)]
     row = _row(section, "| Pendulum-v1 | x1 | clip_klppo |")
@@ -676,14 +688,14 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     assert f"not re-run at {coef:g}: CartPole-v1 x1 (3 of 3 seeds)." in section
     assert f"### Starting at {middle_coef:g}" not in section  # no records at the middle start
     assert "### Collapses by initial beta" not in section  # no collapse anywhere, nothing to decide on
-    assert learning.CLIP_KLPPO_START_VERDICT not in section
+    assert side_studies.CLIP_KLPPO_START_VERDICT not in section
     # a second start gets its own table, beside the same grid; its seed 1 collapses
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     for seed in range(2):
         record = _record("clip_klppo", "CartPole-v1", seed, 400.0, [0.02], 0.02, curve=falling if seed else None)
         record["kl_updates"] = [dict(timesteps=100 * i, mean=0.02 * (1 + i % 2), p99=0.06) for i in range(10)]
         _write(tmp_path / middle / "runs" / "tiny", record)
-    text = learning.report("tiny")
+    text = learning_report.report("tiny")
     start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} and {middle_coef:g} measured against")
     section = text[start : text.index("\n## ", start)]
     middle_part = section[section.index(f"### Starting at {middle_coef:g}") :]
@@ -693,51 +705,51 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     assert "re-run: CartPole-v1 x1)" in middle_part
     # the collapses of that cell at every start, on the seeds each re-ran, against 1.0's
     assert "| CartPole-v1 | x1 | 1.0 (default) | 3 | 0 | - | - | - |" in section
-    assert section.rstrip().endswith(learning.CLIP_KLPPO_START_VERDICT)
+    assert section.rstrip().endswith(side_studies.CLIP_KLPPO_START_VERDICT)
     # seed 1 fell with its updates at 400 and 500 steps, at 1 and 2 x target
     assert f"| CartPole-v1 | x1 | {middle_coef:g} | 2 | 1 | 1 | s1 1.50 / 2.00 | 1.00 |" in section
     assert "| Pendulum-v1 | x1 |" not in section[section.index("### Collapses by initial beta") :]
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds).\n\nWhat the middle start showed." in middle_part
     # a start that re-runs every cell misses the ones not re-run yet
-    monkeypatch.setattr(learning, "CLIP_KLPPO_START_RUNS", [(folder, coef, None, ""), (middle, middle_coef, None, "")])
-    text = learning.report("tiny")
+    monkeypatch.setattr(side_studies, "CLIP_KLPPO_START_RUNS", [(folder, coef, None, ""), (middle, middle_coef, None, "")])
+    text = learning_report.report("tiny")
     middle_part = text[text.index(f"### Starting at {middle_coef:g}") :]
     assert "re-run: every cell of the grid)" in middle_part
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds), Pendulum-v1 x1 (3 of 3 seeds)." in middle_part
     _empty(lowered)
     _empty(tmp_path / middle / "runs" / "tiny")
-    assert "## ClipKLPPO's initial beta" not in learning.report("tiny")
+    assert "## ClipKLPPO's initial beta" not in learning_report.report("tiny")
 
 
 def test_side_experiments_compare_with_the_grid_record_of_their_own_machine(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     here = {"cpu": "This CPU"}
     earlier = _record("klppo", "Hopper-v5", 0, 900.0, [0.03], 0.03)  # made before records named their machine
     _write(tmp_path / "unrecorded_machine" / "runs" / "full", earlier)
     remade = {**_record("klppo", "Hopper-v5", 0, 990.0, [0.03], 0.03), "run_environment": here}
     other_seed = {**_record("klppo", "Hopper-v5", 1, 995.0, [0.03], 0.03), "run_environment": here}
-    groups = learning.group_records([remade, other_seed])
+    groups = run_records.group_records([remade, other_seed])
     # a side record that does not name its machine is compared with the grid's record it was made beside
-    side = learning.group_records([_record("klppo", "Hopper-v5", 0, 905.0, [0.03], 0.03)])
-    assert [r["eval_mean"] for r in learning.grid_beside(side, groups)[("Hopper-v5", "klppo", 1.0)]] == [900.0, 995.0]
+    side = run_records.group_records([_record("klppo", "Hopper-v5", 0, 905.0, [0.03], 0.03)])
+    assert [r["eval_mean"] for r in side_studies.grid_beside(side, groups)[("Hopper-v5", "klppo", 1.0)]] == [900.0, 995.0]
     # one made here, with the grid's record made here
-    side = learning.group_records([{**_record("klppo", "Hopper-v5", 0, 905.0, [0.03], 0.03), "run_environment": here}])
-    assert [r["eval_mean"] for r in learning.grid_beside(side, groups)[("Hopper-v5", "klppo", 1.0)]] == [990.0, 995.0]
+    side = run_records.group_records([{**_record("klppo", "Hopper-v5", 0, 905.0, [0.03], 0.03), "run_environment": here}])
+    assert [r["eval_mean"] for r in side_studies.grid_beside(side, groups)[("Hopper-v5", "klppo", 1.0)]] == [990.0, 995.0]
 
 
 def test_runs_record_the_steps_they_trained_past_the_budget(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     # CartPole's zoo rollout is 8 envs x n_steps: with n_steps=48, the tiny budget of 1024 ends in the third rollout
     spec = dict(algo="ppo", env="CartPole-v1", seed=0, lr_mult=1.0, tier="tiny", overrides={"n_steps": 48, "batch_size": 128})
-    record = learning.train_and_evaluate(spec)
+    record = grid_runs.train_and_evaluate(spec)
     assert record["budget"] == 1024 and record["trained_steps"] == 3 * 8 * 48 == 1152
     assert record["env_steps_per_second"] == pytest.approx(1152 / record["train_seconds"])
-    assert learning.trained_steps(record) == 1152 == record["curve"][-1][0]
+    assert run_records.trained_steps(record) == 1152 == record["curve"][-1][0]
 
 
 def test_report_states_the_budget_and_the_steps_each_algorithm_trained(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
     # records made before trained_steps was stored: the steps trained are the last curve point's (or the last KL
     # update's, where later); one made since: its own count
     ppo = [_record("ppo", "CartPole-v1", s, 500.0, [0.01], 0.02, curve=[[512, 20.0], [1024, 400.0]]) for s in range(2)]
@@ -745,11 +757,11 @@ def test_report_states_the_budget_and_the_steps_each_algorithm_trained(tmp_path,
     trpo["kl_updates"] = [dict(timesteps=t, mean=0.01, p99=0.03) for t in (768, 1536)]
     kltrpo = {**_record("kltrpo", "CartPole-v1", 0, 500.0, [0.01], 0.01), "trained_steps": 1536}
     pendulum = _record("klppo", "Pendulum-v1", 0, -200.0, [0.03], 0.03, curve=[[600, -900.0], [1200, -300.0]])
-    assert [learning.trained_steps(r) for r in (ppo[0], trpo, kltrpo, pendulum)] == [1024, 1536, 1536, 1200]
-    assert learning.trained_steps({**pendulum, "kl_updates": [dict(timesteps=1300, mean=0.03, p99=0.1)]}) == 1300
+    assert [run_records.trained_steps(r) for r in (ppo[0], trpo, kltrpo, pendulum)] == [1024, 1536, 1536, 1200]
+    assert run_records.trained_steps({**pendulum, "kl_updates": [dict(timesteps=1300, mean=0.03, p99=0.1)]}) == 1300
     for record in [*ppo, trpo, kltrpo, pendulum]:
         _write(tmp_path / "runs" / "tiny", record)
-    text = learning.report("tiny")
+    text = learning_report.report("tiny")
     assert "the same for every algorithm" not in text
     assert "Budgets (`total_timesteps` passed to `learn`, one per environment for every algorithm and learning rate):" in text
     assert ": CartPole-v1 1,000, Pendulum-v1 1,000. `learn` does not stop inside a rollout" in text
@@ -772,9 +784,9 @@ def _empty_sections(text: str) -> list[str]:
 
 
 def test_report_of_a_side_folder_names_it_and_covers_only_its_records(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
-    monkeypatch.setattr(learning, "MAIN_RESULTS", tmp_path)
-    folder, _ = learning.MORE_SEEDS_RUNS["Hopper-v5"]
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
+    monkeypatch.setattr(run_records, "MAIN_RESULTS", tmp_path)
+    folder, _ = side_studies.MORE_SEEDS_RUNS["Hopper-v5"]
     side = tmp_path / folder
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
     for seed in (10, 11):
@@ -783,9 +795,9 @@ def test_report_of_a_side_folder_names_it_and_covers_only_its_records(tmp_path, 
     # the main grid and a side experiment of it beside the folder: its report must not read them
     _write(tmp_path / "runs" / "tiny", _record("trpo", "CartPole-v1", 0, 500.0, [0.01], 0.01))
     _write(tmp_path / "kl_stop_1.5_per_epoch", _record("klppo", "Hopper-v5", 0, 1.0, [0.03], 0.03))
-    monkeypatch.setattr(learning, "RESULTS", side)
-    assert learning.is_side_folder()
-    text = learning.report("tiny")
+    monkeypatch.setattr(run_records, "RESULTS", side)
+    assert run_records.is_side_folder()
+    text = learning_report.report("tiny")
     assert (side / "learning_tiny.md").read_text() == text and not (tmp_path / "learning_tiny.md").exists()
     assert text.startswith(f"# Learning benchmark (tiny tier): the records of `benchmarks/results/{folder}/` only")
     assert (
@@ -807,12 +819,12 @@ def test_report_of_a_side_folder_names_it_and_covers_only_its_records(tmp_path, 
 
 
 def test_report_of_the_main_folder_names_it_and_judges_the_goals(tmp_path, monkeypatch):
-    monkeypatch.setattr(learning, "plot", lambda *args: None)
-    monkeypatch.setattr(learning, "MAIN_RESULTS", tmp_path)
-    monkeypatch.setattr(learning, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
+    monkeypatch.setattr(run_records, "MAIN_RESULTS", tmp_path)
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     _write(tmp_path / "runs" / "tiny", _record("klppo", "Hopper-v5", 0, 950.0, [0.03], 0.03))
-    assert not learning.is_side_folder()
-    text = learning.report("tiny")
+    assert not run_records.is_side_folder()
+    text = learning_report.report("tiny")
     assert text.startswith("# Learning benchmark (tiny tier)\n")
     assert "Generated by `python benchmarks/learning.py --report --tier tiny` from the JSON records in" in text
     assert "`benchmarks/results/runs/tiny/`." in text and "covers only" not in text
@@ -821,9 +833,9 @@ def test_report_of_the_main_folder_names_it_and_judges_the_goals(tmp_path, monke
     # a results folder outside the main one is a grid of its own: reported as the main one is, under its own path
     elsewhere = tmp_path.parent / f"{tmp_path.name}_elsewhere"
     _write(elsewhere / "runs" / "tiny", _record("klppo", "Hopper-v5", 0, 950.0, [0.03], 0.03))
-    monkeypatch.setattr(learning, "RESULTS", elsewhere)
-    assert not learning.is_side_folder()
-    text = learning.report("tiny")
+    monkeypatch.setattr(run_records, "RESULTS", elsewhere)
+    assert not run_records.is_side_folder()
+    text = learning_report.report("tiny")
     assert f"SB3_KL_BENCHMARK_RESULTS={elsewhere.resolve().as_posix()} python" in text and "\n## Goals\n" in text
 
 
@@ -873,7 +885,7 @@ def test_zoo_config_goal_judges_the_cell_that_ran_at_the_shipped_target(monkeypa
     import trpo_joint_kl
 
     env = "CartPole-v1"
-    shipped = learning.shipped_kltrpo_target_kl(env)
+    shipped = learning_report.shipped_kltrpo_target_kl(env)
 
     def records(algo, target):
         return [dict(algo=algo, env=env, lr_mult=1.0, seed=s, target_kl=target, eval_mean=500.0) for s in range(5)]
@@ -881,12 +893,12 @@ def test_zoo_config_goal_judges_the_cell_that_ran_at_the_shipped_target(monkeypa
     near = shipped * 1.004  # a measured mean that rounds to the shipped target
     assert trpo_joint_kl.round_significant(near) == pytest.approx(shipped)
     groups = {(env, "kltrpo_matched", 1.0): records("kltrpo_matched", near), (env, "kltrpo", 1.0): records("kltrpo", 0.01)}
-    assert learning.shipped_kltrpo_cell(groups, env) == "kltrpo_matched"
+    assert learning_report.shipped_kltrpo_cell(groups, env) == "kltrpo_matched"
     groups[(env, "kltrpo_matched", 1.0)] = records("kltrpo_matched", shipped * 1.2)
-    assert learning.shipped_kltrpo_cell(groups, env) is None
+    assert learning_report.shipped_kltrpo_cell(groups, env) is None
     groups[(env, "trpo", 1.0)] = records("trpo", None)
-    goal = learning.goal_fair_trpo(groups)[-1]
+    goal = learning_report.goal_fair_trpo(groups)[-1]
     assert "NOT met" in goal and f"{env}: no cell ran at the shipped target_kl {shipped:g}" in goal
     # a config that keeps TRPO's target: kltrpo's runs, at exactly that target
-    monkeypatch.setattr(learning, "shipped_kltrpo_target_kl", lambda env_id: 0.01)
-    assert learning.shipped_kltrpo_cell(groups, env) == "kltrpo"
+    monkeypatch.setattr(learning_report, "shipped_kltrpo_target_kl", lambda env_id: 0.01)
+    assert learning_report.shipped_kltrpo_cell(groups, env) == "kltrpo"
