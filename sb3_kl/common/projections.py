@@ -104,42 +104,57 @@ def _round_inside(
     return th.where(over.unsqueeze(-1), old, result)
 
 
-def _solve_increasing(fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], t0: th.Tensor, bound: float) -> th.Tensor:
+def _solve_increasing(
+    fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], t0: th.Tensor, bound: float, active: th.Tensor
+) -> th.Tensor:
     """
     Batched root search of ``g(t) = 0`` for ``g`` increasing on ``[0, 1]`` with ``g(0) < 0 < g(1)``.
 
-    Safeguarded Newton: a bracket ``[lo, hi]`` is kept, and a Newton step that leaves it is replaced by the
-    geometric (or, with ``lo = 0``, a tenfold) reduction of ``hi``. Returns, per entry, the final iterate, stepped
+    Safeguarded Newton: a bracket ``[lo, hi]`` is kept, and a Newton step that leaves it is replaced by the secant
+    of the bracket, or else by a geometric bisection. Returns, per entry, the final iterate, stepped
     back if it is a rounding error outside (``g > 0``), and otherwise the feasible end of the bracket.
 
     :param fn: maps ``t`` (float64, no grad) to ``(g(t), g'(t))``
     :param t0: starting point in ``(0, 1]``
     :param bound: the bound, to scale the stopping tolerance
+    :param active: entries outside the bound; the others are not searched and return ``t = 1``
     :return: the root, float64, without grad
     """
-    lo = th.zeros_like(t0)
-    hi = th.ones_like(t0)
+    lo, hi = th.zeros_like(t0), th.ones_like(t0)
+    g_lo, g_hi = th.full_like(t0, -th.inf), th.full_like(t0, th.inf)  # g at the bracket ends, once known
     t = t0.clamp(1e-300, 1.0)
+    previous = th.zeros_like(t0, dtype=th.bool)
+    g_previous = th.full_like(t0, th.inf)
     for _ in range(_MAX_ROOT_ITERATIONS):
         g, dg = fn(t)
         feasible = g <= 0
-        lo = th.where(feasible, th.maximum(lo, t), lo)
-        hi = th.where(feasible, hi, th.minimum(hi, t))
-        if bool(((g.abs() <= _ROOT_RTOL * bound) | (hi - lo <= 4e-16 * hi)).all()):
+        # Illinois rule: an end kept twice in a row has its g halved, so that the secant cannot stall on it
+        g_lo = th.where(~feasible & ~previous, 0.5 * g_lo, g_lo)
+        g_hi = th.where(feasible & previous, 0.5 * g_hi, g_hi)
+        lo, g_lo = th.where(feasible, t, lo), th.where(feasible, g, g_lo)
+        hi, g_hi = th.where(feasible, hi, t), th.where(feasible, g_hi, g)
+        previous = feasible
+        done = (g.abs() <= _ROOT_RTOL * bound) | (hi - lo <= 4e-16 * hi) | ~active
+        if bool(done.all()):
             break
+        # A Newton step that leaves the bracket falls back to the secant of the bracket; when |g| did not halve in
+        # the last step, to a bisection instead (geometric while the bracket spans decades, or a tenfold
+        # step down while no feasible point is known)
         newton = t - g / dg
-        inside = (newton > lo) & (newton < hi) & th.isfinite(newton)
-        fallback = th.where(lo > 0, th.sqrt(lo * hi), 0.1 * hi)
-        t = th.where(inside, newton, fallback)
+        secant = lo - g_lo * (hi - lo) / (g_hi - g_lo)
+        bisection = th.where(lo > 0.1 * hi, 0.5 * (lo + hi), th.where(lo > 0, th.sqrt(lo * hi), 0.1 * hi))
+        slow = g.abs() > 0.5 * g_previous
+        g_previous = g.abs()
+        fallback = th.where((secant > lo) & (secant < hi) & ~slow, secant, bisection)
+        t = th.where(done, t, th.where((newton > lo) & (newton < hi) & ~slow, newton, fallback))
     # Converged within rounding but possibly a hair outside: step back until feasible (else keep the bracket's end)
     for _ in range(4):
-        g, dg = fn(t)
-        if bool((g <= 0).all()):
+        if bool(((g <= 0) | ~active).all()):
             break
         back = th.maximum(2.0 * g / dg, 4e-16 * t)
-        t = th.where(g > 0, th.where(th.isfinite(back), t - back, lo), t).clamp(min=0.0)
-    g, _ = fn(t)
-    return th.where(g <= 0, t, lo)
+        t = th.where((g > 0) & active, th.where(th.isfinite(back), t - back, lo), t).clamp(min=0.0)
+        g, dg = fn(t)
+    return th.where(active, th.where(g <= 0, t, lo), th.ones_like(t))
 
 
 def _implicit_t(t_root: th.Tensor, fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], active: th.Tensor) -> th.Tensor:
@@ -241,8 +256,7 @@ def _project_kl_cov(std: th.Tensor, old_std: th.Tensor, bound: float, target: fl
     with th.no_grad():
         fixed = ratio_m1.detach()
         t0 = th.sqrt(target / th.where(active, cov_part, th.ones_like(cov_part))).clamp(max=1.0)
-        t_root = _solve_increasing(lambda t: _kl_cov_constraint(t, fixed, target), t0, bound)
-        t_root = th.where(active, t_root, th.ones_like(t_root))
+        t_root = _solve_increasing(lambda t: _kl_cov_constraint(t, fixed, target), t0, bound, active)
     t = _implicit_t(t_root, lambda t: _kl_cov_constraint(t, ratio_m1, target), active)
     projected = old_std * th.rsqrt(1.0 + t.unsqueeze(-1) * ratio_m1)  # std~ = old_std / sqrt(x)
     return th.where(active.unsqueeze(-1), projected, std)
@@ -389,8 +403,7 @@ def _project_interpolation(
     def solve(target: float | th.Tensor) -> th.Tensor:
         with th.no_grad():
             t0 = th.sqrt(target / th.where(active, full, th.ones_like(full))).clamp(max=1.0)
-            t_root = _solve_increasing(lambda t: constraint(t, fixed, z_old, target), t0, bound)
-            t_root = th.where(active, t_root, th.ones_like(t_root))
+            t_root = _solve_increasing(lambda t: constraint(t, fixed, z_old, target), t0, bound, active)
         t = _implicit_t(t_root, lambda t: constraint(t, deltas, z_old, target), active).unsqueeze(-1)
         projected = normalize(tuple(old + t * delta for old, delta in zip(z_old, deltas, strict=True)))
         return th.where(active.unsqueeze(-1), projected, logits.to(th.float64))
