@@ -42,6 +42,11 @@ import optuna
 from optuna.storages import RDBStorage
 from optuna.study import MaxTrialsCallback, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
+from rl_zoo3 import exp_manager
+from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
+
+from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER, possible_parameter_names, trial_controller
+from sb3_kl.zoo.patching import install_patch, is_patched
 
 #: Trial states that count toward ``--max-total-trials``: finished ones, and those that will finish
 COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
@@ -559,6 +564,59 @@ class DistributedStudy(optuna.Study):
         return None
 
 
+def load_study(storage: str, study_name: str) -> optuna.Study:
+    """
+    :param storage: ``--storage`` value (database URL or journal ``.log`` file)
+    :param study_name: ``--study-name``
+    :return: The study, read without heartbeat
+    :raises StorageError: unusable storage, unknown study
+    """
+    if is_database_url(storage):
+        opened: Any = open_storage(storage, HeartbeatSettings(interval=None))
+    elif storage.endswith(".log"):
+        opened = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+    else:
+        raise StorageError(f"--storage {storage!r} is neither a database URL nor a journal file (*.log).")
+    try:
+        return optuna.load_study(study_name=study_name, storage=opened)
+    except KeyError as e:
+        raise StorageError(
+            f"--study-name {study_name!r} is not in --storage {redact(storage)}. "
+            "Check the name (optuna studies --storage URL lists them)."
+        ) from e
+
+
+def check_params_match_algo(params: dict[str, Any], trial: str, study_name: str, algo: str) -> None:
+    """
+    :param params: A trial's raw Optuna parameters (``trial.params``)
+    :param trial: Which trial, for the message (``"trial 3"``)
+    :param study_name: Its study's name (for the message)
+    :param algo: The ``--algo`` it is used for (exported, or reloaded by the zoo's ``--trial-id``)
+    :raises StorageError: the trial was not drawn by ``algo``'s sampler (a study tuned for another
+        algorithm: its hyperparameters would be refused, or silently missing, when the entry trains)
+    """
+    if set(params) in possible_parameter_names(algo):
+        return
+    # the message compares with the closest variant (the KL penalty's samplers draw beta's options as the tuned
+    # config's kl_controller uses them)
+    expected = min(possible_parameter_names(algo), key=lambda names: len(names ^ set(params)))
+    extra, missing = sorted(set(params) - expected), sorted(expected - set(params))
+    if extra or missing:
+        found = [name for name in HYPERPARAMS_SAMPLER if set(params) in possible_parameter_names(name)]
+        raise StorageError(
+            f"study {study_name!r} was not tuned for --algo {algo}: its {trial} has "
+            + ", ".join(
+                part
+                for part in (
+                    f"parameters {algo}'s sampler does not draw ({', '.join(extra)})" if extra else "",
+                    f"none of {', '.join(missing)}" if missing else "",
+                )
+                if part
+            )
+            + (f". Pass the --algo it was tuned with ({' or '.join(found)})." if found else ".")
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The zoo's ExperimentManager
 
@@ -606,13 +664,6 @@ def patch_experiment_manager() -> None:
     storage and the trial number of ``--trial-id`` reloads (``load_trial``), and make ``--trial-id 0`` reload trial 0
     (``__init__``; the zoo took 0 for no trial). Idempotent.
     """
-    from rl_zoo3 import exp_manager
-
-    from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
-
-    from sb3_kl.zoo.hyperparams_opt import trial_controller
-    from sb3_kl.zoo.registry import SB3_KL_ALGOS, install_patch, is_patched  # called from registry.register(): no cycle
-
     manager_class = exp_manager.ExperimentManager
     original = manager_class.hyperparameters_optimization
     if is_patched(original):
@@ -638,13 +689,11 @@ def patch_experiment_manager() -> None:
                     f"--study-name {study_name!r} is not in --storage {redact(storage)}. "
                     "Check the name (optuna studies --storage URL lists them)."
                 )
-        if self.algo not in SB3_KL_ALGOS:
+        if self.algo not in HYPERPARAMS_SAMPLER:  # not an sb3_kl algorithm: the zoo's own reload
             try:
                 return original_load_trial(self, storage, study_name, trial_id, convert)
             except IndexError as e:
                 raise StorageError(f"--trial-id {trial_id}: study {study_name!r} has no trial with that number.") from e
-        from sb3_kl.zoo.export import check_params_match_algo, load_study  # export imports this module
-
         # the whole trial, read once: its params and the kl_controller its beta options were drawn for
         study = load_study(storage, study_name)
         try:

@@ -21,45 +21,20 @@ from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
 from torch import nn
 
 from sb3_kl.zoo import distributed
-from sb3_kl.common.controllers import KL_CONTROLLERS
-from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER, trial_controller
+from sb3_kl.zoo.distributed import check_params_match_algo, load_study
+from sb3_kl.zoo.hyperparams_opt import CONTROLLER_KINDS, possible_parameter_names, sampled_parameter_names, trial_controller
 from sb3_kl.zoo.registry import SB3_KL_ALGOS, default_config, register
 
-
-#: ``kl_controller`` values whose samplers may draw different parameters
-#: (:func:`~sb3_kl.zoo.hyperparams_opt.sampled_controller_options`): every named controller, and a controller object
-#: (any non-string)
-CONTROLLER_KINDS: tuple[Any, ...] = (*KL_CONTROLLERS, object())
-
-
-def sampled_parameter_names(algo: str, hyperparams: dict[str, Any] | None = None) -> set[str]:
-    """
-    :param algo: Zoo name of an sb3_kl algorithm
-    :param hyperparams: The tuned config's hyperparameters (default: none, the algorithm's defaults)
-    :return: The Optuna parameters its sampler draws for that config (its trials' ``params`` keys)
-    """
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" line for this scratch study
-    try:
-        trial = optuna.create_study().ask()
-    finally:
-        optuna.logging.set_verbosity(verbosity)
-    HYPERPARAMS_SAMPLER[algo](trial, 1, 1, {"hyperparams": dict(hyperparams or {})})
-    return set(trial.params)
-
-
-def possible_parameter_names(algo: str) -> list[set[str]]:
-    """
-    :param algo: Zoo name of an sb3_kl algorithm
-    :return: Every set of Optuna parameters its sampler can draw, one per kind of ``kl_controller`` in the tuned config
-        (:data:`CONTROLLER_KINDS`), without repeats
-    """
-    variants: list[set[str]] = []
-    for kind in CONTROLLER_KINDS:
-        names = sampled_parameter_names(algo, {"kl_controller": kind})
-        if names not in variants:
-            variants.append(names)
-    return variants
+__all__ = [
+    "CONTROLLER_KINDS",
+    "check_params_match_algo",
+    "check_trial_matches_algo",
+    "export",
+    "load_study",
+    "possible_parameter_names",
+    "sampled_parameter_names",
+    "trial_config",
+]
 
 
 def check_trial_matches_algo(trial: optuna.trial.FrozenTrial, study_name: str, algo: str) -> None:
@@ -72,37 +47,6 @@ def check_trial_matches_algo(trial: optuna.trial.FrozenTrial, study_name: str, a
     check_params_match_algo(trial.params, f"trial {trial.number}", study_name, algo)
 
 
-def check_params_match_algo(params: dict[str, Any], trial: str, study_name: str, algo: str) -> None:
-    """
-    :param params: A trial's raw Optuna parameters (``trial.params``)
-    :param trial: Which trial, for the message (``"trial 3"``)
-    :param study_name: Its study's name (for the message)
-    :param algo: The ``--algo`` it is used for (exported, or reloaded by the zoo's ``--trial-id``)
-    :raises distributed.StorageError: the trial was not drawn by ``algo``'s sampler (a study tuned for another
-        algorithm: its hyperparameters would be refused, or silently missing, when the entry trains)
-    """
-    if set(params) in possible_parameter_names(algo):
-        return
-    # the message compares with the closest variant (the KL penalty's samplers draw beta's options as the tuned
-    # config's kl_controller uses them)
-    expected = min(possible_parameter_names(algo), key=lambda names: len(names ^ set(params)))
-    extra, missing = sorted(set(params) - expected), sorted(expected - set(params))
-    if extra or missing:
-        found = [name for name in SB3_KL_ALGOS if set(params) in possible_parameter_names(name)]
-        raise distributed.StorageError(
-            f"study {study_name!r} was not tuned for --algo {algo}: its {trial} has "
-            + ", ".join(
-                part
-                for part in (
-                    f"parameters {algo}'s sampler does not draw ({', '.join(extra)})" if extra else "",
-                    f"none of {', '.join(missing)}" if missing else "",
-                )
-                if part
-            )
-            + (f". Pass the --algo it was tuned with ({' or '.join(found)})." if found else ".")
-        )
-
-
 def _python_literal(value: Any) -> str:
     """Render a ``policy_kwargs`` value the way the zoo's ``eval`` reads it back (``nn.Tanh``, lists, numbers)."""
     if isinstance(value, type) and getattr(nn, value.__name__, None) is value:
@@ -113,28 +57,6 @@ def _python_literal(value: Any) -> str:
         items = ", ".join(_python_literal(item) for item in value)
         return f"[{items}]" if isinstance(value, list) else f"({items}{',' if len(value) == 1 else ''})"
     return repr(value)
-
-
-def load_study(storage: str, study_name: str) -> optuna.Study:
-    """
-    :param storage: ``--storage`` value (database URL or journal ``.log`` file)
-    :param study_name: ``--study-name``
-    :return: The study, read without heartbeat
-    :raises distributed.StorageError: unusable storage, unknown study
-    """
-    if distributed.is_database_url(storage):
-        opened: Any = distributed.open_storage(storage, distributed.HeartbeatSettings(interval=None))
-    elif storage.endswith(".log"):
-        opened = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
-    else:
-        raise distributed.StorageError(f"--storage {storage!r} is neither a database URL nor a journal file (*.log).")
-    try:
-        return optuna.load_study(study_name=study_name, storage=opened)
-    except KeyError as e:
-        raise distributed.StorageError(
-            f"--study-name {study_name!r} is not in --storage {distributed.redact(storage)}. "
-            "Check the name (optuna studies --storage URL lists them)."
-        ) from e
 
 
 def trial_config(

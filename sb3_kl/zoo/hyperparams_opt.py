@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 from rl_zoo3.hyperparams_opt import convert_onpolicy_params
 
-from sb3_kl.common.controllers import CONTROLLER_ARGUMENTS
+from sb3_kl.common.controllers import CONTROLLER_ARGUMENTS, KL_CONTROLLERS
 
 #: The hyperparameters of the config entry the zoo's objective is tuning (``ExperimentManager._hyperparams``), while a
 #: trial of an sb3_kl algorithm is sampled and trained; None outside a trial
@@ -228,3 +228,39 @@ HYPERPARAMS_CONVERTER = {
     "klppo_mask": convert_klppo_params,
     "klppo_lstm": convert_klppo_params,
 }
+
+
+#: ``kl_controller`` values whose samplers may draw different parameters
+#: (:func:`sampled_controller_options`): every named controller, and a controller object
+#: (any non-string)
+CONTROLLER_KINDS: tuple[Any, ...] = (*KL_CONTROLLERS, object())
+
+
+def sampled_parameter_names(algo: str, hyperparams: dict[str, Any] | None = None) -> set[str]:
+    """
+    :param algo: Zoo name of an sb3_kl algorithm
+    :param hyperparams: The tuned config's hyperparameters (default: none, the algorithm's defaults)
+    :return: The Optuna parameters its sampler draws for that config (its trials' ``params`` keys)
+    """
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" line for this scratch study
+    try:
+        trial = optuna.create_study().ask()
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    HYPERPARAMS_SAMPLER[algo](trial, 1, 1, {"hyperparams": dict(hyperparams or {})})
+    return set(trial.params)
+
+
+def possible_parameter_names(algo: str) -> list[set[str]]:
+    """
+    :param algo: Zoo name of an sb3_kl algorithm
+    :return: Every set of Optuna parameters its sampler can draw, one per kind of ``kl_controller`` in the tuned config
+        (:data:`CONTROLLER_KINDS`), without repeats
+    """
+    variants: list[set[str]] = []
+    for kind in CONTROLLER_KINDS:
+        names = sampled_parameter_names(algo, {"kl_controller": kind})
+        if names not in variants:
+            variants.append(names)
+    return variants

@@ -9,7 +9,7 @@ them in place, which is the extension route the zoo documents for SBX.
 
 import copy
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, MaskableKLPPO, RecurrentKLPPO
 from sb3_kl.common.controllers import KLController
 from sb3_kl.zoo.distributed import patch_experiment_manager
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER, TUNED_HYPERPARAMS
+from sb3_kl.zoo.patching import install_patch, is_patched
 
 #: Folder of the configs shipped with the package (``{algo}.yml``)
 HYPERPARAMS_DIR = Path(sb3_kl.__file__).parent / "hyperparams"
@@ -186,21 +187,6 @@ def preprocess_schedules(hyperparams: dict[str, Any]) -> dict[str, Any]:
         if isinstance(processed.get(key), str):
             processed[key] = schedule_value(key, processed[key])
     return processed
-
-
-def is_patched(method: Any) -> bool:
-    """Whether ``method`` is a replacement :func:`install_patch` put on the zoo's class (patches are idempotent)."""
-    return getattr(method, "_sb3_kl_patched", False)
-
-
-def install_patch(owner: type, name: str, replacement: Callable[..., Any]) -> None:
-    """
-    Put ``replacement`` in place of ``owner.<name>`` (a method of the zoo's ``ExperimentManager``), marked for
-    :func:`is_patched` and with the zoo method's docstring.
-    """
-    replacement._sb3_kl_patched = True  # type: ignore[attr-defined]
-    replacement.__doc__ = getattr(owner, name).__doc__
-    setattr(owner, name, replacement)
 
 
 def _patch_experiment_manager() -> None:
