@@ -5,12 +5,14 @@ The KL/return timeline: the episode return on top and, on the same axis of envir
 ``python -m sb3_kl.plot LOGDIR [--out FILE.png]`` is the same as ``sb3-kl plot LOGDIR [--out FILE.png]``.
 """
 
+import argparse
 import os
 import sys
 
 import numpy as np
 
-from sb3_kl.diagnostics.logs import RunLog, Series
+from sb3_kl.diagnostics.command import BAND_HELP, check_target, check_writable, load_logdir, positive_pair, run_command
+from sb3_kl.diagnostics.logs import DiagnosticsError, RunLog, Series
 from sb3_kl.diagnostics.report import alarm_events, resolve_band
 
 DEFAULT_SIZE = (10.0, 8.0)  # inches
@@ -203,11 +205,59 @@ def output_paths(out: str, runs: list[RunLog], overlay: bool) -> list[str]:
     return [f"{stem}-{run.name.replace(os.sep, '_')}{ext or '.png'}" for run in runs]
 
 
+def plot_command(args: argparse.Namespace) -> int:
+    """
+    Run ``sb3-kl plot`` (the options of :func:`add_plot_arguments`).
+
+    :param args: The parsed options
+    :return: Exit status: 0, or 2 when some runs were skipped
+    """
+    band = positive_pair(args.band, "--band", ("LOW", "HIGH"))
+    check_target(args.target)
+    size = (float(args.size[0]), float(args.size[1]))
+    if min(size) <= 0 or args.dpi <= 0:
+        raise DiagnosticsError("--size and --dpi must be positive")
+    if args.out.endswith(("/", os.sep)) or os.path.isdir(args.out):
+        folder = args.out.rstrip("/" + os.sep)
+        raise DiagnosticsError(f"cannot write --out {args.out}: it is a directory, give a file name (e.g. {folder}/kl.png)")
+    runs, status = load_logdir(args.logdir)
+    groups = [runs] if args.overlay else [[run] for run in runs]
+    paths = output_paths(args.out, runs, args.overlay)
+    for path in paths:
+        check_writable(path, "--out")
+    for group, path in zip(groups, paths, strict=True):
+        try:
+            draw_timeline(group, path, band=band, size=size, dpi=args.dpi, target_kl=args.target)
+        except OSError as error:
+            raise DiagnosticsError(f"cannot write {path}: {error.strerror or error}") from None
+        except ValueError as error:  # e.g. an image format matplotlib does not know
+            raise DiagnosticsError(f"cannot write {path}: {error}") from None
+        print(f"wrote {path} ({', '.join(run.name for run in group)})")
+    return status
+
+
+def add_plot_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """
+    Give ``parser`` the options of ``sb3-kl plot`` and :func:`plot_command` to run.
+
+    :param parser: The ``plot`` subcommand's parser (or that of ``python -m sb3_kl.plot``)
+    :return: The parser
+    """
+    parser.add_argument("logdir", help="TensorBoard log directory, run directory, event file or progress.csv")
+    parser.add_argument("--out", default="kl_timeline.png", help="image file (several runs: one file per run, suffixed)")
+    parser.add_argument("--overlay", action="store_true", help="draw all runs in one figure")
+    parser.add_argument("--band", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"), help=BAND_HELP)
+    parser.add_argument("--target", type=float, help="target KL for runs that did not log one (draws their band)")
+    parser.add_argument("--size", nargs=2, type=float, default=[10.0, 8.0], metavar=("W", "H"), help="inches (default 10 8)")
+    parser.add_argument("--dpi", type=int, default=100, help="pixels per inch (default 100: a 1000x800 image)")
+    parser.set_defaults(func=plot_command)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m sb3_kl.plot``: the ``plot`` subcommand of ``sb3-kl``."""
-    from sb3_kl.cli import main as cli_main
-
-    return cli_main(["plot", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="python -m sb3_kl.plot", description="Draw the KL/return timeline of each run.")
+    return run_command(add_plot_arguments(parser), argv)
 
 
 if __name__ == "__main__":
