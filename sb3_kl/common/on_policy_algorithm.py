@@ -6,6 +6,8 @@ measurement after each update with its logs, the variance floor and the count of
 
 import base64
 import functools
+import importlib
+import importlib.util
 import inspect
 import io
 import math
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import cloudpickle
+import gymnasium as gym
 import numpy as np
 import torch as th
 from gymnasium import spaces
@@ -116,6 +119,32 @@ SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAl
 
 #: Default ``target_kl`` when ``None`` is passed, by kind of action space
 DEFAULT_TARGET_KL = {"discrete": 0.02, "continuous": 0.03}
+
+
+def register_zoo_envs_if_unknown(env: Any) -> None:
+    """
+    Make the RL Zoo's own environments (``CartPoleNoVel-v1``, ``PendulumNoVel-v1``, ...: registered by importing
+    ``rl_zoo3.import_envs``) known to gymnasium when ``env`` is an id it does not know and rl_zoo3 is installed, so that
+    an algorithm given that id builds its env as it would inside the zoo. An id that stays unknown is left to
+    gymnasium's own error when SB3 makes the env.
+
+    :param env: The ``env`` argument of an algorithm (only an id string is looked at)
+    """
+    if not isinstance(env, str):
+        return
+    try:
+        gym.spec(env)
+        return
+    except gym.error.UnregisteredEnv:
+        pass
+    except Exception:  # e.g. "module:Env-v0" with a module that does not import: gym.make reports it
+        return
+    if importlib.util.find_spec("rl_zoo3") is None:
+        return
+    try:
+        importlib.import_module("rl_zoo3.import_envs")
+    except ImportError:  # a broken zoo install: gymnasium's NameNotFound says what the user asked for
+        pass
 
 
 def check_on_policy_arguments(arguments: dict[str, Any], min_n_steps: int = 0) -> None:
@@ -341,6 +370,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         **kwargs: Any,
     ):
         check_on_policy_arguments(kwargs)
+        register_zoo_envs_if_unknown(kwargs["env"] if "env" in kwargs else args[1] if len(args) > 1 else None)
         super().__init__(*args, **kwargs)
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
