@@ -27,16 +27,19 @@ Categorical, MultiDiscrete and Bernoulli (MultiBinary) distributions are project
 parameters (logits), ``z~ = (z + eta z_old) / (1 + eta)``. One ``eta`` per state is shared by all factors of a
 MultiDiscrete / MultiBinary distribution, so that the *joint* KL is bounded.
 
-The root searches run in float64 on ``t = 1 / (1 + eta)`` in ``(0, 1]`` (a safeguarded Newton iteration inside a
-bracket), and the returned point always satisfies the constraint in float64. The gradient of the multiplier is
-implicit differentiation, implemented as one Newton step at the converged root whose value is zero and whose
-derivative of the constraint in ``t`` is detached: ``t = t* - (g(t*, theta) - g(t*, theta).detach()) / g_t(t*)``,
-so that ``dt/dtheta = -g_theta / g_t``, exact at the root.
+All computations run in float64. The root searches work on ``t = 1 / (1 + eta)`` in ``(0, 1]`` (safeguarded
+Newton inside a bracket). The gradient of the multiplier is implicit differentiation, implemented as one Newton step
+at the converged root whose value is zero and whose derivative of the constraint in ``t`` is detached:
+``t = t* - (g(t*, theta) - g(t*, theta).detach()) / g_t(t*)``, so that ``dt/dtheta = -g_theta / g_t``, exact at the
+root.
 
-Old tensors are treated as constants (detached). Outputs have the dtype of the inputs. With float32 inputs the
-projected parameters are rounded to float32, which can move the distance by a relative amount of order
-``1e-7 * |parameter| / |parameter - old parameter|``; the search therefore aims at ``bound * (1 - 1e-4)`` for
-float32 inputs (and at ``bound`` for float64 ones).
+Old tensors are treated as constants (detached). Outputs have the dtype of the inputs. Rounding the result to
+float32 moves the distance by a relative amount of order ``1e-7 * |parameter| / |parameter - old parameter|``, so
+the projections aim at ``bound * (1 - 1e-4)`` for float32 inputs (``bound * (1 - 1e-9)`` for float64 ones), then
+re-evaluate the rounded result in float64 and solve again the few states still outside. The returned distributions
+are within the bound in every state, as evaluated in float64 by the distances of this module; a state whose
+projection cannot be represented within the bound in float32 (a move below float32 resolution) gets the old
+distribution.
 """
 
 import math
@@ -47,8 +50,9 @@ from torch.nn import functional as F
 
 PROJECTIONS = ("kl", "w2", "frobenius")
 
-# Relative margin below the bound aimed at for float32 inputs, so that rounding the result to float32 stays inside.
+# Relative margins below the bound aimed at, so that the rounded result stays inside
 _FLOAT32_MARGIN = 1e-4
+_FLOAT64_MARGIN = 1e-9
 # Stop the root search when |g| <= _ROOT_RTOL * bound (or the bracket is at machine precision).
 _ROOT_RTOL = 1e-9
 _MAX_ROOT_ITERATIONS = 100
@@ -76,9 +80,10 @@ def _round_inside(
     """
     Run a projection in float64 and return it in ``dtype``, inside the bound after rounding.
 
-    For float32 the search aims at ``bound * (1 - _FLOAT32_MARGIN)``; states whose rounded result is still outside
-    (re-evaluated in float64) are solved again with a target lowered by their excess, up to three times, and a state
-    that still fails (a difference below float32 resolution) falls back to the old parameters.
+    The search aims slightly below the bound (relative margin 1e-4 for float32 results, 1e-9 for float64 ones);
+    states whose rounded result is still outside (re-evaluated in float64) are solved again with a target lowered by
+    their excess, up to three times, and a state that still fails (a difference below float32 resolution) falls back
+    to the old parameters.
 
     :param solve: maps a target (float or per-state tensor) to the projected parameters in float64
     :param distance: maps parameters (float64) to the constrained distance per state
@@ -87,9 +92,8 @@ def _round_inside(
     :param dtype: the dtype of the result
     :return: the projected parameters in ``dtype``
     """
-    if dtype == th.float64:
-        return solve(bound)
-    target: float | th.Tensor = bound * (1.0 - _FLOAT32_MARGIN)
+    margin = _FLOAT64_MARGIN if dtype == th.float64 else _FLOAT32_MARGIN
+    target: float | th.Tensor = bound * (1.0 - margin)
     result = solve(target).to(dtype)
     for _ in range(3):
         with th.no_grad():
@@ -97,7 +101,7 @@ def _round_inside(
         over = dist > bound
         if not bool(over.any()):
             return result
-        target = th.where(over, target * (bound / dist) * (1.0 - _FLOAT32_MARGIN), target)
+        target = th.where(over, target * (bound / dist) * (1.0 - margin), target)
         result = solve(target).to(dtype)
     with th.no_grad():
         over = distance(result.detach().to(th.float64)) > bound
