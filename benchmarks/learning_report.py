@@ -45,21 +45,12 @@ from run_records import (
 from side_studies import (
     CARTPOLE_SOLVED,
     KLTRPO_PPO_SETTINGS_RUNS,
-    LONGER_BUDGET_RUNS,
     MORE_SEEDS_RUNS,
     PAIRED_HEADER,
     after_the_budget,
-    clip_klppo_start_comparison,
-    collapse_rates,
-    initial_kl_coef_comparison,
-    kl_stop_comparison,
-    kltrpo_direction_comparison,
-    longer_budget_collapses,
-    lower_target_comparison,
     paired_rows,
     paired_runs,
-    saturation_stop_comparison,
-    settings_swap_comparison,
+    write_pages,
 )
 from significance import SIGNIFICANCE, fmt, verdict, welch_p_value, within_one_std
 
@@ -219,22 +210,17 @@ def report(tier: str) -> str:
         lines.append("")
     if not side or any(algo == "ppo_target_kl" for (_, algo, _) in groups):
         lines += baseline_comparison(groups, envs), ""
-    # the sections that set side experiments' folders beside the grid: a side folder's report leaves them out
+    # the side studies, each set beside the grid on a page of its own: a side folder's report leaves them out
     sections = [budget_use(groups, envs)]
     if not side:
-        sections += [
-            saturation_stop_comparison(groups),
-            kl_stop_comparison(),
-            kltrpo_direction_comparison(tier),
-            initial_kl_coef_comparison(tier),
-            clip_klppo_start_comparison(groups, tier),
-            lower_target_comparison(groups, tier),
-        ]
+        links = write_pages(groups, tier)
+        if links:
+            sections.append(
+                "\n".join(
+                    ["## Side studies", "", "Each on its own page, beside the grid's runs on the same seeds:", "", *links]
+                )
+            )
     sections += [collapse_table(groups, "this folder's records" if side else "both grids"), drift_table(groups)]
-    if not side:
-        sections += [collapse_rates(groups, tier, env) for env in MORE_SEEDS_RUNS]
-        sections += [longer_budget_collapses(groups, tier, env) for env in LONGER_BUDGET_RUNS]
-        sections.append(settings_swap_comparison(groups, tier))
     for section in sections:
         if section:
             lines += section, ""

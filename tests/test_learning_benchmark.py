@@ -193,6 +193,22 @@ def _write(folder: Path, record: dict) -> None:
     (folder / name).write_text(json.dumps(record))
 
 
+def _report(tier: str) -> str:
+    """
+    The grid's report with the side studies' pages it writes: the pages first, in the order of their links, then
+    ``learning[_<tier>].md``, as one text.
+    """
+    text = learning_report.report(tier)
+    links = [line for line in text.splitlines() if line.startswith("- [") and "](side_studies/" in line]
+    pages = [(run_records.RESULTS / line[line.index("](") + 2 : -1]).read_text() for line in links]
+    return "\n".join([*pages, text])
+
+
+def _section_end(text: str, start: int) -> int:
+    """Where the section that begins at ``start`` ends: at the next section's heading or the next page's."""
+    return min(text.find(heading, start) % (len(text) + 1) for heading in ("\n## ", "\n# "))
+
+
 def _row(text: str, start: str) -> str:
     """The table row of a report that starts with ``start``."""
     return next(line for line in text.splitlines() if line.startswith(start))
@@ -219,7 +235,7 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     records[0]["run_environment"] = {"cpu": "Test CPU", "torch": "9.9"}
     for record in records:
         _write(folder, record)
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     assert (tmp_path / "learning_tiny.md").read_text() == text
     row = _row(text, "| x1 | Pendulum-v1 | klppo |")
     assert "tie" in row.split("|")[4] and "better" in row.split("|")[6]
@@ -530,7 +546,7 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
         record["run_environment"] = {"cpu": "Other CPU", "torch": "9.9"}
         _write(tmp_path / "unrecorded_machine" / "runs" / "tiny", earlier)
         _write(primary, record)
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     section = text[text.index("## Records that do not name their machine") :]
     assert "## Goals\n\nThe cells whose earlier records do not name their machine are judged again" in text
     assert "(Other CPU, torch 9.9; the grid's record: 3 runs, else the replication's" in section
@@ -548,7 +564,7 @@ def test_report_sets_a_replication_beside_the_records_and_judges_its_goals(tmp_p
     # neither a replication nor records kept from the other machine: no section
     _empty(replica)
     _empty(tmp_path / "unrecorded_machine" / "runs" / "tiny")
-    assert "## Replication" not in learning_report.report("tiny")
+    assert "## Replication" not in _report("tiny")
 
 
 def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_machine(tmp_path, monkeypatch):
@@ -567,7 +583,7 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
             _write(folder, record)
     assert measures.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.009, 0.03], 0.03)) == 2
     assert measures.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.1], 0.03)) == 2
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     section = text[text.index("## KLPPO's initial beta") : text.index("## Goals")]
     row = _row(section, "| Pendulum-v1 | x1 | klppo |")
     # 3 seeds: -151.0 at 1.0, -149.0 at 0.2, a difference of +2.0 that the seeds' spread calls a tie
@@ -592,14 +608,14 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     # without the candidates' records: no section
     _empty(lowered)
     _empty(floor)
-    assert "## KLPPO's initial beta" not in learning_report.report("tiny")
+    assert "## KLPPO's initial beta" not in _report("tiny")
 
 
 def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     monkeypatch.setattr(learning_report, "plot", lambda *args: None)
     _write(tmp_path / "runs" / "tiny", _record("trpo", "CartPole-v1", 0, 500.0, [0.01], 0.01))
-    assert "## KLTRPO against TRPO" not in learning_report.report("tiny")
+    assert "## KLTRPO against TRPO" not in _report("tiny")
     for (_, folder, algo), returns in zip(
         side_studies.KLTRPO_DIRECTION_RUNS[::4], ([100.0, 110.0], [50.0, 60.0]), strict=True
     ):
@@ -607,9 +623,9 @@ def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkey
             record = _record(algo, "HalfCheetah-v5", seed, eval_mean, [0.1, 0.12], 0.1)
             record["overrides"] = {"cg_damping": 0.6} if algo == "kltrpo" else {}
             _write(tmp_path / folder / "runs" / "tiny", record)
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     start = text.index("## KLTRPO against TRPO on HalfCheetah-v5")
-    section = text[start : text.index("\n## ", start)]
+    section = text[start : _section_end(text, start)]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [row.split(" | ")[0] for row in rows] == ["| sb3-contrib TRPO", "| the same with 6 x `cg_damping`"]
     # the synthetic curve rises linearly to the eval return: AUC 0.55 x 55.0 = 30.2, against TRPO's 0.55 x 105.0
@@ -632,9 +648,9 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
         _write(grid, _record("ppo_target_kl", env, seed, 700.0 - 10 * seed, [0.03], 0.03, curve=falling if seed else None))
         _write(lowered, _record("klppo_noclip", env, seed, 1000.0 + seed, [target, 3 * target], target))
         _write(lowered, _record("ppo_target_kl", env, seed, 800.0 + 10 * seed, [target], target))
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     start = text.index(f"## KLPPO's target on {env}: {target:g} against the default 0.03")
-    section = text[start : text.index("\n## ", start)]
+    section = text[start : _section_end(text, start)]
     assert section.count(f"| {env} | x1 |") == 2  # clip_klppo has no lowered records to pair with
     row = _row(section, f"| {env} | x1 | klppo_noclip |")
     # +100.0 on every seed: a significant gain; in band: all at 0.03, half at the lower target (the other 3 x over)
@@ -658,7 +674,7 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     # PPO's early stop's own AUC at each target, beside the comparison at the lower one
     assert "losing AUC itself at the lower target (mean " in section
     _empty(lowered)
-    assert "## KLPPO's target on" not in learning_report.report("tiny")
+    assert "## KLPPO's target on" not in _report("tiny")
 
 
 def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, monkeypatch):
@@ -675,9 +691,9 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
         _write(grid, _record("clip_klppo", "CartPole-v1", seed, 500.0, [0.02], 0.02))
         # the runs from beta's floor: PPO's return on Pendulum (CartPole's cell not re-run yet)
         _write(lowered, _record("clip_klppo", "Pendulum-v1", seed, -200.0 + seed, [0.03, 0.09], 0.03))
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} measured against the default 1.0")
-    section = text[start : text.index("\n## ", start)]
+    section = text[start : _section_end(text, start)]
     row = _row(section, "| Pendulum-v1 | x1 | clip_klppo |")
     assert row.startswith("| Pendulum-v1 | x1 | clip_klppo | 3 | -299.0 ± 0.8 | -199.0 ± 0.8 | +100.0 (p<0.001): better")
     assert row.endswith("| 100 ± 0% | 50 ± 0% | 0 ± 0% | 50 ± 0% | 0 / 0 |")
@@ -695,9 +711,9 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
         record = _record("clip_klppo", "CartPole-v1", seed, 400.0, [0.02], 0.02, curve=falling if seed else None)
         record["kl_updates"] = [dict(timesteps=100 * i, mean=0.02 * (1 + i % 2), p99=0.06) for i in range(10)]
         _write(tmp_path / middle / "runs" / "tiny", record)
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} and {middle_coef:g} measured against")
-    section = text[start : text.index("\n## ", start)]
+    section = text[start : _section_end(text, start)]
     middle_part = section[section.index(f"### Starting at {middle_coef:g}") :]
     assert _row(middle_part, "| CartPole-v1 | x1 | clip_klppo |").startswith(
         "| CartPole-v1 | x1 | clip_klppo | 2 | 500.0 ± 0.0 | 400.0 ± 0.0 | -100.0 (p<0.001): worse"
@@ -712,13 +728,13 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds).\n\nWhat the middle start showed." in middle_part
     # a start that re-runs every cell misses the ones not re-run yet
     monkeypatch.setattr(side_studies, "CLIP_KLPPO_START_RUNS", [(folder, coef, None, ""), (middle, middle_coef, None, "")])
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     middle_part = text[text.index(f"### Starting at {middle_coef:g}") :]
     assert "re-run: every cell of the grid)" in middle_part
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds), Pendulum-v1 x1 (3 of 3 seeds)." in middle_part
     _empty(lowered)
     _empty(tmp_path / middle / "runs" / "tiny")
-    assert "## ClipKLPPO's initial beta" not in learning_report.report("tiny")
+    assert "## ClipKLPPO's initial beta" not in _report("tiny")
 
 
 def test_side_experiments_compare_with_the_grid_record_of_their_own_machine(tmp_path, monkeypatch):
@@ -761,7 +777,7 @@ def test_report_states_the_budget_and_the_steps_each_algorithm_trained(tmp_path,
     assert run_records.trained_steps({**pendulum, "kl_updates": [dict(timesteps=1300, mean=0.03, p99=0.1)]}) == 1300
     for record in [*ppo, trpo, kltrpo, pendulum]:
         _write(tmp_path / "runs" / "tiny", record)
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     assert "the same for every algorithm" not in text
     assert "Budgets (`total_timesteps` passed to `learn`, one per environment for every algorithm and learning rate):" in text
     assert ": CartPole-v1 1,000, Pendulum-v1 1,000. `learn` does not stop inside a rollout" in text
@@ -797,7 +813,7 @@ def test_report_of_a_side_folder_names_it_and_covers_only_its_records(tmp_path, 
     _write(tmp_path / "kl_stop_1.5_per_epoch", _record("klppo", "Hopper-v5", 0, 1.0, [0.03], 0.03))
     monkeypatch.setattr(run_records, "RESULTS", side)
     assert run_records.is_side_folder()
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     assert (side / "learning_tiny.md").read_text() == text and not (tmp_path / "learning_tiny.md").exists()
     assert text.startswith(f"# Learning benchmark (tiny tier): the records of `benchmarks/results/{folder}/` only")
     assert (
@@ -824,7 +840,7 @@ def test_report_of_the_main_folder_names_it_and_judges_the_goals(tmp_path, monke
     monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     _write(tmp_path / "runs" / "tiny", _record("klppo", "Hopper-v5", 0, 950.0, [0.03], 0.03))
     assert not run_records.is_side_folder()
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     assert text.startswith("# Learning benchmark (tiny tier)\n")
     assert "Generated by `python benchmarks/learning.py --report --tier tiny` from the JSON records in" in text
     assert "`benchmarks/results/runs/tiny/`." in text and "covers only" not in text
@@ -835,7 +851,7 @@ def test_report_of_the_main_folder_names_it_and_judges_the_goals(tmp_path, monke
     _write(elsewhere / "runs" / "tiny", _record("klppo", "Hopper-v5", 0, 950.0, [0.03], 0.03))
     monkeypatch.setattr(run_records, "RESULTS", elsewhere)
     assert not run_records.is_side_folder()
-    text = learning_report.report("tiny")
+    text = _report("tiny")
     assert f"SB3_KL_BENCHMARK_RESULTS={elsewhere.resolve().as_posix()} python" in text and "\n## Goals\n" in text
 
 
