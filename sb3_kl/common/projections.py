@@ -331,6 +331,11 @@ def gaussian_entropy_projection(std: th.Tensor, min_entropy: float) -> th.Tensor
     return th.where((raise_by > 0).unsqueeze(-1), std * th.exp(raise_by / k).unsqueeze(-1), std)
 
 
+def _log_normalize(logits: th.Tensor) -> th.Tensor:
+    """Log-probabilities from logits (``log_softmax``, written with ``logsumexp``, which is faster on small rows)."""
+    return logits - logits.logsumexp(-1, keepdim=True)
+
+
 def _split_factors(logits: th.Tensor, action_dims: Sequence[int]) -> tuple[th.Tensor, ...]:
     """Split concatenated logits into one tensor per factor, checking the sizes."""
     if logits.shape[-1] != sum(action_dims):
@@ -345,8 +350,8 @@ def _categorical_kl_factors(logits: tuple[th.Tensor, ...], old_logits: tuple[th.
     """Joint KL(new || old) of independent categorical factors, summed over factors."""
     total = th.zeros((), dtype=logits[0].dtype, device=logits[0].device)
     for new, old in zip(logits, old_logits, strict=True):
-        log_q = F.log_softmax(new, dim=-1)
-        total = total + (log_q.exp() * (log_q - F.log_softmax(old, dim=-1))).sum(-1)
+        log_q = _log_normalize(new)
+        total = total + (log_q.exp() * (log_q - _log_normalize(old))).sum(-1)
     return total
 
 
@@ -367,14 +372,15 @@ def _categorical_constraint(
 ) -> tuple[th.Tensor, th.Tensor]:
     """
     Joint KL of the geometric interpolation ``z_old + t (z - z_old)`` to the old factors, minus the target, and its
-    derivative in ``t``, which is ``t * Var_q(z - z_old)`` summed over factors.
+    derivative in ``t``, which is ``t * Var_q(z - z_old)`` summed over factors. The old factors must be normalized
+    log-probabilities.
     """
     value = th.zeros_like(t)
     slope = th.zeros_like(t)
     for delta, old in zip(deltas, old_logits, strict=True):
-        log_q = F.log_softmax(old + t.unsqueeze(-1) * delta, dim=-1)
+        log_q = _log_normalize(old + t.unsqueeze(-1) * delta)
         q = log_q.exp()
-        value = value + (q * (log_q - F.log_softmax(old, dim=-1))).sum(-1)
+        value = value + (q * (log_q - old)).sum(-1)
         centred = delta - (q * delta).sum(-1, keepdim=True)
         slope = slope + t * (q * centred**2).sum(-1)
     return value - target, slope
@@ -387,6 +393,7 @@ def _project_interpolation(
     split: Callable[[th.Tensor], tuple[th.Tensor, ...]],
     constraint: Callable[[th.Tensor, tuple[th.Tensor, ...], tuple[th.Tensor, ...], float], tuple[th.Tensor, th.Tensor]],
     normalize: Callable[[tuple[th.Tensor, ...]], th.Tensor],
+    normalize_old: bool,
 ) -> th.Tensor:
     """
     I-projection by geometric interpolation of natural parameters, shared by the categorical and Bernoulli cases.
@@ -394,10 +401,13 @@ def _project_interpolation(
     :param split: splits logits into factors
     :param constraint: ``(t, deltas, old factors, target) -> (KL - target, dKL/dt)``
     :param normalize: maps projected factors back to one logits tensor (normalized, for float32 precision)
+    :param normalize_old: turn the old factors into log-probabilities first (categorical)
     """
     dtype = logits.dtype
     z = split(logits.to(th.float64))
     z_old = split(old_logits.detach().to(th.float64))
+    if normalize_old:
+        z_old = tuple(_log_normalize(old) for old in z_old)
     deltas = tuple(new - old for new, old in zip(z, z_old, strict=True))
     fixed = tuple(delta.detach() for delta in deltas)
     with th.no_grad():
@@ -443,7 +453,8 @@ def project_categorical(logits: th.Tensor, old_logits: th.Tensor, bound: float, 
         bound,
         lambda x: _split_factors(x, action_dims),
         _categorical_constraint,
-        lambda factors: th.cat([F.log_softmax(factor, dim=-1) for factor in factors], dim=-1),
+        lambda factors: th.cat([_log_normalize(factor) for factor in factors], dim=-1),
+        normalize_old=True,
     )
 
 
@@ -484,4 +495,6 @@ def project_bernoulli(logits: th.Tensor, old_logits: th.Tensor, bound: float) ->
     :return: projected logits, same shape and dtype
     """
     _check_bound(bound, "bound")
-    return _project_interpolation(logits, old_logits, bound, lambda x: (x,), _bernoulli_constraint, lambda factors: factors[0])
+    return _project_interpolation(
+        logits, old_logits, bound, lambda x: (x,), _bernoulli_constraint, lambda factors: factors[0], normalize_old=False
+    )
