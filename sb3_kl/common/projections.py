@@ -20,7 +20,10 @@ Gaussians (diagonal, as in SB3) are bounded separately in mean and covariance, e
   covariance part ``||Sigma - Sigma_old||_F^2``. Closed form: interpolation of the means, resp. the variances.
 
 Every closed form is ``x~ = (x + omega x_old) / (1 + omega)`` with ``omega = sqrt(d / bound) - 1`` when the
-distance ``d`` exceeds the bound.
+distance ``d`` exceeds the bound. Each projection minimises the same kind of distance to the network's distribution
+that it bounds to the old one: for the means, the distance above with the old covariance kept (Mahalanobis under
+``Sigma_old`` for KL and Frobenius, Euclidean for W2); for the covariances, ``KL(Sigma~ || Sigma)`` for KL,
+``||sigma~ - sigma||^2`` for W2 and ``||Sigma~ - Sigma||_F^2`` for Frobenius.
 
 Categorical, MultiDiscrete and Bernoulli (MultiBinary) distributions are projected with the I-projection
 ``min KL(q || p) s.t. KL(q || p_old) <= bound``, whose solution is the geometric interpolation of the natural
