@@ -24,6 +24,10 @@ def record_file(record: dict[str, Any]) -> Path:
     return record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"])
 
 
+#: The modules that run a grid cell besides ``learning.py``: a change to one marks the code version ``+modified``
+GRID_CODE = ("grid.py", "grid_runs.py", "run_records.py", "measures.py")
+
+
 def code_version(*scripts: str) -> str:
     """
     The commit of the sb3-kl checkout that ran, with ``+modified`` when the package or the benchmark code had
@@ -38,7 +42,10 @@ def code_version(*scripts: str) -> str:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", "../sb3_kl", *(scripts or ("settings.py", "learning.py")))
+        scripts = scripts or ("settings.py", "learning.py")
+        if "learning.py" in scripts:  # the grid's code: the CLI and the modules that run a cell
+            scripts = (*scripts, *GRID_CODE)
+        modified = git("status", "--porcelain", "--", "../sb3_kl", *scripts)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (commit + ("+modified" if modified else "")) if commit else "unknown"

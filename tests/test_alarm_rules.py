@@ -116,7 +116,7 @@ def _spike_rule_benchmark():
     import importlib
     import sys
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
     return importlib.import_module("alarm_spike_rule")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "studies")]
 
 import adaptive_lr  # noqa: E402
 import overhead  # noqa: E402

@@ -1,5 +1,5 @@
 """
-The collapse probe (``benchmarks/collapse_probe.py``): it leaves the training as it was, takes the normalization's
+The collapse probe (``benchmarks/studies/collapse_probe.py``): it leaves the training as it was, takes the normalization's
 own KL from the monitor, and splits a collapsed run into the rollouts before its best point and those of its fall.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "studies")]
 
 import collapse_probe  # noqa: E402
 import grid_runs  # noqa: E402

@@ -1,5 +1,5 @@
 """
-The drift-anchor experiment (``benchmarks/drift_anchor.py``): the reference it penalizes the policy toward is the
+The drift-anchor experiment (``benchmarks/studies/drift_anchor.py``): the reference it penalizes the policy toward is the
 policy ``lag`` updates before the update's result, and its records land beside the grid's cells.
 """
 
@@ -12,7 +12,7 @@ import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "studies")]
 
 import drift_anchor  # noqa: E402
 

@@ -11,7 +11,7 @@ updates of training. Two line searches side by side, same seeds:
 Also counts the updates whose measured mean KL (or p99, when ``tail_kl`` is set) is over its bound (must be 0).
 Writes ``benchmarks/results/kltrpo_budget_use.md`` and ``.json`` (each record names the commit that produced it).
 
-    python benchmarks/kltrpo_budget_use.py [--updates 8] [--seeds 0 1] [--envs CartPole-v1 ...]
+    python benchmarks/studies/kltrpo_budget_use.py [--updates 8] [--seeds 0 1] [--envs CartPole-v1 ...]
 """
 
 import argparse
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
 sys.path.insert(0, str(HERE))
 
 import run_records  # noqa: E402
@@ -37,7 +37,7 @@ REL_TOL = 1e-4
 
 def code_version() -> str:
     """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
-    return run_records.code_version("settings.py", Path(__file__).name)
+    return run_records.code_version("settings.py", f"studies/{Path(__file__).name}")
 
 
 def run(env_id: str, variant: str, seed: int, n_updates: int) -> dict[str, Any]:
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "kltrpo_budget_use.md")
     args = parser.parse_args(argv)
-    command = "python benchmarks/kltrpo_budget_use.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/studies/kltrpo_budget_use.py " + " ".join(sys.argv[1:] if argv is None else argv)
     records = []
     json_path = args.out.with_suffix(".json")
     for env_id in args.envs:

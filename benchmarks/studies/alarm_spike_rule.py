@@ -25,7 +25,7 @@ KL(new||old) averaged over ``Box`` dimensions: about ``n_dims`` times the ratio 
 compares the KL in the target's convention, ``kl/mean_in_target_convention``), about the same on discrete actions.
 No TRPO run alarms even at these larger ratios in the committed result.
 
-    python benchmarks/alarm_spike_rule.py
+    python benchmarks/studies/alarm_spike_rule.py
 """
 
 import argparse
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
 sys.path.insert(0, str(HERE.parent))
 
 from sb3_kl.common.callbacks_alarm import SpikeRule  # noqa: E402
@@ -87,7 +87,14 @@ def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True).stdout
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "sb3_kl/common/callbacks_alarm.py", "benchmarks/alarm_spike_rule.py"],
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--",
+                "sb3_kl/common/callbacks_alarm.py",
+                "benchmarks/studies/alarm_spike_rule.py",
+            ],
             cwd=HERE.parent,
             capture_output=True,
             text=True,
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
 
     meta = dict(
         commit=commit(),
-        command="python benchmarks/alarm_spike_rule.py" + ("" if argv is None else " " + " ".join(argv)),
+        command="python benchmarks/studies/alarm_spike_rule.py" + ("" if argv is None else " " + " ".join(argv)),
         runs=len(runs),
         criterion="smallest factor with every stock stress run alarmed by the callback's rules together (the factor "
         f"and the sustained rule), and, by the single-update factor alone, at most {args.max_false_runs:.0%} of the "

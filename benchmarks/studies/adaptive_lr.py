@@ -2,8 +2,8 @@
 Stock PPO with a too-high learning rate (3e-2) on Pendulum-v1, with and without KLAdaptiveLRCallback: the exact KL of
 every update (KLMonitorCallback) and the learning rate, and the median KL over the second half of training.
 
-    nice -n 10 python benchmarks/adaptive_lr.py [--steps 40960] [--target-kl 0.01] [--seeds 0]
-    python benchmarks/adaptive_lr.py --report [--steps 40960] [--target-kl 0.01]
+    nice -n 10 python benchmarks/studies/adaptive_lr.py [--steps 40960] [--target-kl 0.01] [--seeds 0]
+    python benchmarks/studies/adaptive_lr.py --report [--steps 40960] [--target-kl 0.01]
 
 Each run (seed x with/without the callback) writes a JSON record under ``benchmarks/results/adaptive_lr_runs/``
 naming the commit that ran (``code_version``) and the machine and library versions (``run_environment``); a run whose
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
 sys.path.insert(0, str(HERE))
 
 import run_records  # noqa: E402
@@ -33,7 +33,7 @@ import run_records  # noqa: E402
 RESULTS = run_records.RESULTS
 RUNS = RESULTS / "adaptive_lr_runs"
 ENV_ID = "Pendulum-v1"
-SCRIPT = "benchmarks/adaptive_lr.py"
+SCRIPT = "benchmarks/studies/adaptive_lr.py"
 
 
 @functools.cache
@@ -42,7 +42,7 @@ def code_version() -> str:
     The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
     process starts its first run (the package is imported then: later edits of the checkout do not change the run).
     """
-    return run_records.code_version("adaptive_lr.py", "learning.py")
+    return run_records.code_version("studies/adaptive_lr.py", "learning.py")
 
 
 def callback_label(adapt: bool) -> str:

@@ -18,7 +18,7 @@ Each run writes a JSON record under ``benchmarks/results/epoch_kl_stop_runs/`` (
 
 Example::
 
-    nice -n 5 python benchmarks/epoch_kl_stop.py --seeds 0 1 2
+    nice -n 5 python benchmarks/studies/epoch_kl_stop.py --seeds 0 1 2
 """
 
 import argparse
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
 sys.path.insert(0, str(HERE))
 
 import run_records  # noqa: E402
@@ -52,7 +52,7 @@ def code_version() -> str:
     The commit that ran, ``+modified`` when the package or this script had uncommitted changes, read once when the
     process starts its first run (the package is imported then: later edits of the checkout do not change the run).
     """
-    return run_records.code_version("settings.py", "learning.py", "epoch_kl_stop.py")
+    return run_records.code_version("settings.py", "learning.py", "studies/epoch_kl_stop.py")
 
 
 def instrumented(base: type, rule: str) -> type:
@@ -210,7 +210,7 @@ def report() -> str:
     lines = [
         "# Which KL should the per-epoch early stop judge?",
         "",
-        f"Produced by `python benchmarks/epoch_kl_stop.py` (records in `benchmarks/results/epoch_kl_stop_runs/`, "
+        f"Produced by `python benchmarks/studies/epoch_kl_stop.py` (records in `benchmarks/results/epoch_kl_stop_runs/`, "
         f"code version(s): {', '.join(versions)}). {ENV_ID}, rl-zoo settings with the learning rate x{LR_MULT:g}, "
         f"`kl_stop_factor={KL_STOP_FACTOR:g}`, {budgets} environment steps per run, one torch thread, mean ± std over seeds.",
         "",

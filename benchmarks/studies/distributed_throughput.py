@@ -5,7 +5,7 @@ server time they cost, and from those figures a paper estimate of how many worke
 
 One command (it starts its own PostgreSQL server in a temporary directory, like the tests, and stops it)::
 
-    python benchmarks/distributed_throughput.py              # writes benchmarks/results/distributed.md
+    python benchmarks/studies/distributed_throughput.py              # writes benchmarks/results/distributed.md
 
 Every trial of a run has the same cost (the expensive dimensions of the search are fixed by queued trials, the
 rest is sampled), so the ratio of the two throughputs measures how well the workers share the machine, not luck.
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the throwaway server of the tests
 
@@ -39,7 +39,7 @@ def git_version() -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD")
-    modified = git("status", "--porcelain", "--", "sb3_kl", "benchmarks/distributed_throughput.py")
+    modified = git("status", "--porcelain", "--", "sb3_kl", "benchmarks/studies/distributed_throughput.py")
     return commit + ("+modified" if modified else "") if commit else "unknown"
 
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-connections", type=int, default=100, help="server's max_connections for the estimate")
     args = parser.parse_args(argv)
     given = sys.argv[1:] if argv is None else list(argv)
-    command = " ".join(["python benchmarks/distributed_throughput.py", *given])
+    command = " ".join(["python benchmarks/studies/distributed_throughput.py", *given])
     statements = "-c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all"
     server = PostgresServer(durable=True, settings=statements)
     with server:

@@ -10,7 +10,7 @@ figures mean something only together with it (on a busy machine extra threads fi
 
 Writes ``benchmarks/results/torch_threads_small_mlp.md`` and ``.json`` (naming the commit that produced them).
 
-    python benchmarks/torch_threads_small_mlp.py [--pairs 3] [--steps 2048]
+    python benchmarks/studies/torch_threads_small_mlp.py [--pairs 3] [--steps 2048]
 """
 
 import argparse
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
 SHAPES = ("zoo", "quickstart")
 
 
@@ -83,7 +83,7 @@ def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True).stdout
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "sb3_kl", "benchmarks/torch_threads_small_mlp.py"],
+            ["git", "status", "--porcelain", "--", "sb3_kl", "benchmarks/studies/torch_threads_small_mlp.py"],
             cwd=HERE.parent,
             capture_output=True,
             text=True,
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     end_commit = commit()
     meta = dict(
         commit=start_commit if start_commit == end_commit else f"{start_commit} (start) .. {end_commit} (end)",
-        command="python benchmarks/torch_threads_small_mlp.py " + " ".join(argv),
+        command="python benchmarks/studies/torch_threads_small_mlp.py " + " ".join(argv),
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         torch=th.__version__,
         python=platform.python_version(),
