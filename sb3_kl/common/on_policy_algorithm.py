@@ -303,6 +303,13 @@ def _fused_adam_available(device: th.device) -> bool:
     return True
 
 
+#: Consecutive updates with beta at the lower bound of ``kl_coef_bounds`` and the update's KL below
+#: :data:`STALLED_KL_FRACTION` of the target after which the algorithm warns (once) that beta cannot help
+STALLED_AT_FLOOR_UPDATES = 10
+#: An update's KL below this fraction of the target counts as stalled
+STALLED_KL_FRACTION = 0.1
+
+
 class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     """
     Base class of the sb3_kl algorithms. See :class:`~sb3_kl.KLPPO` for the meaning of the KL arguments.
@@ -407,6 +414,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         # Incremented each time the policy's parameters change; the rollout buffer records the version that acted
         self.policy_version = 0
         self.nonfinite_steps_total = 0
+        # Consecutive updates with beta at its floor and the KL far below the target, and whether that was warned about
+        self.kl_coef_floor_updates = 0
+        self.kl_coef_floor_warned = False
         self.dist_params: DistributionParams
 
     # ----------------------------------------------------------------------------------------------------------
@@ -1068,6 +1078,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         if self.has_kl_coef:
             self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs, allow_decrease=not hold_kl_coef)
             self.logger.record("train/kl_coef", self.kl_coef)
+            self._check_kl_coef_floor(stats["mean"], target_kl)
             band = getattr(self.kl_controller, "kl_band", None)
             if band is not None:  # read by ``sb3-kl plot/report``, which draw the band the run used
                 self.logger.record("train/kl_band_low", float(band[0]), exclude="stdout")
@@ -1078,6 +1089,36 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             self.logger.record("train/action_std_min", float(action_std.min()))
             self.logger.record("train/action_std_mean", float(action_std.mean()))
         return stats
+
+    def _check_kl_coef_floor(self, update_kl: float, target_kl: float) -> None:
+        """
+        Count the consecutive updates with beta at the lower bound of ``kl_coef_bounds`` and the update's KL below
+        :data:`STALLED_KL_FRACTION` of the target; at :data:`STALLED_AT_FLOOR_UPDATES`, warn once (and print with
+        ``verbose >= 1``): beta cannot lower the penalty further, so the KL is held down by something else.
+
+        :param update_kl: The update's mean KL
+        :param target_kl: The update's target
+        """
+        low = getattr(self.kl_controller, "kl_coef_bounds", (None, None))[0]
+        at_floor = low is not None and self.kl_coef <= low * (1 + 1e-9)
+        if not (at_floor and update_kl < STALLED_KL_FRACTION * target_kl):
+            self.kl_coef_floor_updates = 0
+            return
+        self.kl_coef_floor_updates += 1
+        if self.kl_coef_floor_updates < STALLED_AT_FLOOR_UPDATES or self.kl_coef_floor_warned:
+            return
+        self.kl_coef_floor_warned = True
+        message = (
+            f"{type(self).__name__}: beta (kl_coef) has sat at the lower bound {low:g} of `kl_coef_bounds` for "
+            f"{self.kl_coef_floor_updates} consecutive updates, each with a KL below {STALLED_KL_FRACTION:g} x "
+            f"target_kl (last update: {update_kl:.3g} against {target_kl:.3g}). The penalty is not what holds the KL "
+            "down: most likely the learning rate is too small, or decays too fast, for this target (or `target_kl` "
+            "is too large). Fixes: sb3_kl.callbacks.KLAdaptiveLRCallback, which adapts the learning rate to the "
+            "target, or a smaller `target_kl`."
+        )
+        warnings.warn(message, UserWarning, stacklevel=2)
+        if self.verbose >= 1:
+            print(message)
 
     # ----------------------------------------------------------------------------------------------------------
     # Variance floor
