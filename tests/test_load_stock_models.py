@@ -129,8 +129,16 @@ def test_loaded_stock_model_update_kl_matches_torch_distributions(tmp_path):
     assert model.logger.name_to_value["train/kl"] == pytest.approx(expected, rel=1e-4, abs=1e-7)
 
 
-@pytest.mark.parametrize("damage", ["json", "truncated", "not_a_zip"])
-def test_corrupt_zip_is_one_sentence_naming_the_file(tmp_path, damage):
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("json", "'data' entry is not valid JSON"),
+        ("truncated", "is a truncated or corrupt zip file"),
+        ("corrupt", "is a truncated or corrupt zip file"),
+        ("not_a_zip", "wasn't a zip-file"),  # SB3's wording, which its own tests match
+    ],
+)
+def test_corrupt_zip_is_one_sentence_naming_the_file(tmp_path, damage, words):
     KLPPO("MlpPolicy", "CartPole-v1", **PPO_TINY).save(tmp_path / "model")
     path = tmp_path / "model.zip"
     if damage == "json":
@@ -142,12 +150,19 @@ def test_corrupt_zip_is_one_sentence_naming_the_file(tmp_path, damage):
                 archive.writestr(name, content)
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:200])
+    elif damage == "corrupt":  # bytes changed inside the policy's weights, the zip's directory intact
+        content = bytearray(path.read_bytes())
+        with zipfile.ZipFile(path) as archive:
+            info = archive.getinfo(next(name for name in archive.namelist() if name.endswith("policy.pth")))
+        start = info.header_offset + 30 + len(info.filename) + len(info.extra) + info.compress_size // 2
+        content[start : start + 8] = bytes(255 - b for b in content[start : start + 8])
+        path.write_bytes(bytes(content))
     else:
         path.write_text("hello")
     with pytest.raises(ValueError) as info:
         KLPPO.load(path)
     message = str(info.value)
-    assert str(path) in message and "\n" not in message
+    assert str(path) in message and words in message and "\n" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 

@@ -8,6 +8,7 @@ import io
 import json
 import pathlib
 import zipfile
+import zlib
 from typing import Any
 
 from stable_baselines3.common.save_util import open_path
@@ -21,6 +22,10 @@ STOCK_BUFFER_MODULES = (
 )
 
 
+#: The first bytes of every zip file (of each of its records: a truncated zip still starts with them)
+ZIP_SIGNATURE = b"PK"
+
+
 def read_saved_data(path: str | pathlib.Path | io.BufferedIOBase) -> dict[str, Any]:
     """
     The ``data`` entry of a model zip saved by SB3 (or a library built on it), as JSON: nothing is unpickled.
@@ -28,7 +33,8 @@ def read_saved_data(path: str | pathlib.Path | io.BufferedIOBase) -> dict[str, A
     :param path: Path of the zip (``.zip`` may be left out, as with SB3's ``load``) or an open binary file, which is
         left at the position it had
     :raises FileNotFoundError: if the file does not exist
-    :raises ValueError: (one sentence naming the file) if it is not a zip, has no ``data`` entry or its JSON is corrupt
+    :raises ValueError: (one sentence naming the file) if it is not a zip (SB3's message), a truncated or corrupt zip,
+        has no ``data`` entry or its JSON is corrupt
     :return: the JSON object, one entry per saved attribute
     """
     file = open_path(path, "r", verbose=0, suffix="zip")
@@ -36,14 +42,19 @@ def read_saved_data(path: str | pathlib.Path | io.BufferedIOBase) -> dict[str, A
     position = file.tell()
     try:
         with zipfile.ZipFile(file) as archive:
+            damaged = archive.testzip()  # the first entry whose checksum fails
+            if damaged is not None:
+                raise zipfile.BadZipFile(f"its entry {damaged!r} fails its checksum")
             if "data" not in archive.namelist():
                 raise ValueError(f"{name} has no 'data' entry: it is not a model saved by Stable-Baselines3 or sb3-kl.")
             text = archive.read("data").decode("utf-8")
         data = json.loads(text)
-    except (zipfile.BadZipFile, EOFError) as error:
-        raise ValueError(
-            f"{name} is not a readable zip file ({error}): it is corrupt or truncated, or not a saved model."
-        ) from None
+    except (zipfile.BadZipFile, EOFError, zlib.error) as error:
+        file.seek(position)
+        if not file.read(2) == ZIP_SIGNATURE:  # SB3's own wording (its tests match it)
+            raise ValueError(f"Error: the file {name} wasn't a zip-file") from None
+        detail = "" if str(error) == "File is not a zip file" else f" ({error})"  # zipfile's words for a cut-off end
+        raise ValueError(f"{name} is a truncated or corrupt zip file{detail}: save or copy the model again.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(
             f"{name} is a corrupt model zip: its 'data' entry is not valid JSON ({error}); use another copy of the model."
