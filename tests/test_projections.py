@@ -382,3 +382,18 @@ def test_move_below_float32_resolution_falls_back_to_old_mean():
     new_mean, _ = project_gaussian(mean.double(), old_std.double(), old_mean.double(), old_std.double(), 1e-6, 1e-6)
     mean_part, _ = _independent_distances(new_mean, old_std, old_mean, old_std, "kl")
     assert th.allclose(mean_part, th.full_like(mean_part, 1e-6), rtol=1e-6)  # float64 reaches the boundary
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_gradcheck_far_outside_a_small_bound(projection):
+    """Far outside a small bound (means 30 stds away, stds x0.01, logits 10 apart, bound 1e-4) gradients still match."""
+    mean, std, old_mean, old_std = _gaussian_batch(3, 3, 30.0, 1e-2, True, th.float64, seed=7)
+    assert th.autograd.gradcheck(
+        lambda m, s: project_gaussian(m, s, old_mean, old_std, 1e-4, 1e-4, projection),
+        (mean.requires_grad_(), std.requires_grad_()),
+    )
+    if projection == "kl":
+        logits, old_logits = _logits_batch(3, 10, 10.0, th.float64, seed=7)
+        logits.requires_grad_()
+        assert th.autograd.gradcheck(lambda x: project_categorical(x, old_logits, 1e-4, MULTI_DISCRETE), (logits,))
+        assert th.autograd.gradcheck(lambda x: project_bernoulli(x, old_logits, 1e-4), (logits,))

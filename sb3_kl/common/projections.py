@@ -57,7 +57,7 @@ PROJECTIONS = ("kl", "w2", "frobenius")
 _FLOAT32_MARGIN = 1e-4
 _FLOAT64_MARGIN = 1e-9
 # Stop the root search when |g| <= _ROOT_RTOL * bound (or the bracket is at machine precision).
-_ROOT_RTOL = 1e-9
+_ROOT_RTOL = 1e-12
 _MAX_ROOT_ITERATIONS = 100
 
 
