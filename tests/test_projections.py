@@ -356,11 +356,17 @@ def test_bad_arguments_fail_early():
         project_gaussian(mean, std, old_mean, old_std, 0.1, 0.1, projection="l2")
     with pytest.raises(ValueError, match="cov_bound"):
         project_gaussian(mean, std, old_mean, old_std, 0.1, 0.0)
+    with pytest.raises(ValueError, match="old_mean"):
+        project_gaussian(mean, std, old_mean[:2], old_std, 0.1, 0.1)
+    with pytest.raises(ValueError, match="action size"):
+        project_gaussian(mean, std[:1], old_mean, old_std, 0.1, 0.1)
     logits, old_logits = _logits_batch(4, 5, 1.0, th.float32)
     with pytest.raises(ValueError, match="action_dims"):
         project_categorical(logits, old_logits, 0.1, [2, 2])
     with pytest.raises(ValueError, match="bound"):
         project_bernoulli(logits, old_logits, -1.0)
+    with pytest.raises(ValueError, match="old_logits"):
+        project_bernoulli(logits, old_logits[:, :3], 0.1)
 
 
 def test_entropy_projection_raises_low_entropy_only():

@@ -62,8 +62,12 @@ _MAX_ROOT_ITERATIONS = 100
 
 
 def _check_bound(bound: float, name: str) -> None:
-    """Fail early on a bound that is not a positive finite number."""
-    if not (isinstance(bound, (int, float)) and 0.0 < float(bound) < float("inf")):
+    """Fail early on a bound that is not a positive finite number (Python, NumPy or 0-d tensor)."""
+    try:
+        valid = not isinstance(bound, bool) and 0.0 < float(bound) < math.inf
+    except (TypeError, ValueError, RuntimeError):
+        valid = False
+    if not valid:
         raise ValueError(f"`{name}` must be a positive finite number, got {bound!r}: pass e.g. {name}=0.01")
 
 
@@ -71,6 +75,15 @@ def _check_projection(projection: str) -> None:
     """Fail early on an unknown projection name."""
     if projection not in PROJECTIONS:
         raise ValueError(f"`projection` must be one of {PROJECTIONS}, got {projection!r}")
+
+
+def _check_same_shape(new: th.Tensor, old: th.Tensor, name: str) -> None:
+    """Fail early when a new tensor and its old counterpart differ in shape."""
+    if new.shape != old.shape:
+        raise ValueError(
+            f"`{name}` {tuple(new.shape)} and `old_{name}` {tuple(old.shape)} must have the same shape: pass the "
+            "rollout policy's parameters on the same states"
+        )
 
 
 def _round_inside(
@@ -298,6 +311,13 @@ def project_gaussian(
     _check_projection(projection)
     _check_bound(mean_bound, "mean_bound")
     _check_bound(cov_bound, "cov_bound")
+    mean_bound, cov_bound = float(mean_bound), float(cov_bound)
+    _check_same_shape(mean, old_mean, "mean")
+    if std.shape[-1:] != mean.shape[-1:] or old_std.shape[-1:] != mean.shape[-1:]:
+        raise ValueError(
+            f"`std` {tuple(std.shape)} and `old_std` {tuple(old_std.shape)} must end with the action size "
+            f"{mean.shape[-1]} of `mean`: pass (k,) for a state-independent std or (batch, k)"
+        )
     dtype = mean.dtype
     mean64, std64 = mean.to(th.float64), std.to(th.float64)
     old_mean64, old_std64 = old_mean.detach().to(th.float64), old_std.detach().to(th.float64)
@@ -450,6 +470,8 @@ def project_categorical(logits: th.Tensor, old_logits: th.Tensor, bound: float, 
     """
     _check_bound(bound, "bound")
     _split_factors(logits, action_dims)
+    _check_same_shape(logits, old_logits, "logits")
+    bound = float(bound)
     return _project_interpolation(
         logits,
         old_logits,
@@ -498,6 +520,8 @@ def project_bernoulli(logits: th.Tensor, old_logits: th.Tensor, bound: float) ->
     :return: projected logits, same shape and dtype
     """
     _check_bound(bound, "bound")
+    _check_same_shape(logits, old_logits, "logits")
+    bound = float(bound)
     return _project_interpolation(
         logits, old_logits, bound, lambda x: (x,), _bernoulli_constraint, lambda factors: factors[0], normalize_old=False
     )
