@@ -339,7 +339,7 @@ def test_shapes_and_large_batch_speed(batch):
     logits, old_logits = _logits_batch(batch, 10, 3.0, th.float32)
     assert project_categorical(logits, old_logits, 0.01, MULTI_DISCRETE).shape == (batch, 10)
     assert project_bernoulli(logits, old_logits, 0.01).shape == (batch, 10)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 3.0  # about 0.2 s on one idle core
 
 
 def test_state_independent_std_is_projected_once():
@@ -403,3 +403,18 @@ def test_gradcheck_far_outside_a_small_bound(projection):
         logits.requires_grad_()
         assert th.autograd.gradcheck(lambda x: project_categorical(x, old_logits, 1e-4, MULTI_DISCRETE), (logits,))
         assert th.autograd.gradcheck(lambda x: project_bernoulli(x, old_logits, 1e-4), (logits,))
+
+
+def test_multi_discrete_factors_share_one_multiplier():
+    """Every factor is interpolated with the same weight t = 1 / (1 + eta), so that the joint KL is what is bounded."""
+    logits, old_logits = _logits_batch(16, 10, 3.0, th.float64, seed=8)
+    projected = project_categorical(logits, old_logits, 0.01, MULTI_DISCRETE)
+    weights = []
+    for new, old, proj in zip(*(x.split(MULTI_DISCRETE, -1) for x in (logits, old_logits, projected)), strict=True):
+        # up to a constant per factor, proj - old = t (new - old): remove the constants, then solve for t
+        step, full = proj - old, new - old
+        step, full = step - step.mean(-1, keepdim=True), full - full.mean(-1, keepdim=True)
+        weights.append((step * full).sum(-1) / (full * full).sum(-1))
+        assert th.allclose(step, weights[-1].unsqueeze(-1) * full, atol=1e-9)
+    assert th.allclose(weights[0], weights[1], rtol=1e-9) and th.allclose(weights[0], weights[2], rtol=1e-9)
+    assert (weights[0] < 1).all()  # every state was outside the bound and moved
