@@ -379,8 +379,8 @@ def test_entropy_projection_raises_low_entropy_only():
     assert gaussian_entropy_projection(std[1].detach(), min_entropy).shape == (2,)
 
 
-def test_move_below_float32_resolution_falls_back_to_old_mean():
-    """A mean 1000 with std 1e-3 cannot move by 1.4e-6 in float32: the state gets the old mean, inside the bound."""
+def test_move_below_float32_resolution_rounds_to_the_old_mean():
+    """A mean 1000 with std 1e-3 cannot move by 1.4e-6 in float32: rounded toward the old mean, it stays inside."""
     old_mean, old_std = th.full((2, 1), 1000.0), th.full((1,), 1e-3)
     mean = old_mean + th.tensor([[1.0], [-1.0]])
     new_mean, _ = project_gaussian(mean, old_std, old_mean, old_std, 1e-6, 1e-6)
@@ -418,3 +418,25 @@ def test_multi_discrete_factors_share_one_multiplier():
         assert th.allclose(step, weights[-1].unsqueeze(-1) * full, atol=1e-9)
     assert th.allclose(weights[0], weights[1], rtol=1e-9) and th.allclose(weights[0], weights[2], rtol=1e-9)
     assert (weights[0] < 1).all()  # every state was outside the bound and moved
+
+
+def test_float32_gradients_match_float64():
+    """The float32 path (rounded toward the old parameters, or re-solved) has the gradient of the float64 projection."""
+    mean, std, old_mean, old_std = _gaussian_batch(8, 3, 5.0, 3.0, True, th.float32, seed=9)
+    logits, old_logits = _logits_batch(8, 10, 5.0, th.float32, seed=9)
+    weights = th.randn(8, 10, generator=th.Generator().manual_seed(9))
+
+    def gradients(dtype):
+        inputs = [x.detach().to(dtype).clone().requires_grad_() for x in (mean, std, logits)]
+        for projection in PROJECTIONS:
+            new_mean, new_std = project_gaussian(
+                inputs[0], inputs[1], old_mean.to(dtype), old_std.to(dtype), 0.01, 0.01, projection
+            )
+            (new_mean * weights[:, :3] + new_std.log() * weights[:, 3:6]).sum().backward()
+        projected = project_categorical(inputs[2], old_logits.to(dtype), 0.01, MULTI_DISCRETE)
+        (projected.log_softmax(-1) * weights).sum().backward()
+        (project_bernoulli(inputs[2], old_logits.to(dtype), 0.01) * weights).sum().backward()
+        return [x.grad.double() for x in inputs]
+
+    for low, high in zip(gradients(th.float32), gradients(th.float64), strict=True):
+        assert th.allclose(low, high, rtol=1e-3, atol=1e-4)

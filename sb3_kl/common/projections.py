@@ -36,13 +36,13 @@ at the converged root whose value is zero and whose derivative of the constraint
 ``t = t* - (g(t*, theta) - g(t*, theta).detach()) / g_t(t*)``, so that ``dt/dtheta = -g_theta / g_t``, exact at the
 root.
 
-Old tensors are treated as constants (detached). Outputs have the dtype of the inputs. Rounding the result to
-float32 moves the distance by a relative amount of order ``1e-7 * |parameter| / |parameter - old parameter|``, so
-the projections aim at ``bound * (1 - 1e-4)`` for float32 inputs (``bound * (1 - 1e-9)`` for float64 ones), then
-re-evaluate the rounded result in float64 and solve again the few states still outside. The returned distributions
-are within the bound in every state, as evaluated in float64 by the distances of this module; a state whose
-projection cannot be represented within the bound in float32 (a move below float32 resolution) gets the old
-distribution.
+Old tensors are treated as constants (detached). Outputs have the dtype of the inputs. The returned distributions
+are within the bound in every state, as evaluated in float64 by the distances of this module, also after rounding to
+float32: Gaussian parameters are rounded toward the old ones (each part of each distance grows with every entry's
+distance to its old value), while categorical and Bernoulli projections aim at ``bound * (1 - 1e-4)`` in float32
+(rounding logits of size ``|z|`` moves the KL by about ``1e-7 |z| sqrt(bound)``). The rounded result is re-evaluated
+in float64 and the few states still outside are solved again; a state whose projection cannot be represented within
+the bound in float32 (a move below float32 resolution) gets the old distribution.
 """
 
 import math
@@ -86,31 +86,58 @@ def _check_same_shape(new: th.Tensor, old: th.Tensor, name: str) -> None:
         )
 
 
+def _round_toward(values: th.Tensor, old: th.Tensor, dtype: th.dtype) -> th.Tensor:
+    """
+    Cast float64 ``values`` to ``dtype``, rounding each entry toward ``old`` (float64, representable in ``dtype``)
+    instead of to the nearest, so that no entry ends farther from its old value than before. The gradient is the
+    cast's.
+    """
+    nearest = values.to(dtype)
+    with th.no_grad():
+        farther = (nearest.to(th.float64) - old).abs() > (values - old).abs()
+        directed = th.where(farther, th.nextafter(nearest, old.to(dtype)), nearest)
+    return nearest + (directed - nearest.detach())
+
+
 def _round_inside(
     solve: Callable[[float | th.Tensor], th.Tensor],
     distance: Callable[[th.Tensor], th.Tensor],
     old: th.Tensor,
     bound: float,
     dtype: th.dtype,
+    separable: bool,
 ) -> th.Tensor:
     """
     Run a projection in float64 and return it in ``dtype``, inside the bound after rounding.
 
-    The search aims slightly below the bound (relative margin 1e-4 for float32 results, 1e-9 for float64 ones);
-    states whose rounded result is still outside (re-evaluated in float64) are solved again with a target lowered by
-    their excess, up to three times, and a state that still fails (a difference below float32 resolution) falls back
-    to the old parameters.
+    A *separable* distance (a sum over entries, each growing with the entry's distance to its old value: every
+    Gaussian part here) is kept inside by rounding toward the old parameters. Otherwise (categorical and Bernoulli
+    KL) the float32 search aims at ``bound * (1 - 1e-4)``. Either way the rounded result is re-evaluated in float64;
+    states still outside are solved again with a target lowered by their excess, up to three times, and a state that
+    still fails (a move below float32 resolution) falls back to the old parameters.
 
     :param solve: maps a target (float or per-state tensor) to the projected parameters in float64
     :param distance: maps parameters (float64) to the constrained distance per state
-    :param old: the old parameters, in ``dtype``
+    :param old: the old parameters, float64
     :param bound: the bound
     :param dtype: the dtype of the result
+    :param separable: whether rounding toward ``old`` cannot increase the distance
     :return: the projected parameters in ``dtype``
     """
-    margin = _FLOAT64_MARGIN if dtype == th.float64 else _FLOAT32_MARGIN
+    if dtype == th.float64 or separable:
+        margin = _FLOAT64_MARGIN
+
+        def cast(values: th.Tensor) -> th.Tensor:
+            return values if dtype == th.float64 else _round_toward(values, old, dtype)
+
+    else:
+        margin = _FLOAT32_MARGIN
+
+        def cast(values: th.Tensor) -> th.Tensor:
+            return values.to(dtype)
+
     target: float | th.Tensor = bound * (1.0 - margin)
-    result = solve(target).to(dtype)
+    result = cast(solve(target))
     for _ in range(3):
         with th.no_grad():
             dist = distance(result.detach().to(th.float64))
@@ -118,10 +145,10 @@ def _round_inside(
         if not bool(over.any()):
             return result
         target = th.where(over, target * (bound / dist) * (1.0 - margin), target)
-        result = solve(target).to(dtype)
+        result = cast(solve(target))
     with th.no_grad():
         over = distance(result.detach().to(th.float64)) > bound
-    return th.where(over.unsqueeze(-1), old, result)
+    return th.where(over.unsqueeze(-1), old.to(dtype), result)
 
 
 def _solve_increasing(
@@ -324,16 +351,17 @@ def project_gaussian(
     new_mean = _round_inside(
         lambda target: _project_mean(mean64, old_mean64, old_std64, mean_bound, target, projection),
         lambda x: _mean_distance(x, old_mean64, old_std64, projection),
-        old_mean.detach().to(dtype),
+        old_mean64,
         mean_bound,
         dtype,
+        separable=True,
     )
     if projection == "kl":
         solve_cov = lambda target: _project_kl_cov(std64, old_std64, cov_bound, target)  # noqa: E731
     else:
         solve_cov = lambda target: _project_closed_cov(std64, old_std64, cov_bound, target, projection)  # noqa: E731
     new_std = _round_inside(
-        solve_cov, lambda x: _cov_distance(x, old_std64, projection), old_std.detach().to(dtype), cov_bound, dtype
+        solve_cov, lambda x: _cov_distance(x, old_std64, projection), old_std64, cov_bound, dtype, separable=True
     )
     return new_mean.to(dtype), new_std.to(dtype)
 
@@ -453,7 +481,7 @@ def _project_interpolation(
             0.0,
         )[0]
 
-    return _round_inside(solve, distance, old_logits.detach().to(dtype), bound, dtype).to(dtype)
+    return _round_inside(solve, distance, old_logits.detach().to(th.float64), bound, dtype, separable=False).to(dtype)
 
 
 def project_categorical(logits: th.Tensor, old_logits: th.Tensor, bound: float, action_dims: Sequence[int]) -> th.Tensor:
