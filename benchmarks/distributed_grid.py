@@ -13,9 +13,9 @@ noticed through Optuna's heartbeat and re-queued for another worker, and a cell'
 - A worker runs a cell and stores the record in the trial (user attribute ``record``) before completing it. A trial
   completes at most once (Optuna refuses to update a finished trial, and a killed worker's trial is failed first),
   so each cell has at most one complete trial, whose record is the cell's record.
-- :func:`collect` writes the record files of the complete trials (``open(..., "x")``: a file is never written
-  twice, by any number of collectors); the report is then generated from whatever records exist, as without a
-  database.
+- :func:`collect` appends the records of the complete trials to the grid's records file (checked and appended under
+  its file lock: a record is never appended twice, by any number of collectors); the report is then generated from
+  whatever records exist, as without a database.
 
 Usage (``learning.py`` passes ``--storage`` here)::
 
@@ -127,32 +127,34 @@ def work(study: optuna.Study, run_cell: Callable[[dict[str, Any]], dict[str, Any
     return optimize_with_cap(study, objective, max_total_trials=None, catch=(Exception,))
 
 
-def collect(study: optuna.Study, record_path: Callable[[dict[str, Any]], Path], replace_from: int | None = None) -> list[Path]:
+def collect(
+    study: optuna.Study, record_folder: Callable[[dict[str, Any]], Path], replace_from: int | None = None
+) -> list[str]:
     """
-    Write the record file of every complete cell that has none yet (exclusive creation: never twice), and replace the
-    file of every cell this grid run made again (its trial number is ``replace_from`` or later: ``--force``,
-    ``--stale`` and ``--other-machines`` re-make cells whose files exist). Trials are read oldest first, so a cell's
-    newest record is the one that stays.
+    Append the record of every complete cell that has none yet to its records folder (the check and the append under
+    the folder's file lock: never twice, by any number of collectors), and the record of every cell this grid run made
+    again (its trial number is ``replace_from`` or later: ``--force``, ``--stale`` and ``--other-machines`` re-make
+    cells that have records), once. Trials are read oldest first, so a cell's newest record is its last line.
 
     :param study: Grid study
-    :param record_path: Path of a record's file (``run_records.record_path`` of the record's fields)
+    :param record_folder: The records folder of a record (``run_records.record_folder``)
     :param replace_from: First trial number of this grid run (None: replace nothing)
-    :return: The files written by this call
+    :return: The runs whose records this call appended (``run_records.record_name``)
     """
+    import run_records
+
     written = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         record = trial.user_attrs.get("record")
         if record is None:
             continue
-        path = record_path(record)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        mode = "w" if replace_from is not None and trial.number >= replace_from else "x"
-        try:
-            with open(path, mode) as file:
-                json.dump({**record, "grid_trial": trial.number}, file, indent=1)
-        except FileExistsError:
-            continue
-        written.append(path)
+        replace = replace_from is not None and trial.number >= replace_from
+
+        def stored(current: dict[str, Any] | None, number: int = trial.number, replace: bool = replace) -> bool:
+            return current is not None and (not replace or current.get("grid_trial") == number)
+
+        if run_records.append_record(record_folder(record), {**record, "grid_trial": trial.number}, unless=stored):
+            written.append(run_records.record_key(record))
     return written
 
 
@@ -171,7 +173,7 @@ def run(
     study_name: str,
     workers: int,
     heartbeat: HeartbeatSettings,
-    record_path: Callable[[dict[str, Any]], Path],
+    record_folder: Callable[[dict[str, Any]], Path],
     force: bool = False,
     is_current: Callable[[dict[str, Any]], bool] | None = None,
 ) -> list[Path]:
@@ -181,7 +183,7 @@ def run(
 
     :param force: Queue cells again even when the study holds them complete (``--force``)
     :param is_current: Which complete cells' records still count (``--stale``, ``--other-machines``; see :func:`enqueue`)
-    :return: The record files written
+    :return: The runs whose records were appended
     """
     import multiprocessing
 
@@ -198,7 +200,7 @@ def run(
             process.join()
     else:
         _worker(storage_url, study_name, heartbeat)
-    return collect(study, record_path, replace_from=first_new)
+    return collect(study, record_folder, replace_from=first_new)
 
 
 if __name__ == "__main__":  # a bare worker: python benchmarks/distributed_grid.py URL STUDY [HEARTBEAT_S [GRACE_S]]
@@ -210,5 +212,5 @@ if __name__ == "__main__":  # a bare worker: python benchmarks/distributed_grid.
     settings = HeartbeatSettings(*map(int, times))  # every worker of a grid must use the same heartbeat settings
     grid = open_grid(url, name, settings)
     work(grid, grid_runs.train_and_evaluate, log=lambda m: print(m, flush=True))
-    for written in collect(grid, run_records.record_file):
-        print(f"wrote {written}", flush=True)
+    for written in collect(grid, run_records.record_folder):
+        print(f"recorded {written}", flush=True)

@@ -1,13 +1,12 @@
 """Running one cell of the learning grid: the algorithm, its settings and learning rate, training and evaluation."""
 
-import json
 import time
 from typing import Any
 
 import numpy as np
 
 from grid import BUDGETS, MATCHED_SEEDS, N_EVAL_EPISODES
-from run_records import code_version, load_records, record_file, run_environment
+from run_records import code_version, load_records, run_environment, save_record
 
 
 def algorithm_class(algo: str) -> type:
@@ -104,9 +103,7 @@ def rerun_spec(record: dict[str, Any]) -> dict[str, Any]:
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train, evaluate and write the record of one run (executed in a worker process)."""
     record = train_and_evaluate(spec)
-    path = record_file(record)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    save_record(record)
     return record
 
 

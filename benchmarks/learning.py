@@ -43,7 +43,15 @@ import run_records  # noqa: E402
 from grid import ALL_ALGOS, BUDGETS, MAIN_ALGOS, MAIN_ENVS, STRESS_ALGOS, STRESS_ENVS, STRESS_LR_MULTS  # noqa: E402
 from grid_runs import run_one  # noqa: E402
 from learning_report import report  # noqa: E402
-from run_records import code_version, is_side_folder, record_file, record_path, run_environment  # noqa: E402
+from run_records import (  # noqa: E402
+    append_record,
+    code_version,
+    grid_record,
+    is_side_folder,
+    record_folder,
+    record_key,
+    run_environment,
+)
 
 
 def seed_list(tokens: list[str]) -> list[int]:
@@ -102,45 +110,44 @@ def grid_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
         specs = [
             s
             for s in specs
-            if not up_to_date(record_path(args.tier, s["algo"], s["env"], s["lr_mult"], s["seed"]), version, args.stale, here)
+            if not up_to_date(grid_record(args.tier, s["algo"], s["env"], s["lr_mult"], s["seed"]), version, args.stale, here)
         ]
     return specs
 
 
-def keep_unrecorded(specs: list[dict[str, Any]], tier: str) -> list[Path]:
+def keep_unrecorded(specs: list[dict[str, Any]], tier: str) -> list[str]:
     """
     Before ``--other-machines`` re-makes them: copy the existing records of ``specs`` that do not name their machine to
     ``results/unrecorded_machine/runs/<tier>/`` (unless a copy is there), where the report's replication section sets
     them beside the re-made runs. A record that names another machine is replaced (git keeps it).
 
-    :return: the copies written
+    :return: the names of the runs whose records were copied (:func:`run_records.record_name`)
     """
     kept = run_records.RESULTS / "unrecorded_machine" / "runs" / tier
     written = []
     for spec in specs:
-        path = record_path(tier, spec["algo"], spec["env"], spec["lr_mult"], spec["seed"])
-        copy = kept / path.name
-        if path.exists() and not copy.exists() and "run_environment" not in json.loads(path.read_text()):
-            kept.mkdir(parents=True, exist_ok=True)
-            copy.write_text(path.read_text())
-            written.append(copy)
+        record = grid_record(tier, spec["algo"], spec["env"], spec["lr_mult"], spec["seed"])
+        if record is None or "run_environment" in record:
+            continue
+        if append_record(kept, record, unless=lambda current: current is not None):
+            written.append(record_key(record))
     return written
 
 
-def up_to_date(path: Path, version: str, stale: bool, here: dict[str, str] | None = None) -> bool:
+def up_to_date(record: dict[str, Any] | None, version: str, stale: bool, here: dict[str, str] | None = None) -> bool:
     """
-    :param path: a run's record file
+    :param record: a run's record (None: the run has none)
     :param version: the commit this checkout would record
     :param stale: whether a record made by another commit counts as missing (re-run it)
     :param here: this machine's :func:`run_environment`, to count a record that another machine or set of library
         versions made, or that does not name its machine, as missing (None: the machine does not matter)
     :return: whether the run can be skipped
     """
-    return path.exists() and record_is_current(json.loads(path.read_text()), version, stale, here)
+    return record is not None and record_is_current(record, version, stale, here)
 
 
 def record_is_current(record: dict[str, Any], version: str, stale: bool, here: dict[str, str] | None = None) -> bool:
-    """:func:`up_to_date` for a record already read (a file's, or a distributed grid's complete cell's)."""
+    """:func:`up_to_date` for a record already read (the grid's, or a distributed grid's complete cell's)."""
     if stale and record.get("code_version") != version:
         return False
     return here is None or record.get("run_environment") == here
@@ -218,9 +225,9 @@ def main(argv: list[str] | None = None) -> None:
                 return record_is_current(record, version, args.stale, here)
 
         written = distributed_grid.run(
-            specs, args.storage, study_name, args.workers, heartbeat, record_file, args.force, is_current
+            specs, args.storage, study_name, args.workers, heartbeat, record_folder, args.force, is_current
         )
-        print(f"{len(written)} records written from study {study_name!r}", flush=True)
+        print(f"{len(written)} records appended from study {study_name!r}", flush=True)
     elif not args.report:
         specs = grid_specs(args)
         if args.other_machines:

@@ -19,7 +19,6 @@ share) are ``learning.py``'s.
 """
 
 import argparse
-import json
 import multiprocessing
 import sys
 import time
@@ -80,8 +79,9 @@ def zoo_settings(env_id: str) -> dict[str, Any]:
     return entry
 
 
-def record_path(budget: str, algo: str, env_id: str, lr_mult: float, seed: int) -> Path:
-    return RUNS / budget / f"{algo}__{env_id}__lr{lr_mult:g}__s{seed}.json"
+def has_record(budget: str, algo: str, env_id: str, lr_mult: float, seed: int) -> bool:
+    """Whether the run has a record in the records folder of its budget tier (``run_records``' layout)."""
+    return run_records.find_record(RUNS / budget, run_records.record_name(algo, env_id, lr_mult, seed)) is not None
 
 
 def code_version() -> str:
@@ -186,16 +186,13 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         code_version=version,
         run_environment=run_records.run_environment(),
     )
-    path = record_path(budget_tier, algo, env_id, lr_mult, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    run_records.append_record(RUNS / budget_tier, record)
     print(f"{algo} {env_id} lr x{lr_mult:g} seed {seed}: eval {record['eval_mean']:.1f} ({cpu_seconds:.0f} CPU-s)", flush=True)
     return record
 
 
 def load_records(budget: str) -> list[dict[str, Any]]:
-    folder = RUNS / budget
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.exists() else []
+    return run_records.read_folder(RUNS / budget)
 
 
 def figure_name(budget: str) -> str:
@@ -378,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
             for algo in args.algos
             if (args.envs is None or env_id in args.envs)
             and (args.lr_mults is None or lr_mult in args.lr_mults)
-            and (args.force or not record_path(args.budget, algo, env_id, lr_mult, seed).exists())
+            and (args.force or not has_record(args.budget, algo, env_id, lr_mult, seed))
         ]
         with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
             for _ in pool.imap_unordered(run_one, specs):

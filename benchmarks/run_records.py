@@ -1,27 +1,120 @@
 """
-The learning grid's records: one JSON record per run under ``results/runs/<tier>/`` (``$SB3_KL_BENCHMARK_RESULTS``
-to read and write elsewhere), how they are found, read and grouped, and the code and machine that made them.
+The learning grid's records and how they are stored, found, read and grouped, and the code and machine that made them.
+
+Layout: a records folder (the grid's ``results/runs/<tier>/``, and each side experiment's folder) holds one file,
+``records.jsonl``: one JSON record per line, one line per finished run, appended as the run finishes (under a file
+lock, so the workers of a grid append to it side by side). A run made again appends its new record: the last line of
+a run (its cell and seed, :func:`record_name`) is its record. ``$SB3_KL_BENCHMARK_RESULTS`` reads and writes the grid's
+records elsewhere.
 """
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
 
 HERE = Path(__file__).resolve().parent
 #: The main results folder: the grid's records (``runs/<tier>/``), its report, and the side experiments' folders
 MAIN_RESULTS = HERE / "results"
 RESULTS = Path(os.environ.get("SB3_KL_BENCHMARK_RESULTS", MAIN_RESULTS))
+#: The file of a records folder
+RECORDS_FILE = "records.jsonl"
 
 
-def record_path(tier: str, algo: str, env_id: str, lr_mult: float, seed: int) -> Path:
-    return RESULTS / "runs" / tier / f"{algo}__{env_id}__lr{lr_mult:g}__s{seed}.json"
+def record_name(algo: str, env_id: str, lr_mult: float, seed: int) -> str:
+    """A run's name in its records folder: its cell and seed."""
+    return f"{algo}__{env_id}__lr{lr_mult:g}__s{seed}"
 
 
-def record_file(record: dict[str, Any]) -> Path:
-    """:return: the path of a record's file"""
-    return record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"])
+def record_key(record: dict[str, Any]) -> str:
+    """:return: the :func:`record_name` of a record's run"""
+    return record_name(record["algo"], record["env"], record["lr_mult"], record["seed"])
+
+
+def runs_folder(tier: str) -> Path:
+    """The grid's records folder of a tier."""
+    return RESULTS / "runs" / tier
+
+
+#: The lines of each records file read, with the file's modification time and size when it was read
+_read: dict[Path, tuple[tuple[int, int], dict[str, str]]] = {}
+
+
+def _lines(folder: Path) -> dict[str, str]:
+    """The JSON line of each run's record in ``folder`` (the last line of a run wins), ordered by run name."""
+    path = folder / RECORDS_FILE
+    if not path.exists():
+        return {}
+    stat = path.stat()
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    if path in _read and _read[path][0] == stamp:
+        return _read[path][1]
+    lines: dict[str, str] = {}
+    with open(path) as file:
+        for line in file:
+            if line.strip():
+                lines[record_key(json.loads(line))] = line
+    # ordered as the files of the records once were (``<name>.json``), so every report sums in the same order
+    lines = dict(sorted(lines.items(), key=lambda item: item[0] + ".json"))
+    _read[path] = (stamp, lines)
+    return lines
+
+
+def read_folder(folder: Path) -> list[dict[str, Any]]:
+    """The records of a records folder, one per run (its last), ordered by run name; none without the folder."""
+    return [json.loads(line) for line in _lines(folder).values()]
+
+
+def find_record(folder: Path, name: str) -> dict[str, Any] | None:
+    """The record of the run ``name`` (:func:`record_name`) in a records folder, or None."""
+    line = _lines(folder).get(name)
+    return json.loads(line) if line is not None else None
+
+
+def append_record(
+    folder: Path, record: dict[str, Any], unless: Callable[[dict[str, Any] | None], bool] | None = None
+) -> bool:
+    """
+    Append a record to a records folder, under an exclusive lock of its file (concurrent writers wait their turn).
+
+    :param unless: Called under the lock with the run's current record (None: none yet): the record is not appended
+        when it returns True (a check and an append that no other writer comes between)
+    :return: whether the record was appended
+    """
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / RECORDS_FILE, "a+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        if unless is not None:
+            file.seek(0)
+            current = None
+            for line in file:
+                if line.strip() and record_key(json.loads(line)) == record_key(record):
+                    current = json.loads(line)
+            if unless(current):
+                return False
+        file.seek(0, os.SEEK_END)
+        file.write(json.dumps(record) + "\n")
+        file.flush()
+    return True
+
+
+def grid_record(tier: str, algo: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any] | None:
+    """The grid's record of a run, or None."""
+    return find_record(runs_folder(tier), record_name(algo, env_id, lr_mult, seed))
+
+
+def record_folder(record: dict[str, Any]) -> Path:
+    """The grid's records folder of a record (that of its tier)."""
+    return runs_folder(record["tier"])
+
+
+def save_record(record: dict[str, Any]) -> Path:
+    """Append a run's record to the grid's records of its tier; :return: the records file"""
+    append_record(runs_folder(record["tier"]), record)
+    return runs_folder(record["tier"]) / RECORDS_FILE
 
 
 #: The modules that run a grid cell besides ``learning.py``: a change to one marks the code version ``+modified``
@@ -78,8 +171,8 @@ def run_environment() -> dict[str, str]:
 
 
 def load_records(tier: str) -> list[dict[str, Any]]:
-    folder = RESULTS / "runs" / tier
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.exists() else []
+    """The grid's records of a tier."""
+    return read_folder(runs_folder(tier))
 
 
 def trained_steps(record: dict[str, Any]) -> int | None:
@@ -132,8 +225,7 @@ def group_records(records: list[dict[str, Any]]) -> dict[tuple[str, str, float],
 
 def load_folder(name: str) -> dict[tuple[str, str, float], list[dict[str, Any]]]:
     """Records of a side experiment kept in ``results/<name>/``, grouped by cell."""
-    folder = RESULTS / name
-    return group_records([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.exists() else [])
+    return group_records(read_folder(RESULTS / name))
 
 
 def kl_update_keys(record: dict[str, Any], until: int | None = None) -> list[tuple[int, float, float]]:

@@ -30,7 +30,8 @@ from run_records import (
     kl_update_keys,
     load_folder,
     machine,
-    record_path,
+    find_record,
+    record_key,
     same_run,
     seed_key,
     seed_range,
@@ -792,12 +793,8 @@ def longer_run(record: dict[str, Any]) -> dict[str, Any] | None:
     folder = LONGER_BUDGET_RUNS.get(record["env"])
     if folder is None:
         return None
-    grid_path = record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"])
-    path = run_records.RESULTS / folder / grid_path.relative_to(run_records.RESULTS)
-    if not path.exists():
-        return None
-    longer = json.loads(path.read_text())
-    return longer if repeats_grid_run(record, longer) else None
+    longer = find_record(run_records.RESULTS / folder / "runs" / record["tier"], record_key(record))
+    return longer if longer is not None and repeats_grid_run(record, longer) else None
 
 
 def after_the_budget(record: dict[str, Any]) -> str:

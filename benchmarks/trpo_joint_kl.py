@@ -56,11 +56,12 @@ def round_significant(value: float, digits: int = 2) -> float:
 
 def joint_kl(env_id: str) -> dict[str, Any]:
     """TRPO's per-update joint KL on ``env_id``, from its records at the zoo learning rate (seeds ``SEEDS``)."""
-    paths = [RUNS / f"trpo__{env_id}__lr1__s{seed}.json" for seed in SEEDS]
-    paths = [path for path in paths if path.exists()]
-    if not paths:
+    import run_records
+
+    found = [run_records.find_record(RUNS, run_records.record_name("trpo", env_id, 1.0, seed)) for seed in SEEDS]
+    records = [record for record in found if record is not None]
+    if not records:
         raise FileNotFoundError(f"no TRPO record for {env_id} in {RUNS}")
-    records = [json.loads(path.read_text()) for path in paths]
     for record in records:
         assert record["kl_source"].startswith("sb3_kl.callbacks.KLMonitorCallback (exact, forward, summed)"), record[
             "kl_source"
@@ -73,7 +74,7 @@ def joint_kl(env_id: str) -> dict[str, Any]:
     return dict(
         env=env_id,
         trpo_target_kl=records[0]["target_kl"],
-        records=[str(path.relative_to(HERE.parent)) for path in paths],
+        records=[f"{RUNS.relative_to(HERE.parent)}/{run_records.record_key(record)}" for record in records],
         record_code_versions=sorted({str(record.get("code_version", "unrecorded")) for record in records}),
         seeds=[record["seed"] for record in records],
         updates=sum(len(record["kl_updates"]) for record in records),

@@ -3,7 +3,6 @@ Distributed tuning and the distributed learning grid on a real PostgreSQL server
 ``conftest.py``; skipped with the install command where the server binaries or the driver are missing).
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -210,12 +209,14 @@ def test_learning_grid_over_two_workers_survives_a_killed_worker(postgres_server
     assert [trial.number for trial in trials if trial.state.name == "FAIL"] == [killed.number]
     retry = next(trial for trial in complete if trial.system_attrs.get("failed_trial") == killed.number)
     assert retry.user_attrs["cell_key"] == killed.user_attrs["cell_key"]
-    # the surviving worker wrote each record file once; collecting again writes nothing
-    files = sorted(tmp_path.glob("runs/tiny/*.json"))
-    assert [path.name for path in files] == sorted(run_records.record_file(spec).name for spec in specs)
-    assert output.count("wrote ") == 4
-    assert distributed_grid.collect(optuna.load_study(study_name="grid", storage=url), run_records.record_file) == []
-    records = [json.loads(path.read_text()) for path in files]
+    # the surviving worker appended each record once; collecting again appends nothing
+    records = run_records.read_folder(tmp_path / "runs" / "tiny")
+    lines = (tmp_path / "runs" / "tiny" / run_records.RECORDS_FILE).read_text().splitlines()
+    assert len(lines) == 4 and [run_records.record_key(r) for r in records] == sorted(
+        run_records.record_key(spec) for spec in specs
+    )
+    assert output.count("recorded ") == 4
+    assert distributed_grid.collect(optuna.load_study(study_name="grid", storage=url), run_records.record_folder) == []
     assert {trial.number for trial in complete} == {record["grid_trial"] for record in records}
     assert "| CartPole-v1 | 1,024 |" in learning_report.report(
         "tiny"
@@ -341,7 +342,7 @@ def test_learning_grid_remakes_cells_on_force_and_stale(postgres_server, tmp_pat
     specs = [dict(algo="klppo", env="CartPole-v1", seed=seed, lr_mult=1.0, tier="tiny") for seed in (0, 1)]
     made: list[str] = []
 
-    def grid_run(version: str, cells: list[dict], **kwargs) -> list[Path]:
+    def grid_run(version: str, cells: list[dict], **kwargs) -> list[str]:
         def run_cell(spec: dict) -> dict:
             made.append(f"{spec['seed']}@{version}")
             return dict(spec, eval_mean=1.0, code_version=version)
@@ -350,10 +351,15 @@ def test_learning_grid_remakes_cells_on_force_and_stale(postgres_server, tmp_pat
         first = len(study.get_trials(deepcopy=False))
         distributed_grid.enqueue(study, cells, **kwargs)
         distributed_grid.work(study, run_cell, log=lambda message: None)
-        return distributed_grid.collect(study, run_records.record_file, replace_from=first)
+        return distributed_grid.collect(study, run_records.record_folder, replace_from=first)
 
     def versions() -> list[str]:
-        return [json.loads(run_records.record_file(spec).read_text())["code_version"] for spec in specs]
+        return [
+            run_records.grid_record(**{k: spec[k] for k in ("tier", "algo", "lr_mult", "seed")}, env_id=spec["env"])[
+                "code_version"
+            ]
+            for spec in specs
+        ]
 
     assert len(grid_run("a", specs)) == 2 and versions() == ["a", "a"]
     assert grid_run("b", specs) == [] and versions() == ["a", "a"]  # nothing to do: the study has both cells

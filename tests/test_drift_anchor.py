@@ -4,7 +4,6 @@ policy ``lag`` updates before the update's result, and its records land beside t
 """
 
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -54,12 +53,13 @@ def test_records_land_beside_the_grid_cells(tmp_path, monkeypatch):
     monkeypatch.setattr(drift_anchor, "FOLDER", tmp_path / "drift_anchor")
     monkeypatch.setattr(drift_anchor.run_records, "RESULTS", tmp_path)
     drift_anchor.main(["--tier", "tiny", "--algos", "klppo", "--envs", "Pendulum-v1", "--seeds", "0", "--lag", "2"])
-    path = drift_anchor.record_path(2, 10.0, "tiny", "klppo", "Pendulum-v1", 0)
-    record = json.loads(path.read_text())
+    folder = drift_anchor.records_folder(2, 10.0, "tiny")
+    (record,) = drift_anchor.run_records.read_folder(folder)
+    assert folder == tmp_path / "drift_anchor" / "lag2_x10" / "runs" / "tiny"
     assert record["anchor"] == dict(lag=2, multiple=10.0)
     assert record["overrides"] == dict(ref_kl_coef=drift_anchor.INITIAL_REF_KL_COEF, ref_target_kl=0.3)
     assert record["drift_lag"] == 10 and record["kl_updates"]
     # a second call finds the record and trains nothing
     drift_anchor.main(["--tier", "tiny", "--algos", "klppo", "--envs", "Pendulum-v1", "--seeds", "0", "--lag", "2"])
-    assert json.loads(path.read_text())["train_seconds"] == record["train_seconds"]
+    assert drift_anchor.run_records.read_folder(folder) == [record]
     assert (tmp_path / "drift_anchor_tiny.md").exists()

@@ -97,9 +97,9 @@ def test_other_machines_re_runs_the_records_this_machine_did_not_make(tmp_path, 
     specs = learning.grid_specs(args)
     args.other_machines = False
     assert [s["seed"] for s in learning.grid_specs(args)] == [3]
-    (copy,) = learning.keep_unrecorded(specs, "tiny")
-    assert copy == tmp_path / "unrecorded_machine" / "runs" / "tiny" / "klppo__CartPole-v1__lr1__s2.json"
-    assert json.loads(copy.read_text())["seed"] == 2 and "run_environment" not in json.loads(copy.read_text())
+    assert learning.keep_unrecorded(specs, "tiny") == ["klppo__CartPole-v1__lr1__s2"]
+    (copy,) = run_records.read_folder(tmp_path / "unrecorded_machine" / "runs" / "tiny")
+    assert copy["seed"] == 2 and "run_environment" not in copy
     assert learning.keep_unrecorded(specs, "tiny") == []
 
 
@@ -133,8 +133,8 @@ def test_ppo_target_kl_run_records_the_monitored_kl(tmp_path, monkeypatch):
     # CartPole's zoo rollout is 8 x 32 steps: one measured update per rollout of the tiny budget
     assert len(record["kl_updates"]) == 1024 // 256
     assert all(u["mean"] >= 0 and u["p99"] >= 0 for u in record["kl_updates"])
-    written = run_records.record_path("tiny", "ppo_target_kl", "CartPole-v1", 1.0, 0).read_text()
-    assert json.loads(written) == json.loads(json.dumps(record))
+    written = run_records.grid_record("tiny", "ppo_target_kl", "CartPole-v1", 1.0, 0)
+    assert written == json.loads(json.dumps(record))
     # the machine and the library versions, which decide the numbers besides the code
     described = record["run_environment"]
     assert described["torch"] == torch.__version__ and described["stable-baselines3"] == stable_baselines3.__version__
@@ -187,10 +187,8 @@ def _record(algo, env, seed, eval_mean, kls, target, lr_mult=1.0, curve=None):
 
 
 def _write(folder: Path, record: dict) -> None:
-    """Store a record in a results folder under the grid's file name for it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    name = run_records.record_path(record["tier"], record["algo"], record["env"], record["lr_mult"], record["seed"]).name
-    (folder / name).write_text(json.dumps(record))
+    """Store a record in a records folder (the last record stored of a run is its record)."""
+    run_records.append_record(folder, record)
 
 
 def _report(tier: str) -> str:
@@ -216,8 +214,15 @@ def _row(text: str, start: str) -> str:
 
 def _empty(folder: Path) -> None:
     """Remove the records of a results folder (its section must then leave the report)."""
-    for path in folder.iterdir():
-        path.unlink()
+    (folder / run_records.RECORDS_FILE).unlink()
+
+
+def _remove(folder: Path, name: str) -> None:
+    """Remove one run's record from a records folder."""
+    kept = [r for r in run_records.read_folder(folder) if run_records.record_key(r) != name]
+    _empty(folder)
+    for record in kept:
+        _write(folder, record)
 
 
 def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkeypatch):
@@ -447,7 +452,7 @@ def test_longer_budget_section_says_which_collapses_the_curve_came_back_from(tmp
     assert line.endswith("past the grid's budget* and *KLTRPO on Hopper-v5 with PPO's discount, GAE and policy network*)")
     _empty(swap)
     # without stock PPO's runs of every seed, no rate is compared: the runs trained on may be the collapsed ones
-    (longer / run_records.record_path("tiny", "ppo", env, 1.0, 3).name).unlink()
+    _remove(longer, run_records.record_name("ppo", env, 1.0, 3))
     text = side_studies.longer_budget_collapses(grid_groups, "tiny", env)
     assert _row(text, "| klppo |").endswith("| - |") and _row(text, "| ppo |").startswith("| ppo | 0..2 | 3 of 3 |")
     _empty(longer)

@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+import run_records  # noqa: E402
 from sb3_kl.common.callbacks_alarm import SpikeRule  # noqa: E402
 
 FACTORS = (5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0)
@@ -53,13 +54,14 @@ SPIKE_FACTOR, PATIENCE = 5.0, 3
 
 def load_runs(pattern: str) -> list[dict[str, Any]]:
     runs = []
-    for path in sorted(glob.glob(pattern, recursive=True)):
-        record = json.loads(Path(path).read_text())
-        if not record.get("kl_updates") or not record.get("target_kl"):
-            continue
-        ratios = np.array([update["mean"] for update in record["kl_updates"]]) / float(record["target_kl"])
-        runs.append(dict(path=str(Path(path).relative_to(HERE.parent)), algo=record["algo"], env=record["env"],
-                         seed=record["seed"], lr_mult=record["lr_mult"], ratios=ratios))  # fmt: skip
+    for path in sorted(glob.glob(pattern, recursive=True)):  # records files (run_records.RECORDS_FILE)
+        for record in run_records.read_folder(Path(path).parent):
+            if not record.get("kl_updates") or not record.get("target_kl"):
+                continue
+            ratios = np.array([update["mean"] for update in record["kl_updates"]]) / float(record["target_kl"])
+            name = f"{Path(path).parent.relative_to(HERE.parent)}/{run_records.record_key(record)}"
+            runs.append(dict(path=name, algo=record["algo"], env=record["env"], seed=record["seed"],
+                             lr_mult=record["lr_mult"], ratios=ratios))  # fmt: skip
     return runs
 
 
@@ -171,7 +173,7 @@ def choose(rows: list[dict], groups: dict[str, list], max_false: float, per_cell
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default=str(HERE / "results" / "runs" / "**" / "*.json"))
+    parser.add_argument("--runs", default=str(HERE / "results" / "runs" / "**" / "records.jsonl"))
     parser.add_argument(
         "--max-false-runs",
         type=float,

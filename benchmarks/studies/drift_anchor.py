@@ -17,7 +17,6 @@ the table, beside the grid's records of the same cells and seeds, to ``benchmark
 """
 
 import argparse
-import json
 import multiprocessing
 import sys
 from collections import deque
@@ -76,9 +75,9 @@ def make_anchor(lag: int) -> Any:
     return LaggedAnchor()
 
 
-def record_path(lag: int, multiple: float, tier: str, algo: str, env_id: str, seed: int) -> Path:
-    """Where the record of an anchored run goes (the grid's file name, in the anchor's folder)."""
-    return FOLDER / f"lag{lag}_x{multiple:g}" / "runs" / tier / run_records.record_path(tier, algo, env_id, 1.0, seed).name
+def records_folder(lag: int, multiple: float, tier: str) -> Path:
+    """The records folder of the runs anchored ``lag`` updates back with a drift target ``multiple`` x target_kl."""
+    return FOLDER / f"lag{lag}_x{multiple:g}" / "runs" / tier
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
@@ -87,9 +86,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     grid_runs.algorithm_class = anchored_class  # the worker process trains anchored classes only
     record = grid_runs.train_and_evaluate(spec, probes=[make_anchor(lag)])
     record["anchor"] = dict(lag=lag, multiple=multiple)
-    path = record_path(lag, multiple, spec["tier"], spec["algo"], spec["env"], spec["seed"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    run_records.append_record(records_folder(lag, multiple, spec["tier"]), record)
     return record
 
 
@@ -140,7 +137,7 @@ def report(tier: str = "full") -> str:
         "",
     ]
     for path in sorted(p for p in FOLDER.glob("lag*_x*") if p.is_dir()):
-        side = run_records.group_records([json.loads(p.read_text()) for p in sorted((path / "runs" / tier).glob("*.json"))])
+        side = run_records.group_records(run_records.read_folder(path / "runs" / tier))
         if not side:
             continue
         versions = sorted({r.get("code_version", "?") for rs in side.values() for r in rs})
@@ -191,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     for env_id in args.envs:
         for algo in args.algos:
             for seed in seeds:
-                if record_path(args.lag, args.multiple, args.tier, algo, env_id, seed).exists():
+                folder = records_folder(args.lag, args.multiple, args.tier)
+                if run_records.find_record(folder, run_records.record_name(algo, env_id, 1.0, seed)) is not None:
                     continue
                 overrides = dict(ref_kl_coef=INITIAL_REF_KL_COEF, ref_target_kl=args.multiple * target_of(algo, env_id))
                 specs.append(
