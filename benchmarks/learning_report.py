@@ -210,6 +210,8 @@ def report(tier: str) -> str:
         lines.append("")
     if not side or any(algo == "ppo_target_kl" for (_, algo, _) in groups):
         lines += baseline_comparison(groups, envs), ""
+    if not side:
+        lines += aggregate_comparison(groups, envs), ""
     # the side studies, each set beside the grid on a page of its own: a side folder's report leaves them out
     sections = [budget_use(groups, envs)]
     if not side:
@@ -327,6 +329,65 @@ def baseline_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]
     out += ["", "Where KLPPO/ClipKLPPO do not beat stock PPO with `target_kl` (tie or worse):", ""]
     out += [f"- {line}" for line in not_beaten] or ["- nowhere: they beat it on every metric of every cell"]
     return "\n".join(out)
+
+
+#: The sb3-kl algorithms set against the stock ones in :func:`aggregate_comparison`: (ours, stock)
+AGGREGATE_PAIRS = [
+    ("klppo", "ppo"),
+    ("klppo", "ppo_target_kl"),
+    ("clip_klppo", "ppo"),
+    ("clip_klppo", "ppo_target_kl"),
+    ("kltrpo", "trpo"),
+]
+
+
+def aggregate_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str]) -> str:
+    """
+    The field's few-seed aggregates over the tasks of each grid (Agarwal et al., NeurIPS 2021, ``aggregate.py``):
+    the interquartile mean of the per-task normalized evaluation returns with its stratified-bootstrap 95 % interval,
+    and the probability that a run of the sb3-kl algorithm beats a run of the stock one on a task drawn at random.
+    """
+    from aggregate import pooled_iqm, probability_of_improvement, probability_of_improvement_ci, stratified_bootstrap_ci
+
+    rows = []
+    for lr_mult in sorted({k[2] for k in groups}):
+        for ours, stock in AGGREGATE_PAIRS:
+            tasks = [e for e in envs if groups.get((e, ours, lr_mult)) and groups.get((e, stock, lr_mult))]
+            if not tasks:
+                continue
+            scores: dict[str, list[np.ndarray]] = {ours: [], stock: []}
+            for env in tasks:
+                every = [r["eval_mean"] for (e, _, m), runs in groups.items() if (e, m) == (env, lr_mult) for r in runs]
+                low, high = min(every), max(every)
+                for algo in (ours, stock):
+                    returns = np.array([r["eval_mean"] for r in groups[(env, algo, lr_mult)]])
+                    scores[algo].append((returns - low) / (high - low) if high > low else np.zeros_like(returns))
+            iqm = {algo: (pooled_iqm(s), *stratified_bootstrap_ci(s)) for algo, s in scores.items()}
+            poi = (
+                probability_of_improvement(scores[ours], scores[stock]),
+                *probability_of_improvement_ci(scores[ours], scores[stock]),
+            )
+            cells = [f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" for v in (iqm[ours], iqm[stock], poi)]
+            rows.append(f"| x{lr_mult:g} | {ours} | {stock} | {len(tasks)} | " + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    return "\n".join(
+        [
+            "## Aggregates over the tasks (IQM and probability of improvement)",
+            "",
+            "The few-seed aggregates of Agarwal et al. (NeurIPS 2021, *Deep RL at the edge of the statistical precipice*),"
+            " beside the Welch tests above (`benchmarks/aggregate.py`). Each run's evaluation return is normalized per task"
+            " to [0, 1] by the lowest and the highest return of any run of any algorithm on that task at that learning"
+            " rate; IQM: the interquartile mean of the runs of all the tasks both algorithms have, pooled; P(better): the"
+            " probability that a run of the sb3-kl algorithm scores above a run of the stock one on a task drawn at random"
+            " (ties count one half; 0.5: neither is better). In brackets: 95 % stratified-bootstrap intervals (runs"
+            " resampled within each task, 2,000 resamples, seed 0); a P(better) interval that holds 0.5 is a tie.",
+            "",
+            "| grid | algorithm | stock | tasks | IQM | stock's IQM | P(better) |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
 
 
 def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str]) -> str:

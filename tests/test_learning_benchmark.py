@@ -923,3 +923,19 @@ def test_zoo_config_goal_judges_the_cell_that_ran_at_the_shipped_target(monkeypa
     # a config that keeps TRPO's target: kltrpo's runs, at exactly that target
     monkeypatch.setattr(learning_report, "shipped_kltrpo_target_kl", lambda env_id: 0.01)
     assert learning_report.shipped_kltrpo_cell(groups, env) == "kltrpo"
+
+
+def test_aggregates_pool_the_normalized_tasks_and_give_the_probability_of_improvement():
+    # KLPPO beats PPO on every run of both tasks, by the whole normalized range: IQM 1 against 0, P(better) 1
+    records = [
+        _record(algo, env, seed, eval_mean, [0.03], 0.03)
+        for env, (low, high) in (("Pendulum-v1", (-1000.0, -200.0)), ("HalfCheetah-v5", (100.0, 3000.0)))
+        for algo, eval_mean in (("ppo", low), ("klppo", high))
+        for seed in range(4)
+    ]
+    text = learning_report.aggregate_comparison(run_records.group_records(records), grid.MAIN_ENVS)
+    assert "| x1 | klppo | ppo | 2 | 1.00 [1.00, 1.00] | 0.00 [0.00, 0.00] | 1.00 [1.00, 1.00] |" in text
+    # the same returns on both sides: a tie at one half, whatever the resampling
+    tie = [{**r, "algo": "klppo"} for r in records if r["algo"] == "ppo"] + [r for r in records if r["algo"] == "ppo"]
+    assert "| 0.50 [0.50, 0.50] |" in learning_report.aggregate_comparison(run_records.group_records(tie), grid.MAIN_ENVS)
+    assert learning_report.aggregate_comparison(run_records.group_records(records[:4]), grid.MAIN_ENVS) == ""
