@@ -281,9 +281,10 @@ def report_tier(budget_tier: str) -> list[str]:
                 f"{fmt([s['in_band'] for s in summaries], 0, percent=True)} | "
                 f"{fmt([s['steps_per_s'] for s in summaries], 0)} |"
             )
-    lines += ["", *baseline_comparison(groups), "", f"![returns and KL per update]({figure_name(budget_tier)})", ""]
+    # the figure and the comparison with RecurrentPPO first, then the method and every cell's numbers
+    opening = [*lines[:2], f"![returns and KL per update]({figure_name(budget_tier)})", "", *baseline_comparison(groups)]
     plot(groups, figure_name(budget_tier))
-    return lines
+    return [*opening, "", *lines[2:], ""]
 
 
 def baseline_comparison(groups: dict[tuple[str, float, str], list[dict[str, Any]]]) -> list[str]:
