@@ -119,6 +119,28 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, f"{name}: a python block failed\n{result.stderr[-4000:]}"
 
 
+# A path of the repository named in backticks or a link, e.g. `python benchmarks/learning.py` or (benchmarks/README.md)
+REPOSITORY_PATH = re.compile(
+    r"[`(](?:python )?((?:benchmarks|scripts|examples|tests|sb3_kl|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_])"
+)
+# The changelog names files as they were at each release
+HISTORY_PAGES = {"docs/misc/changelog.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [page for page in doc_pages() if page.relative_to(ROOT).as_posix() not in HISTORY_PAGES],
+    ids=lambda page: page.relative_to(ROOT).as_posix(),
+)
+def test_named_repository_paths_exist(page: Path) -> None:
+    name = page.relative_to(ROOT).as_posix()
+    text = page.read_text(encoding="utf-8")
+    # globs, placeholders and the site's build output are not files of the repository
+    named = {path for path in REPOSITORY_PATH.findall(text) if "*" not in path and "<" not in path and "_build" not in path}
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"{name} names paths that do not exist: {missing}"
+
+
 def sphinx_missing() -> list[str]:
     return [module for module in ("sphinx", "myst_parser", "sphinx_rtd_theme") if importlib.util.find_spec(module) is None]
 
