@@ -147,7 +147,7 @@ class TRPL(KLOnPolicyAlgorithm):
         cov_bound: float = 0.001,
         trust_region_coef: float = 8.0,
         target_entropy: float | None = None,
-        max_enforce_steps: int = 20,
+        max_enforce_steps: int = 30,
         bound_tolerance: float = 1.05,
         kl_quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
         stats_window_size: int = 100,
