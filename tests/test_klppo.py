@@ -717,7 +717,7 @@ def test_early_stop_judges_the_documented_lagging_kl():
 
 def test_epoch_end_judge_measures_the_policy_the_epoch_leaves():
     """
-    The alternative rule compared in ``benchmarks/epoch_kl_stop.py``: the KL of the policy each epoch leaves over the
+    The alternative rule compared in ``benchmarks/studies/epoch_kl_stop.py``: the KL of the policy each epoch leaves over the
     whole buffer (recomputed with ``torch.distributions``); it stops after the first step that crosses
     ``kl_stop_factor * target_kl``, and its last pass is the logged ``train/kl``.
     """

@@ -27,7 +27,7 @@ from sb3_kl.common.validation import (
 )
 
 #: ``max_kl_factor``'s default: a single update whose mean KL exceeds this many times the target raises ``kl_spike``
-#: at once. Chosen by ``benchmarks/alarm_spike_rule.py`` from the committed benchmark runs' per-update KLs (the
+#: at once. Chosen by ``benchmarks/studies/alarm_spike_rule.py`` from the committed benchmark runs' per-update KLs (the
 #: smallest factor with which the callback, sustained rule included, alarms on every stress run whose KL ran away, and
 #: whose own alarms stay on at most 5 % of the normal runs and of the KL-controlled stress runs and on at most half of
 #: the seeds of any algorithm-environment cell at rl-zoo's settings; see ``benchmarks/results/alarm_spike_rule.md``)
@@ -59,7 +59,7 @@ class SpikeRule:
     """
     The KL-spike checks on the sequence of per-update ``mean KL / target`` ratios: a single update above
     ``max_kl_factor`` alarms at once; ``patience`` consecutive updates above ``spike_factor`` alarm too (and every
-    further update of the streak). Shared by :class:`KLAlarmCallback` and ``benchmarks/alarm_spike_rule.py``.
+    further update of the streak). Shared by :class:`KLAlarmCallback` and ``benchmarks/studies/alarm_spike_rule.py``.
 
     :param max_kl_factor: Single-update factor (None: no single-update check)
     :param spike_factor: Sustained factor

@@ -159,7 +159,7 @@ class KLPPO(KLOnPolicyAlgorithm):
     }
     #: What the per-epoch early stop judges: ``"minibatch_mean"`` (the mean of the epoch's per-minibatch KLs, each
     #: taken before that minibatch's step) or ``"epoch_end"`` (the KL of the policy the epoch leaves, over the whole
-    #: buffer; kept to compare the rules, see ``_kl_ran_away`` and ``benchmarks/epoch_kl_stop.py``)
+    #: buffer; kept to compare the rules, see ``_kl_ran_away`` and ``benchmarks/studies/epoch_kl_stop.py``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
     #: Action spaces accepted at construction (SB3's check)
     _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
