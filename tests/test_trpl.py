@@ -227,6 +227,9 @@ def test_save_load_round_trip(tmp_path):
     for key, tensor in model.policy.state_dict().items():
         assert th.equal(tensor, loaded.policy.state_dict()[key]), key
     loaded.learn(64, reset_num_timesteps=False)
+    # a bound given to load() is the one in force, and the one the KL logs and callbacks compare with
+    tighter = TRPL.load(tmp_path / "model.zip", env=model.env, mean_bound=0.01)
+    assert tighter.joint_bound == pytest.approx(0.012) and tighter._current_target_kl() == pytest.approx(0.012)
 
 
 @pytest.mark.parametrize(

@@ -262,6 +262,10 @@ class TRPL(KLOnPolicyAlgorithm):
             target_kl = self.joint_bound
         return super()._target_kl_schedule(target_kl)
 
+    def _current_target_kl(self) -> float:
+        # the bound in force, also after ``load(..., mean_bound=...)`` (what the KL logs and callbacks compare with)
+        return self.joint_bound
+
     @property
     def joint_bound(self) -> float:
         """The bound on the joint per-state distance: ``mean_bound + cov_bound`` (Gaussian), ``mean_bound`` (categorical)."""
