@@ -589,7 +589,7 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     assert measures.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.009, 0.03], 0.03)) == 2
     assert measures.updates_to_band(_record("klppo", "Pendulum-v1", 0, 0.0, [0.003, 0.1], 0.03)) == 2
     text = _report("tiny")
-    section = text[text.index("## KLPPO's initial beta") : text.index("## Goals")]
+    section = text[text.index("# KLPPO's initial beta") : text.index("## Goals")]
     row = _row(section, "| Pendulum-v1 | x1 | klppo |")
     # 3 seeds: -151.0 at 1.0, -149.0 at 0.2, a difference of +2.0 that the seeds' spread calls a tie
     assert row.startswith("| Pendulum-v1 | x1 | klppo | 3 | -151.0 ± 0.8 | -149.0 ± 0.8 | +2.0 (p=0.07): tie")
@@ -613,14 +613,14 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     # without the candidates' records: no section
     _empty(lowered)
     _empty(floor)
-    assert "## KLPPO's initial beta" not in _report("tiny")
+    assert "# KLPPO's initial beta" not in _report("tiny")
 
 
 def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(run_records, "RESULTS", tmp_path)
     monkeypatch.setattr(learning_report, "plot", lambda *args: None)
     _write(tmp_path / "runs" / "tiny", _record("trpo", "CartPole-v1", 0, 500.0, [0.01], 0.01))
-    assert "## KLTRPO against TRPO" not in _report("tiny")
+    assert "# KLTRPO against TRPO" not in _report("tiny")
     for (_, folder, algo), returns in zip(
         side_studies.KLTRPO_DIRECTION_RUNS[::4], ([100.0, 110.0], [50.0, 60.0]), strict=True
     ):
@@ -629,7 +629,7 @@ def test_report_sets_kltrpo_variants_beside_trpo_on_one_machine(tmp_path, monkey
             record["overrides"] = {"cg_damping": 0.6} if algo == "kltrpo" else {}
             _write(tmp_path / folder / "runs" / "tiny", record)
     text = _report("tiny")
-    start = text.index("## KLTRPO against TRPO on HalfCheetah-v5")
+    start = text.index("# KLTRPO against TRPO on HalfCheetah-v5")
     section = text[start : _section_end(text, start)]
     rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [row.split(" | ")[0] for row in rows] == ["| sb3-contrib TRPO", "| the same with 6 x `cg_damping`"]
@@ -654,7 +654,7 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
         _write(lowered, _record("klppo_noclip", env, seed, 1000.0 + seed, [target, 3 * target], target))
         _write(lowered, _record("ppo_target_kl", env, seed, 800.0 + 10 * seed, [target], target))
     text = _report("tiny")
-    start = text.index(f"## KLPPO's target on {env}: {target:g} against the default 0.03")
+    start = text.index(f"# KLPPO's target on {env}: {target:g} against the default 0.03")
     section = text[start : _section_end(text, start)]
     assert section.count(f"| {env} | x1 |") == 2  # clip_klppo has no lowered records to pair with
     row = _row(section, f"| {env} | x1 | klppo_noclip |")
@@ -679,7 +679,7 @@ def test_report_sets_a_lower_target_beside_the_grid_and_counts_the_collapses_at_
     # PPO's early stop's own AUC at each target, beside the comparison at the lower one
     assert "losing AUC itself at the lower target (mean " in section
     _empty(lowered)
-    assert "## KLPPO's target on" not in _report("tiny")
+    assert "# KLPPO's target on" not in _report("tiny")
 
 
 def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, monkeypatch):
@@ -697,7 +697,7 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
         # the runs from beta's floor: PPO's return on Pendulum (CartPole's cell not re-run yet)
         _write(lowered, _record("clip_klppo", "Pendulum-v1", seed, -200.0 + seed, [0.03, 0.09], 0.03))
     text = _report("tiny")
-    start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} measured against the default 1.0")
+    start = text.index(f"# ClipKLPPO's initial beta (`kl_coef`): {coef:g} measured against the default 1.0")
     section = text[start : _section_end(text, start)]
     row = _row(section, "| Pendulum-v1 | x1 | clip_klppo |")
     assert row.startswith("| Pendulum-v1 | x1 | clip_klppo | 3 | -299.0 ± 0.8 | -199.0 ± 0.8 | +100.0 (p<0.001): better")
@@ -717,7 +717,7 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
         record["kl_updates"] = [dict(timesteps=100 * i, mean=0.02 * (1 + i % 2), p99=0.06) for i in range(10)]
         _write(tmp_path / middle / "runs" / "tiny", record)
     text = _report("tiny")
-    start = text.index(f"## ClipKLPPO's initial beta (`kl_coef`): {coef:g} and {middle_coef:g} measured against")
+    start = text.index(f"# ClipKLPPO's initial beta (`kl_coef`): {coef:g} and {middle_coef:g} measured against")
     section = text[start : _section_end(text, start)]
     middle_part = section[section.index(f"### Starting at {middle_coef:g}") :]
     assert _row(middle_part, "| CartPole-v1 | x1 | clip_klppo |").startswith(
@@ -739,7 +739,7 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds), Pendulum-v1 x1 (3 of 3 seeds)." in middle_part
     _empty(lowered)
     _empty(tmp_path / middle / "runs" / "tiny")
-    assert "## ClipKLPPO's initial beta" not in _report("tiny")
+    assert "# ClipKLPPO's initial beta" not in _report("tiny")
 
 
 def test_side_experiments_compare_with_the_grid_record_of_their_own_machine(tmp_path, monkeypatch):
