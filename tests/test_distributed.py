@@ -53,6 +53,7 @@ def _states(study) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow  # four worker interpreters at once: ~90 s of CPU
 def test_four_workers_start_together_on_empty_databases(postgres_server):
     import optuna
 
@@ -103,6 +104,7 @@ def _running_trial_of(url: str, study_name: str, workers: list[subprocess.Popen]
     return None
 
 
+@pytest.mark.slow  # worker interpreters and a heartbeat's grace period: ~25 s of CPU, ~35 s
 def test_killed_worker_trial_is_failed_and_retried(postgres_server, tmp_path):
     import optuna
     import yaml
@@ -169,6 +171,7 @@ def test_killed_worker_trial_is_failed_and_retried(postgres_server, tmp_path):
     assert model.kl_settings.estimator == best["kl_estimator"]
 
 
+@pytest.mark.slow  # worker interpreters and a heartbeat's grace period: ~15 s of CPU, ~25 s
 def test_learning_grid_over_two_workers_survives_a_killed_worker(postgres_server, tmp_path, monkeypatch):
     import optuna
 
