@@ -2,7 +2,7 @@
 Returns and KL stability of KLPPO, ClipKLPPO and KLTRPO beside stock SB3 PPO and sb3-contrib TRPO,
 on the same seeds, hyperparameters (rl-zoo's, see ``settings.py``) and machine.
 
-Each finished run writes one JSON record under ``benchmarks/results/runs/<tier>/``; the tables
+Each finished run appends its JSON record to ``benchmarks/results/runs/<tier>/records.jsonl`` (``run_records.py``); the tables
 (``benchmarks/results/learning*.md``) and figures (``benchmarks/results/*.png``) are regenerated from the records
 by ``--report``, so a grid can be completed over several sessions. No number in the results is typed by hand.
 

@@ -8,7 +8,8 @@ takes them without ``clip_range`` (the KL penalty alone controls the step, as KL
 ``recurrent_klppo_target_0.1`` is the shipped config for PendulumNoVel-v1 (no clip, ``target_kl=0.1``).
 
 The exact KL of every update is measured on both algorithms by ``KLMonitorCallback`` (each policy's LSTM re-run over
-each env's rollout). Each finished run writes one JSON record under ``benchmarks/results/recurrent_runs/<budget>/``;
+each env's rollout). Each finished run appends its JSON record to ``benchmarks/results/recurrent_runs/<budget>/``
+(``run_records``' layout);
 the tables (``benchmarks/results/recurrent_learning.md``) and figures (``recurrent_learning.png`` for the zoo budget,
 ``recurrent_learning_reduced.png``) are regenerated from the records by ``--report``. Summaries (AUC, collapses, band
 share) are ``learning.py``'s.

@@ -1,6 +1,6 @@
 """
 Which single-update factor should ``KLAlarmCallback``'s ``kl_spike`` use? Replays the per-update mean KLs of the
-committed benchmark runs (``benchmarks/results/runs/**/*.json``, exact forward KL measured by ``KLMonitorCallback``,
+committed benchmark runs (``benchmarks/results/runs/**/records.jsonl``, exact forward KL measured by ``KLMonitorCallback``,
 each run with the target it was judged against) through the callback's own rule (:class:`SpikeRule`) for a grid of
 factors, and counts:
 
