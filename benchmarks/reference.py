@@ -346,6 +346,8 @@ def report(args: argparse.Namespace, command: str, plot_figure: bool = True) -> 
     lines = [
         f"# Reference-policy KL on Pendulum-v1 (pretrain, then fine-tune with {description})",
         "",
+        f"![KL to the reference, beta_ref and returns over fine-tuning](reference_{tag}.png)",
+        "",
         f"Command: `{command}`",
         "",
         f"Written from the {len(records)} records `benchmarks/results/reference_runs/{tag}_*.json` of these runs "
