@@ -151,6 +151,8 @@ def test_dict_observations():
     "env_id, kwargs",
     [
         ("CartPole-v1", dict(learning_rate=3e-3)),
+        (lambda: IdentityEnvMultiDiscrete(3), dict(learning_rate=1e-2)),
+        (lambda: IdentityEnvMultiBinary(3), dict(learning_rate=1e-2)),
         ("Pendulum-v1", dict(learning_rate=3e-3, mean_bound=0.01, cov_bound=0.0005)),
         ("Pendulum-v1", dict(learning_rate=3e-3, use_sde=True, mean_bound=0.01, cov_bound=0.0005)),
     ],
@@ -162,8 +164,9 @@ def test_bound_holds_in_every_state_measured_from_outside(env_id, kwargs):
     is within 1.05 x (mean_bound + cov_bound), and every minibatch's projected distribution was inside its bounds.
     """
     probe = UpdateProbe()
+    env = env_id if isinstance(env_id, str) else env_id()
     model = TRPL(
-        "MlpPolicy", env_id, n_steps=256, batch_size=64, n_epochs=4, seed=1, policy_kwargs=dict(net_arch=[32]), **kwargs
+        "MlpPolicy", env, n_steps=256, batch_size=64, n_epochs=4, seed=1, policy_kwargs=dict(net_arch=[32]), **kwargs
     )
     model.learn(6 * 256, callback=probe)
     assert len(probe.kls) == len(probe.updates) == 6
@@ -317,3 +320,12 @@ def test_regression_alone_meets_the_bound_at_default_settings(env_id, kwargs):
     assert all(kl.max() <= 1.05 * model.joint_bound for probe in probes for kl in probe.kls)
     regression_only = [v["train/enforcement_step_fraction"] == 1.0 for v in updates]
     assert np.mean(regression_only) >= 0.99
+
+
+def test_same_seed_same_model():
+    params = []
+    for _ in range(2):
+        model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, seed=3, **TINY)
+        model.learn(2 * 64)
+        params.append(th.nn.utils.parameters_to_vector(model.policy.parameters()).detach())
+    assert th.equal(params[0], params[1])
