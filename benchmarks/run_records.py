@@ -72,9 +72,7 @@ def find_record(folder: Path, name: str) -> dict[str, Any] | None:
     return json.loads(line) if line is not None else None
 
 
-def append_record(
-    folder: Path, record: dict[str, Any], unless: Callable[[dict[str, Any] | None], bool] | None = None
-) -> bool:
+def append_record(folder: Path, record: dict[str, Any], unless: Callable[[dict[str, Any] | None], bool] | None = None) -> bool:
     """
     Append a record to a records folder, under an exclusive lock of its file (concurrent writers wait their turn).
 
