@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from grid import BAND  # noqa: E402
+from aggregate import probability_of_improvement, probability_of_improvement_ci  # noqa: E402
 from measures import count_collapses, summarize  # noqa: E402
 from run_records import code_version, run_environment, trained_steps  # noqa: E402
 from significance import SIGNIFICANCE, fmt, verdict  # noqa: E402
@@ -241,6 +242,13 @@ def report() -> None:
             else "n/a"
         )
         table.append(f"| {label} | " + " | ".join(cells) + f" | {difference} |")
+    a, b = ([[s["eval_mean"] for s in summaries[algo]]] for algo in ("maskable_klppo", "maskable_ppo"))
+    low, high = probability_of_improvement_ci(a, b)
+    table += [
+        "",
+        f"Probability that a MaskableKLPPO run ends with a higher evaluation return than a MaskablePPO run (Agarwal et al.,"
+        f" 2021, `aggregate.py`): {probability_of_improvement(a, b):.2f} (95 % bootstrap interval {low:.2f} to {high:.2f}).",
+    ]
     lines = [*header, *table, "", *lines]
     ratios = paired_speed_ratios(by_algo)
     if ratios:

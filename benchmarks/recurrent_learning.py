@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run_records  # noqa: E402
+from aggregate import probability_of_improvement, probability_of_improvement_ci  # noqa: E402
 from grid import BAND  # noqa: E402
 from grid_runs import default_target_kl, describe, scale_learning_rate  # noqa: E402
 from measures import summarize  # noqa: E402
@@ -306,15 +307,21 @@ def baseline_comparison(groups: dict[tuple[str, float, str], list[dict[str, Any]
             for key, scale in (("eval_mean", 1.0), ("auc", 1.0), ("in_band", 100.0)):  # band share in points
                 text, outcome = verdict([scale * ours[s][key] for s in seeds], [scale * stock[s][key] for s in seeds])
                 cells.append(f"{text}: {outcome}")
+            # the probability of improvement of the evaluation return (Agarwal et al., 2021), with its bootstrap interval
+            a, b = [[ours[s]["eval_mean"] for s in seeds]], [[stock[s]["eval_mean"] for s in seeds]]
+            low, high = probability_of_improvement_ci(a, b)
+            cells.append(f"{probability_of_improvement(a, b):.2f} [{low:.2f}, {high:.2f}]")
             rows.append(f"| {env_id} | x{lr_mult:g} | {algo} | {len(seeds)} | " + " | ".join(cells) + " |")
     if not rows:
         return []
     return [
         "Against RecurrentPPO, on the seeds both have (difference of the means, RecurrentKLPPO - RecurrentPPO, with its "
-        "two-sided Welch p-value; a tie when p >= 0.05, a difference inside the seed noise):",
+        "two-sided Welch p-value; a tie when p >= 0.05, a difference inside the seed noise; P(better): the probability"
+        " that a run of RecurrentKLPPO ends with a higher evaluation return than one of RecurrentPPO, with its 95 %"
+        " bootstrap interval, `aggregate.py`):",
         "",
-        "| task | lr | algorithm | seeds | eval return | AUC | KL in band (points) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| task | lr | algorithm | seeds | eval return | AUC | KL in band (points) | P(better), eval return |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ]
 
