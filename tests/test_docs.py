@@ -1,7 +1,8 @@
 """
 The documentation runs as written: every ```python block of every page of ``docs/`` (not the generated tables) and
 of ``README.md`` executes, page by page, the page's blocks in order in one fresh interpreter whose working directory
-is a temporary folder; and the Sphinx site builds with warnings fatal (``python -m sphinx -W -b html docs OUT``).
+is a temporary folder; the Sphinx site builds with warnings fatal (``python -m sphinx -W -b html docs OUT``); every
+repository path a page names exists; and each algorithm page's "Can I use?" table of spaces is true.
 """
 
 import importlib.util
@@ -162,3 +163,97 @@ def test_sphinx_builds_without_warnings(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"the Sphinx build warned or failed:\n{result.stderr[-6000:]}"
     assert (tmp_path / "html" / "modules" / "klppo.html").is_file()
+
+
+# The "Can I use?" table of each algorithm page, checked by training a few steps on each space it names
+ALGORITHM_PAGES = {
+    "klppo.md": "KLPPO",
+    "clip_klppo.md": "ClipKLPPO",
+    "kltrpo.md": "KLTRPO",
+    "ppo_recurrent.md": "RecurrentKLPPO",
+    "ppo_mask.md": "MaskableKLPPO",
+    "trpl.md": "TRPL",
+}
+SPACE_ROW = re.compile(r"^\|\s*(Discrete|Box|MultiDiscrete|MultiBinary|Dict)\s*\|\s*(\S+)\s*\|\s*(\S+)\s*\|\s*$")
+
+
+def space_table(page: Path) -> dict[tuple[str, str], bool]:
+    """``{(space, "action" or "observation"): supported}`` from the page's table of spaces (✔️ or ❌)."""
+    table = {}
+    for line in page.read_text(encoding="utf-8").splitlines():
+        match = SPACE_ROW.match(line)
+        if match:
+            for column, mark in (("action", match[2]), ("observation", match[3])):
+                assert mark in ("✔️", "❌"), f"{page.name}: {match[1]} {column} is marked {mark!r}"
+                table[(match[1], column)] = mark == "✔️"
+    return table
+
+
+def make_space(name: str):
+    from gymnasium import spaces
+
+    return {
+        "Discrete": spaces.Discrete(3),
+        "Box": spaces.Box(-1.0, 1.0, (2,)),
+        "MultiDiscrete": spaces.MultiDiscrete([3, 2]),
+        "MultiBinary": spaces.MultiBinary(3),
+        "Dict": spaces.Dict({"position": spaces.Box(-1.0, 1.0, (2,)), "mode": spaces.Discrete(3)}),
+    }[name]
+
+
+def space_cases() -> list[tuple[str, str, str, str, bool]]:
+    cases = []
+    for page_name, algo in ALGORITHM_PAGES.items():
+        page = DOCS / "modules" / page_name
+        if page.is_file():
+            cases += [(page_name, algo, space, column, ok) for (space, column), ok in space_table(page).items()]
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("page_name", "algo", "space", "column", "supported"), space_cases(), ids=lambda value: str(value).replace(".md", "")
+)
+def test_can_i_use_tables_are_true(page_name: str, algo: str, space: str, column: str, supported: bool) -> None:
+    import gymnasium as gym
+    import numpy as np
+    from gymnasium import spaces
+
+    import sb3_kl
+
+    action_space = make_space(space) if column == "action" else spaces.Discrete(2)
+    observation_space = make_space(space) if column == "observation" else spaces.Box(-1.0, 1.0, (3,))
+
+    class RandomEnv(gym.Env):
+        """Random observations, no reward, 8 steps per episode; every action valid (``action_masks``)."""
+
+        def __init__(self) -> None:
+            self.observation_space, self.action_space, self.steps = observation_space, action_space, 0
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.steps = 0
+            return self.observation_space.sample(), {}
+
+        def step(self, action):
+            self.steps += 1
+            return self.observation_space.sample(), 0.0, False, self.steps >= 8, {}
+
+        def action_masks(self) -> np.ndarray:
+            sizes = {spaces.Discrete: lambda s: s.n, spaces.MultiDiscrete: lambda s: int(s.nvec.sum())}
+            size = sizes.get(type(self.action_space), lambda s: 2 * int(np.prod(s.shape)))(self.action_space)
+            return np.ones(size, dtype=bool)
+
+    if not hasattr(sb3_kl, algo):
+        pytest.skip(f"{algo} is not in this version of sb3_kl")
+    cls = getattr(sb3_kl, algo)
+    policy = ("MultiInput" if isinstance(observation_space, spaces.Dict) else "Mlp") + (
+        "LstmPolicy" if algo == "RecurrentKLPPO" else "Policy"
+    )
+    try:
+        # the keywords suit every algorithm (KLTRPO has no n_epochs): the ✔️ cells show that they are accepted
+        epochs = {} if algo == "KLTRPO" else {"n_epochs": 1}
+        cls(policy, RandomEnv(), n_steps=16, batch_size=16, seed=0, **epochs).learn(32)
+    except Exception as error:
+        assert not supported, f"{page_name} says ✔️ for {space} {column}s, but {algo} failed: {error!r}"
+    else:
+        assert supported, f"{page_name} says ❌ for {space} {column}s, but {algo} trained on them"
