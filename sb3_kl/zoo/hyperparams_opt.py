@@ -209,6 +209,42 @@ def sample_kltrpo_params(trial: optuna.Trial, n_actions: int, n_envs: int, addit
     return convert_kltrpo_params(params)
 
 
+def convert_trpl_params(sampled_params: dict[str, Any]) -> dict[str, Any]:
+    """
+    Convert the raw parameters of a TRPL trial into hyperparameters (same conversions as for KLPPO; the bounds and
+    the trust-region coefficient pass through unchanged).
+
+    :param sampled_params: ``trial.params``
+    :return: Hyperparameters for the algorithm's constructor
+    """
+    return convert_onpolicy_params(sampled_params)
+
+
+def sample_trpl_params(trial: optuna.Trial, n_actions: int, n_envs: int, additional_args: dict) -> dict[str, Any]:
+    """
+    Sampler for TRPL: PPO's usual options (without clipping) and the projection's bounds and trust-region coefficient
+    (the projection itself stays the config's: ``"w2"`` and ``"frobenius"`` exist for ``Box`` actions only).
+
+    :param trial: Optuna trial
+    :param n_actions: Number of action dimensions (unused, part of the zoo's signature)
+    :param n_envs: Number of environments (unused, part of the zoo's signature)
+    :param additional_args: Zoo extras (unused)
+    :return: Hyperparameters for ``TRPL``
+    """
+    params = _sample_onpolicy_common(trial)
+    params.update(
+        {
+            "ent_coef": trial.suggest_float("ent_coef", 1e-8, 0.1, log=True),
+            "n_epochs": trial.suggest_categorical("n_epochs", [1, 5, 10, 20]),
+            "max_grad_norm": trial.suggest_float("max_grad_norm", 0.3, 2.0),
+            "mean_bound": trial.suggest_float("mean_bound", 0.003, 0.1, log=True),
+            "cov_bound": trial.suggest_float("cov_bound", 1e-4, 0.01, log=True),
+            "trust_region_coef": trial.suggest_float("trust_region_coef", 1.0, 30.0, log=True),
+        }
+    )
+    return convert_trpl_params(params)
+
+
 #: Zoo name -> sampler
 HYPERPARAMS_SAMPLER = {
     "klppo": sample_klppo_params,
@@ -218,6 +254,7 @@ HYPERPARAMS_SAMPLER = {
     # as the zoo's ppo_lstm, which samples PPO's space: KLPPO's (the LSTM's size is not sampled; the trial's
     # policy_kwargs replace the config's, as in the zoo)
     "klppo_lstm": sample_klppo_params,
+    "trpl": sample_trpl_params,
 }
 
 #: Zoo name -> converter of ``trial.params``
@@ -227,6 +264,7 @@ HYPERPARAMS_CONVERTER = {
     "kltrpo": convert_kltrpo_params,
     "klppo_mask": convert_klppo_params,
     "klppo_lstm": convert_klppo_params,
+    "trpl": convert_trpl_params,
 }
 
 

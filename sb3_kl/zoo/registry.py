@@ -26,7 +26,7 @@ from stable_baselines3.common.logger import CSVOutputFormat
 from stable_baselines3.common.utils import LinearSchedule
 
 import sb3_kl
-from sb3_kl import KLPPO, KLTRPO, ClipKLPPO, MaskableKLPPO, RecurrentKLPPO
+from sb3_kl import KLPPO, KLTRPO, TRPL, ClipKLPPO, MaskableKLPPO, RecurrentKLPPO
 from sb3_kl.common.controllers import KLController
 from sb3_kl.zoo.distributed import patch_experiment_manager
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_CONVERTER, HYPERPARAMS_SAMPLER, TUNED_HYPERPARAMS
@@ -42,6 +42,7 @@ SB3_KL_ALGOS: dict[str, type[BaseAlgorithm]] = {
     "kltrpo": KLTRPO,
     "klppo_mask": MaskableKLPPO,
     "klppo_lstm": RecurrentKLPPO,  # the zoo's name for RecurrentPPO is ppo_lstm
+    "trpl": TRPL,
 }
 
 #: Zoo names of the algorithms that act with action masks (``enjoy`` passes the env's masks to ``predict``, and the
