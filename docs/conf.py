@@ -23,9 +23,8 @@ extensions = [
 # No intersphinx: the site builds offline (CI reaches PyPI only).
 source_suffix = {".md": "markdown"}
 master_doc = "index"
-# _generated/ holds tables that the algorithm pages include; they are no pages of their own. The TRPL page is not
-# built yet: it leaves this list when it joins the Algorithms toctree of index.md.
-exclude_patterns = ["_build", "_generated", "modules/trpl.md", "Thumbs.db", ".DS_Store"]
+# _generated/ holds tables that the algorithm pages include; they are no pages of their own.
+exclude_patterns = ["_build", "_generated", "Thumbs.db", ".DS_Store"]
 # Headings get anchors, so pages can link to a section: [text](page.md#section-title)
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
