@@ -3,7 +3,8 @@
 MAIN_ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5", "Hopper-v5"]
 # ppo_target_kl: stock PPO with SB3's KL early stop at KLPPO's target (see settings.settings_for);
 # klppo_noclip runs only where PPO's zoo entry clips (elsewhere klppo is already KLPPO without clipping)
-MAIN_ALGOS = ["ppo", "ppo_target_kl", "trpo", "klppo", "klppo_noclip", "clip_klppo", "kltrpo"]
+# trpl: TRPL with PPO's zoo entry without the clip, at the bounds of ``settings.TRPL_BOUNDS``
+MAIN_ALGOS = ["ppo", "ppo_target_kl", "trpo", "klppo", "klppo_noclip", "clip_klppo", "kltrpo", "trpl"]
 # not in the default grid (it needs TRPO's records first: ``--algos kltrpo_matched``); reported when records exist
 EXTRA_ALGOS = ["kltrpo_matched"]
 # TRPO's seeds whose records set kltrpo_matched's target: fixed, so that adding TRPO seeds does not move the target of
@@ -11,11 +12,11 @@ EXTRA_ALGOS = ["kltrpo_matched"]
 MATCHED_SEEDS = (0, 1, 2)
 ALL_ALGOS = MAIN_ALGOS + EXTRA_ALGOS
 # the algorithms of sb3-kl (the others run no sb3-kl code: only the KL monitor watches them)
-SB3_KL_ALGOS = ("klppo", "klppo_noclip", "clip_klppo", "kltrpo", "kltrpo_matched")
+SB3_KL_ALGOS = ("klppo", "klppo_noclip", "clip_klppo", "kltrpo", "kltrpo_matched", "trpl")
 #: the sb3-kl algorithms whose loss carries the adaptive KL penalty (beta)
 KL_PENALIZED_ALGOS = ("klppo", "klppo_noclip", "clip_klppo")
 STRESS_ENVS = ["Pendulum-v1", "HalfCheetah-v5"]
-STRESS_ALGOS = ["ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo"]
+STRESS_ALGOS = ["ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo", "trpl"]
 # the goals judge the controller at 10x the zoo learning rate
 STRESS_LR_MULTS = [10.0]
 # Budget (environment steps) per tier: "full" is what the results report; MuJoCo runs below rl-zoo's 1M steps to fit

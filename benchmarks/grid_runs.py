@@ -27,6 +27,7 @@ def algorithm_class(algo: str) -> type:
         "clip_klppo": "ClipKLPPO",
         "kltrpo": "KLTRPO",
         "kltrpo_matched": "KLTRPO",
+        "trpl": "TRPL",
     }
     return getattr(sb3_kl, names[algo])
 
@@ -61,6 +62,8 @@ def default_target_kl(algo: str, env_id: str, kwargs: dict[str, Any]) -> float:
 
     if "target_kl" in kwargs and kwargs["target_kl"] is not None:
         return float(kwargs["target_kl"])
+    if algo == "trpl":  # its per-state bound on KL(new||old): mean part plus covariance part (categorical: mean part)
+        return float(kwargs["mean_bound"]) + float(kwargs.get("cov_bound", 0.0))
     if algo in ("trpo", "kltrpo", "kltrpo_matched"):
         return 0.01
     continuous = isinstance(gym.make(env_id).action_space, gym.spaces.Box)
@@ -157,12 +160,15 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
                 curve.append((self.num_timesteps, float(np.mean([info["r"] for info in self.model.ep_info_buffer]))))
 
     callbacks: list[BaseCallback] = [Curve(), *(probes or [])]
-    monitor = None
+    monitor = reverse = None
     try:
         from sb3_kl.callbacks import KLMonitorCallback
 
         monitor = KLMonitorCallback()
-        callbacks.append(monitor)
+        # TRPL's direction, KL(new||old) summed over action dimensions, for every algorithm alike (the drift and the
+        # normalization shift are the first monitor's)
+        reverse = KLMonitorCallback(direction="reverse", quantiles=(0.99,), normalization_shift=False, drift_lag=None)
+        callbacks += [monitor, reverse]
     except ImportError:
         pass
 
@@ -191,6 +197,10 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
             if "drift" in entry:  # the KL between the policy drift_lag updates before and the updated one
                 update["drift"] = float(entry["drift"])
             kl_updates.append(update)
+    kl_reverse_updates = [
+        dict(timesteps=int(e["num_timesteps"]), mean=float(e["mean"]), p99=float(e["p99"]), max=float(e["max"]))
+        for e in (reverse.history if reverse is not None else [])
+    ]
     record = dict(
         algo=algo,
         env=env_id,
@@ -207,6 +217,8 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
         eval_mean=float(np.mean(returns)),
         curve=curve,
         kl_updates=kl_updates,
+        # per update, the per-state KL(updated||rollout policy) summed over action dimensions, over the update's rollout
+        kl_reverse_updates=kl_reverse_updates,
         overrides=overrides,
         kl_source="sb3_kl.callbacks.KLMonitorCallback (exact, forward, summed)" if monitor is not None else None,
         # the lag, in updates, of the kl_updates' drift (the policy drift_lag updates before the updated one)

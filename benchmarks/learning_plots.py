@@ -21,6 +21,7 @@ def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[
     import matplotlib.pyplot as plt
 
     palette = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:red", "tab:purple", "tab:pink"]
+    palette.append("tab:brown")
     colors = dict(zip(ALL_ALGOS, palette, strict=True))
     for lr_mult in sorted({k[2] for k in groups}):
         grid_envs = [e for e in envs if any((e, a, lr_mult) in groups for a in algos)]

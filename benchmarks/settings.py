@@ -139,6 +139,12 @@ TRPO_FAMILY = ("trpo", "kltrpo", "kltrpo_matched")
 # ``klppo`` is the drop-in swap: PPO's zoo entry unchanged, so where the zoo sets ``clip_range`` KLPPO clips *and*
 # penalizes. ``klppo_noclip`` drops these arguments, i.e. KLPPO with its own default of no ratio clipping.
 KLPPO_DROPPED = ("clip_range",)
+# TRPL's per-state bounds on KL(new||old) in the grid: the discrete tasks take ``mean_bound`` only (the bound of a
+# categorical policy's whole KL), the continuous ones both parts. Chosen once by ``trpl_bounds.py`` on seeds outside
+# the grid's (its page, ``results/trpl_bounds.md``, states the rule); until its records: TRPL's defaults.
+TRPL_BOUNDS = {"discrete": dict(mean_bound=0.03), "continuous": dict(mean_bound=0.03, cov_bound=0.001)}
+#: The grid's tasks with discrete actions (named, so that the settings of a MuJoCo task need no MuJoCo)
+DISCRETE_ENVS = ("CartPole-v1", "Acrobot-v1")
 
 
 def klppo_default_target(env_id: str) -> float:
@@ -162,14 +168,17 @@ def settings_for(algo: str, env_id: str) -> dict[str, Any]:
         ``clip_klppo``, ``trpo``, ``kltrpo``, ``kltrpo_matched``). ``ppo_target_kl`` is stock PPO with SB3's KL early
         stop (``target_kl``, judged on its approximate KL per minibatch) at the target KLPPO controls toward, with PPO's
         zoo entry (so the same clip as ``klppo`` and ``clip_klppo``). ``kltrpo_matched`` gets TRPO's settings; its
-        ``target_kl`` is set by the benchmark from TRPO's records
+        ``target_kl`` is set by the benchmark from TRPO's records. ``trpl`` gets PPO's zoo entry without ``clip_range``
+        and the bounds of :data:`TRPL_BOUNDS`
     :param env_id: Gymnasium id
     :return: ``dict(n_timesteps, n_envs, normalize, kwargs)`` (kwargs copied, safe to modify)
     """
-    table = PPO_SETTINGS if algo in PPO_FAMILY else TRPO_SETTINGS
+    table = PPO_SETTINGS if algo in (*PPO_FAMILY, "trpl") else TRPO_SETTINGS
     entry = table[env_id]
     kwargs = dict(entry["kwargs"])
-    if algo == "klppo_noclip":
+    if algo == "trpl":  # PPO's zoo entry without its clip, at the grid's bounds
+        kwargs.update(TRPL_BOUNDS["discrete" if env_id in DISCRETE_ENVS else "continuous"])
+    if algo in ("klppo_noclip", "trpl"):
         for name in KLPPO_DROPPED:
             kwargs.pop(name, None)
     if algo == "ppo_target_kl":
