@@ -251,10 +251,10 @@ def headline_figure() -> list[str]:
     return tasks
 
 
-def main() -> None:
-    GENERATED.mkdir(parents=True, exist_ok=True)
+def pages() -> dict[str, str]:
+    """The generated results tables, by file name under ``docs/_generated/``."""
     ppo_columns = [("PPO", "ppo"), ("PPO + `target_kl`", "ppo_target_kl")]
-    pages = {
+    return {
         "results_klppo.md": grid_table(
             "klppo",
             [("KLPPO", "klppo"), *ppo_columns],
@@ -274,7 +274,11 @@ def main() -> None:
         "results_maskable_klppo.md": maskable_table(),
         "results_trpl.md": trpl_zoo_table(),
     }
-    for name, text in pages.items():
+
+
+def main() -> None:
+    GENERATED.mkdir(parents=True, exist_ok=True)
+    for name, text in pages().items():
         (GENERATED / name).write_text(text)
         print(f"wrote {GENERATED / name}")
     tasks = headline_figure()

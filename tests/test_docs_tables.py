@@ -1,0 +1,18 @@
+"""The docs' results tables are what benchmarks/docs_tables.py makes from the committed records (none stale or hand-edited)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import docs_tables  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "docs" / "_generated").glob("results_*.md")))
+def test_generated_results_table_matches_the_records(name):
+    committed = (ROOT / "docs" / "_generated" / name).read_text()
+    regenerated = docs_tables.pages()[name]
+    assert regenerated == committed, f"docs/_generated/{name} is stale: run `python benchmarks/docs_tables.py`"
