@@ -9,7 +9,7 @@ Each run (seed x with/without the callback) writes a JSON record under ``benchma
 naming the commit that ran (``code_version``) and the machine and library versions (``run_environment``); a run whose
 record exists for the same parameters is skipped (resume). ``--report`` (also run at the end) writes
 ``benchmarks/results/adaptive_lr.md`` from the records of the given ``--steps``, ``--learning-rate`` and
-``--target-kl``, without training.
+``--target-kl``, and its figure ``adaptive_lr.png``, without training.
 
 Goal: with the callback, the late-training median KL is within ~3x the target.
 """
@@ -150,6 +150,59 @@ def load_records(steps: int, learning_rate: float, target_kl: float, runs: Path 
     return sorted(records, key=lambda r: (r["seed"], r["callback"]))
 
 
+def plot_kl(records: list[dict[str, Any]], target_kl: float, path: Path) -> None:
+    """
+    Draw every run's per-update KL / target, without and with the callback, on a log scale, to a PNG.
+
+    :param records: The records to draw
+    :param target_kl: Their target
+    :param path: The PNG to write
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    band = next((r["callback_settings"]["band"] for r in records if r["callback_settings"]), None)
+    if band is not None:
+        ax.axhspan(band[0], band[1], color="0.9", label=f"callback's band [{band[0]:g}, {band[1]:g}] x target")
+    for r in records:
+        color = "tab:green" if r["callback"] else "tab:red"
+        label = callback_label(r["callback"])
+        ax.plot(range(1, len(r["kl"]) + 1), np.array(r["kl"]) / target_kl, color=color, alpha=0.8, label=label)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("update")
+    ax.set_ylabel("KL / target")
+    rate = records[0]["learning_rate"]
+    ax.set_title(f"PPO on {ENV_ID}, learning rate {rate:g}: KL of each update (one line per seed)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
+def summary_table(records: list[dict[str, Any]], target_kl: float) -> list[str]:
+    """:return: the page's opening table: per callback setting, the late median KL / target and final rate over seeds"""
+    lines = [
+        "| callback | seeds | late median KL / target (median, range over seeds) | final learning rate (median) |",
+        "|---|---|---|---|",
+    ]
+    for adapt in (False, True):
+        group = [r for r in records if r["callback"] == adapt]
+        if not group:
+            continue
+        ratios = [late_median(r) / target_kl for r in group]
+        rates = [r["final_learning_rate"] for r in group]
+        lines.append(
+            f"| {callback_label(adapt)} | {len(group)} | {np.median(ratios):.2f} ({min(ratios):.2f} to {max(ratios):.2f}) "
+            f"| {np.median(rates):.2e} |"
+        )
+    return lines
+
+
 def report(steps: int, learning_rate: float, target_kl: float, runs: Path = RUNS, out: Path | None = None) -> str:
     """
     Write the report from the records (no training).
@@ -186,8 +239,15 @@ def report(steps: int, learning_rate: float, target_kl: float, runs: Path = RUNS
         folder = runs.resolve().relative_to(HERE.parent)
     except ValueError:
         folder = runs
+    out = out or runs.parent / "adaptive_lr.md"
+    figure = out.with_suffix(".png")
+    plot_kl(records, target_kl, figure)
     lines = [
         "# KLAdaptiveLRCallback on stock PPO with a too-high learning rate",
+        "",
+        f"![KL per update, with and without the callback]({figure.name})",
+        "",
+        *summary_table(records, target_kl),
         "",
         f"Command: `{nice}python {SCRIPT} --steps {steps} --target-kl {target_kl:g} "
         f"--seeds {' '.join(map(str, seeds))}`"
@@ -230,7 +290,6 @@ def report(steps: int, learning_rate: float, target_kl: float, runs: Path = RUNS
         for r in records
     ]
     text = "\n".join(lines) + "\n"
-    out = out or runs.parent / "adaptive_lr.md"
     out.write_text(text)
     return text
 
