@@ -20,8 +20,8 @@ def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    palette = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:red", "tab:purple", "tab:pink"]
-    palette.append("tab:brown")
+    palette = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:red", "tab:purple", "tab:brown"]
+    palette.append("tab:pink")  # kltrpo_matched's, after trpl's brown
     colors = dict(zip(ALL_ALGOS, palette, strict=True))
     for lr_mult in sorted({k[2] for k in groups}):
         grid_envs = [e for e in envs if any((e, a, lr_mult) in groups for a in algos)]
