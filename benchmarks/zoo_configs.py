@@ -32,7 +32,7 @@ HYPERPARAMS_DIR = ROOT / "sb3_kl" / "hyperparams"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 RUNS_DIR = RESULTS_DIR / "zoo_runs"
 TABLE = RESULTS_DIR / "zoo_configs.md"
-ALGOS = ("klppo", "clip_klppo", "kltrpo", "klppo_mask", "klppo_lstm")
+ALGOS = ("klppo", "clip_klppo", "kltrpo", "trpl", "klppo_mask", "klppo_lstm")
 
 #: Return regarded as solved / good, for the table's last column (the zoo's usual reference levels)
 REFERENCE_RETURN = {
