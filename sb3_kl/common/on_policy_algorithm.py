@@ -878,6 +878,57 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """Mark the policy as changed: the buffer just used is now stale."""
         self.policy_version += 1
 
+    def _optimizer_step(self, loss: th.Tensor) -> bool:
+        """
+        zero_grad, backward, clip and step, then the variance floor (``min_std``); a non-finite loss or gradient norm
+        skips the step.
+
+        :return: whether the step was applied
+        """
+        self.policy.optimizer.zero_grad()
+        loss.backward()
+        # A non-finite loss gives non-finite gradients: one check of the norm covers both
+        grad_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        if not math.isfinite(grad_norm.item()):
+            self.policy.optimizer.zero_grad()
+            return False
+        self.policy.optimizer.step()
+        self._apply_variance_floor()
+        return True
+
+    def _warn_if_truncated_minibatch(self, batch_size: int) -> None:
+        """SB3's PPO warning: the rollout buffer is not a multiple of ``batch_size`` (each epoch ends on a short minibatch)."""
+        if self.env is None:
+            return
+        buffer_size = self.env.num_envs * self.n_steps
+        untruncated_batches = buffer_size // batch_size
+        if buffer_size % batch_size > 0:
+            warnings.warn(
+                f"You have specified a mini-batch size of {batch_size},"
+                f" but because the `RolloutBuffer` is of size `n_steps * n_envs = {buffer_size}`,"
+                f" after every {untruncated_batches} untruncated mini-batches,"
+                f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
+                f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
+                f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})",
+                stacklevel=3,
+            )
+
+    def _count_nonfinite_steps(self, applied_steps: int, nonfinite_steps: int) -> None:
+        """
+        Add the update's skipped (non-finite) optimizer steps to ``nonfinite_steps_total``, or fail when no step of
+        the update was applied.
+
+        :param applied_steps: The update's applied optimizer steps
+        :param nonfinite_steps: Its steps skipped for a non-finite loss or gradient (:meth:`_optimizer_step`)
+        """
+        if applied_steps == 0 and nonfinite_steps > 0:
+            raise NonFiniteUpdateError(
+                f"All {nonfinite_steps} optimizer steps of this update had a non-finite loss or gradient, so none was "
+                "applied. Check the environment's observations and rewards for NaN/inf (wrap it with VecCheckNan), "
+                "normalize them (VecNormalize), lower the learning rate, or set max_grad_norm."
+            )
+        self.nonfinite_steps_total += nonfinite_steps
+
     # ----------------------------------------------------------------------------------------------------------
     # KL pieces used inside the losses
 

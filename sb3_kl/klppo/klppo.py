@@ -1,6 +1,5 @@
 import dataclasses
 import math
-import warnings
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -23,7 +22,7 @@ from sb3_kl.common.modes import (
     restore_running_statistics,
     save_running_statistics,
 )
-from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.common.validation import (
     as_schedule,
@@ -292,17 +291,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             assert buffer_size > 1 or (
                 not normalize_advantage
             ), f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
-            untruncated_batches = buffer_size // batch_size
-            if buffer_size % batch_size > 0:
-                warnings.warn(
-                    f"You have specified a mini-batch size of {batch_size},"
-                    f" but because the `RolloutBuffer` is of size `n_steps * n_envs = {buffer_size}`,"
-                    f" after every {untruncated_batches} untruncated mini-batches,"
-                    f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
-                    f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
-                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})",
-                    stacklevel=2,
-                )
+            self._warn_if_truncated_minibatch(batch_size)
         check_positive("kl_stop_factor", kl_stop_factor, allow_none=True, hint=" or None (no early stop)")
         check_positive(
             "kl_saturation_stop_factor", kl_saturation_stop_factor, allow_none=True, hint=" or None (no stop at the bound)"
@@ -447,13 +436,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                     kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
                 break
 
-        if applied_steps == 0 and nonfinite_steps > 0:
-            raise NonFiniteUpdateError(
-                f"All {nonfinite_steps} optimizer steps of this update had a non-finite loss or gradient, so none was "
-                "applied. Check the environment's observations and rewards for NaN/inf (wrap it with VecCheckNan), "
-                "normalize them (VecNormalize), lower the learning rate, or set max_grad_norm."
-            )
-        self.nonfinite_steps_total += nonfinite_steps
+        self._count_nonfinite_steps(applied_steps, nonfinite_steps)
 
         # The early stop's last pass measured the final policy already: reuse it (not after a stop at beta's bound,
         # which may come after steps of an epoch that "epoch_end" judging has not measured)
@@ -664,23 +647,6 @@ class KLPPO(KLOnPolicyAlgorithm):
         if self.kl_hinge_coef > 0:
             penalty = penalty + self.kl_hinge_coef * th.clamp(kl - self.kl_hinge_factor * target_kl, min=0.0) ** 2
         return penalty
-
-    def _optimizer_step(self, loss: th.Tensor) -> bool:
-        """
-        zero_grad, backward, clip and step; a non-finite loss or gradient norm skips the step.
-
-        :return: whether the step was applied
-        """
-        self.policy.optimizer.zero_grad()
-        loss.backward()
-        # A non-finite loss gives non-finite gradients: one check of the norm covers both
-        grad_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-        if not math.isfinite(grad_norm.item()):
-            self.policy.optimizer.zero_grad()
-            return False
-        self.policy.optimizer.step()
-        self._apply_variance_floor()
-        return True
 
     def _gradient_ratio(self, kl_loss: th.Tensor, policy_loss: th.Tensor) -> float:
         """

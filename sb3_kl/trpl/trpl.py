@@ -1,5 +1,4 @@
 import copy
-import math
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -20,7 +19,7 @@ from torch.nn import functional as F
 
 from sb3_kl.common.kl import GaussianParams, MultiCategoricalParams, as_float64, kl_normal, per_state_kl
 from sb3_kl.common.modes import acting_mode
-from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.projections import (
     PROJECTIONS,
     gaussian_distances,
@@ -70,6 +69,9 @@ class TRPL(KLOnPolicyAlgorithm):
 
     Paper: Otto et al., "Differentiable Trust Region Layers for Deep Reinforcement Learning", ICLR 2021,
     https://arxiv.org/abs/2101.09207
+
+    Code: the minibatch loop follows SB3's PPO (https://github.com/DLR-RM/stable-baselines3); the projections are
+    this package's own, :mod:`sb3_kl.common.projections`
 
     :param policy: The policy model to use (MlpPolicy, CnnPolicy, ...)
     :param env: The environment to learn from (if registered in Gym, can be str)
@@ -160,15 +162,18 @@ class TRPL(KLOnPolicyAlgorithm):
     ):
         # Checked before building anything, so a bad argument fails fast
         check_choice("projection", projection, PROJECTIONS)
-        mean_bound = check_positive("mean_bound", mean_bound)
-        cov_bound = check_positive("cov_bound", cov_bound)
+        mean_bound = check_positive("mean_bound", mean_bound, hint=" (pass e.g. mean_bound=0.03)")
+        cov_bound = check_positive("cov_bound", cov_bound, hint=" (pass e.g. cov_bound=0.001)")
         trust_region_coef = check_non_negative("trust_region_coef", trust_region_coef)
         if target_entropy is not None:
             target_entropy = check_finite("target_entropy", target_entropy)
         check_int("max_enforce_steps", max_enforce_steps, 0)
         bound_tolerance = check_positive("bound_tolerance", bound_tolerance)
         if bound_tolerance < 1:
-            raise ValueError(f"`bound_tolerance` must be >= 1 (a multiple of the bound), got {bound_tolerance!r}.")
+            raise ValueError(
+                f"`bound_tolerance` must be >= 1 (a multiple of the bound), got {bound_tolerance!r}: pass e.g. "
+                "bound_tolerance=1.05."
+            )
         check_int("batch_size", batch_size, 2)
         check_int("n_epochs", n_epochs, 1)
         check_bool("normalize_advantage", normalize_advantage)
@@ -223,6 +228,7 @@ class TRPL(KLOnPolicyAlgorithm):
                 "`n_steps * n_envs` must be greater than 1. "
                 f"Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
             )
+            self._warn_if_truncated_minibatch(batch_size)
         if _init_setup_model:
             self._setup_model()
 
@@ -367,21 +373,6 @@ class TRPL(KLOnPolicyAlgorithm):
     # ----------------------------------------------------------------------------------------------------------
     # The update
 
-    def _optimizer_step(self, loss: th.Tensor) -> bool:
-        """
-        zero_grad, backward, clip and step; a non-finite loss or gradient norm skips the step.
-
-        :return: whether the step was applied
-        """
-        self.policy.optimizer.zero_grad()
-        loss.backward()
-        grad_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-        if not math.isfinite(grad_norm.item()):
-            self.policy.optimizer.zero_grad()
-            return False
-        self.policy.optimizer.step()
-        return True
-
     def train(self) -> None:
         """
         Update policy using the currently gathered rollout buffer.
@@ -438,13 +429,7 @@ class TRPL(KLOnPolicyAlgorithm):
                 nonfinite_steps += int(not applied)
         self._n_updates += self.n_epochs
 
-        if applied_steps == 0 and nonfinite_steps > 0:
-            raise NonFiniteUpdateError(
-                f"All {nonfinite_steps} optimizer steps of this update had a non-finite loss or gradient, so none was "
-                "applied. Check the environment's observations and rewards for NaN/inf (wrap it with VecCheckNan), "
-                "normalize them (VecNormalize), lower the learning rate, or set max_grad_norm."
-            )
-        self.nonfinite_steps_total += nonfinite_steps
+        self._count_nonfinite_steps(applied_steps, nonfinite_steps)
 
         enforcement = self._enforce_bound(actor_params, rollout_actor, min_entropy)
         per_state, new_params = self._measure_update_kl()
