@@ -168,3 +168,12 @@ def test_spike_factor_counts_the_sustained_rule_for_detection():
     # never above 8 x target in one update, but above 5 x for 6 updates: the sustained rule detects it at any factor
     assert all(row["single"][bench.STOCK_STRESS]["runs_alarmed"] == 1 for row in rows if row["max_kl_factor"] >= 10)
     assert bench.choose(rows, groups, 0.05, per_cell=True)["max_kl_factor"] == 50.0
+
+
+def test_spike_factor_report_rewrites_the_committed_page_and_its_figure_from_the_json(tmp_path):
+    bench = _spike_rule_benchmark()
+    results = ROOT / "benchmarks" / "results"
+    (tmp_path / "alarm_spike_rule.json").write_text((results / "alarm_spike_rule.json").read_text())
+    bench.main(["--report", "--out", str(tmp_path / "alarm_spike_rule")])
+    assert (tmp_path / "alarm_spike_rule.md").read_text() == (results / "alarm_spike_rule.md").read_text()
+    assert (tmp_path / "alarm_spike_rule.png").read_bytes().startswith(b"\x89PNG")
