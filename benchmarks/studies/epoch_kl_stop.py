@@ -203,12 +203,58 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
     )
 
 
+def plot_update_kl(records: list[dict[str, Any]], path: Path) -> None:
+    """
+    Draw the per-update KL / target of each (algorithm, rule), pooled over seeds, with the band and the stop, to a PNG.
+
+    :param records: The runs' records
+    :param path: The PNG to write
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = {(r["algo"], r["rule"]) for r in records}
+    groups = [(algo, rule) for algo in ALGOS for rule in RULES if (algo, rule) in present]
+    ratios = [
+        [u["kl"] / u["target"] for r in records if (r["algo"], r["rule"]) == group for u in r["updates"]] for group in groups
+    ]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.axhspan(BAND[0], BAND[1], color="0.9", label=f"band [{BAND[0]:g}, {BAND[1]:g}] x target")
+    ax.axhline(KL_STOP_FACTOR, color="tab:red", lw=1, ls="--", label=f"stop: kl_stop_factor={KL_STOP_FACTOR:g}")
+    ax.boxplot(ratios, whis=(5, 95), showfliers=True, flierprops=dict(markersize=2))
+    ax.set_xticks(range(1, len(groups) + 1), [f"{algo}\n{rule}" for algo, rule in groups], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("update KL / target")
+    ax.set_title(f"{ENV_ID}, learning rate x{LR_MULT:g}: KL of each update, all seeds (whiskers 5-95 %)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
 def report() -> str:
     records = [json.loads(path.read_text()) for path in sorted(RUNS.glob("*.json"))]
     versions = sorted({r["code_version"] for r in records})
     budgets = ", ".join(f"{b:,}" for b in sorted({r["budget"] for r in records}))
+    plot_update_kl(records, RESULTS / "epoch_kl_stop.png")
     lines = [
         "# Which KL should the per-epoch early stop judge?",
+        "",
+        "![KL per update, by rule](epoch_kl_stop.png)",
+        "",
+        "| algo | rule | seeds | in band | over stop | eval return |",
+        "|---|---|---|---|---|---|",
+    ]
+    for algo in ALGOS:
+        for rule in RULES:
+            group = [summarize(r) for r in records if r["algo"] == algo and r["rule"] == rule]
+            if group:
+                columns = (("in_band", 3), ("over_stop", 3), ("eval_mean", 4))
+                cells = [_fmt([g[name] for g in group], digits) for name, digits in columns]
+                lines.append(f"| {algo} | {rule} | {len(group)} | " + " | ".join(cells) + " |")
+    lines += [
         "",
         f"Produced by `python benchmarks/studies/epoch_kl_stop.py` (records in `benchmarks/results/epoch_kl_stop_runs/`, "
         f"code version(s): {', '.join(versions)}). {ENV_ID}, rl-zoo settings with the learning rate x{LR_MULT:g}, "
