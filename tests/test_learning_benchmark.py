@@ -141,6 +141,32 @@ def test_ppo_target_kl_run_records_the_monitored_kl(tmp_path, monkeypatch):
     assert described["cpu"] and described["python"] == platform.python_version()
 
 
+@pytest.mark.parametrize("env_id, kind", [("CartPole-v1", "discrete"), ("Pendulum-v1", "continuous")])
+def test_trpl_cell_is_ppo_zoo_entry_without_the_clip_at_the_grid_bounds(env_id, kind):
+    trpl, ppo = settings.settings_for("trpl", env_id), settings.settings_for("ppo", env_id)
+    for name, value in settings.TRPL_BOUNDS[kind].items():
+        assert trpl["kwargs"].pop(name) == value
+    ppo["kwargs"].pop("clip_range")
+    assert trpl == ppo
+    assert grid_runs.algorithm_class("trpl").__name__ == "TRPL"
+    assert "trpl" in grid.MAIN_ALGOS and "trpl" in grid.STRESS_ALGOS and "trpl" in grid.SB3_KL_ALGOS
+    # the KL band is measured against TRPL's per-state bound on KL(new||old)
+    assert grid_runs.default_target_kl("trpl", env_id, settings.TRPL_BOUNDS[kind]) == sum(settings.TRPL_BOUNDS[kind].values())
+
+
+@pytest.mark.parametrize("algo", ["trpl", "ppo"])
+def test_runs_record_the_acting_policies_reverse_kl_per_update(algo, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    record = grid_runs.run_one(dict(algo=algo, env="Pendulum-v1", seed=0, lr_mult=1.0, tier="tiny"))
+    forward, reverse = record["kl_updates"], record["kl_reverse_updates"]
+    assert len(reverse) == len(forward) > 0 and [u["timesteps"] for u in reverse] == [u["timesteps"] for u in forward]
+    assert all(0 < u["mean"] <= u["p99"] <= u["max"] for u in reverse)
+    # the other direction of the same updates: not the forward KL
+    assert [u["mean"] for u in reverse] != [u["mean"] for u in forward]
+    if algo == "trpl":  # the bound TRPL enforces on the acting policy in every state of the update
+        assert max(u["max"] for u in reverse) <= 1.05 * record["target_kl"] * (1 + 1e-6)
+
+
 def test_override_sets_a_candidate_default_and_is_recorded(tmp_path, monkeypatch):
     assert learning.parse_override("kl_coef=0.2") == ("kl_coef", 0.2)
     assert learning.parse_override("kl_band=[0.5, 2.0]") == ("kl_band", [0.5, 2.0])
@@ -251,6 +277,27 @@ def test_report_compares_against_ppo_target_kl_and_states_goals(tmp_path, monkey
     assert "return -205.0 vs x1 -150.0 on the 3 seeds both have, -36.7% (**NOT met**" in text
     assert "No collapse of any sb3-kl algorithm in the grid (12 runs): **met**" in text
     assert "*unrecorded* (made before records named their machine and library versions): 14; Test CPU, torch 9.9: 1." in text
+
+
+def test_report_sets_trpl_beside_the_grid_and_tabulates_the_reverse_kl_of_the_records_that_hold_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    monkeypatch.setattr(learning_report, "plot", lambda *args: None)
+    folder = tmp_path / "runs" / "tiny"
+    for seed in range(2):
+        _write(folder, _record("ppo", "Pendulum-v1", seed, -200.0, [0.03], 0.03))  # made before kl_reverse_updates
+        trpl = _record("trpl", "Pendulum-v1", seed, -190.0, [0.02, 0.02], 0.031)
+        trpl["kl_reverse_updates"] = [dict(timesteps=i, mean=0.01, p99=0.02 + 0.004 * seed, max=0.03) for i in range(2)]
+        _write(folder, trpl)
+    text = learning_report.report("tiny")
+    start = text.index("## Per-state KL(new||old) per update")
+    assert "| env | budget | ppo | trpl |" in text[:start]  # trpl's column of the grid's tables
+    section = text[start:]
+    section = section[: _section_end(section, 1)]
+    assert "| x1 | Pendulum-v1 | trpl | 2 | 0.0220 | 0.0240 | 0.0300 |" in section and "| ppo |" not in section
+    # without a record that holds it, no section
+    _empty(folder)
+    _write(folder, _record("ppo", "Pendulum-v1", 0, -200.0, [0.03], 0.03))
+    assert "## Per-state KL(new||old) per update" not in learning_report.report("tiny")
 
 
 def test_stress_return_goal_compares_the_seeds_both_learning_rates_have():
