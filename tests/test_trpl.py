@@ -8,6 +8,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.envs import IdentityEnvMultiBinary, IdentityEnvMultiDiscrete, SimpleMultiObsEnv
 
 from sb3_kl import TRPL, KLAdaptiveLRCallback, KLAlarmCallback, KLMonitorCallback, VarianceFloorCallback
+from sb3_kl.callbacks import model_target_kl
 
 TINY = dict(policy_kwargs=dict(net_arch=[16]), batch_size=32, n_epochs=2)
 
@@ -194,14 +195,85 @@ def test_move_back_toward_the_rollout_policy_when_regression_is_not_allowed():
 
 
 def test_acting_policy_is_the_network():
-    """predict() and get_distribution() give the network's output, as in SB3 (no projection at acting time)."""
+    """
+    predict() acts with the network's raw output, as in SB3, not with its projection: with the network moved outside
+    the trust region around the rollout policy, the acting mean is the network's and differs from the projected one.
+    """
     model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, seed=0, **TINY)
     model.learn(64)
-    obs = model.env.reset()
+    data = model.rollout_buffer._get_samples(np.arange(64))  # the rollout policy's distribution on its states
     with th.no_grad():
-        mean = model.policy.get_distribution(th.as_tensor(obs)).distribution.mean
-    action, _ = model.predict(obs, deterministic=True)
-    np.testing.assert_allclose(action, np.clip(mean.numpy(), -2, 2), rtol=1e-5)
+        model.policy.action_net.bias += 0.5  # mean part of KL(new || old) 0.125 / std^2, far above mean_bound
+        policy = model.policy
+        raw_mean = policy.action_net(policy.mlp_extractor.forward_actor(policy.extract_features(data.observations)))
+        distribution = policy.get_distribution(data.observations)
+        projected = model._project(distribution, data.old_dist_params, None)
+    assert projected["moved"].all()
+    action, _ = model.predict(data.observations.numpy(), deterministic=True)
+    np.testing.assert_allclose(action, np.clip(raw_mean.numpy(), -2, 2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(distribution.distribution.mean.numpy(), raw_mean.numpy(), rtol=1e-6)
+    projected_mean = projected["distribution"].distribution.mean
+    assert (raw_mean - projected_mean).abs().min() > 0.1
+
+
+def _entropy(std: th.Tensor) -> th.Tensor:
+    return th.log(std).sum(-1) + 0.5 * std.shape[-1] * (1 + math.log(2 * math.pi))
+
+
+@pytest.mark.parametrize("projection", ["kl", "w2", "frobenius"])
+def test_entropy_floor_yields_to_the_trust_region(projection):
+    """
+    The entropy control raises the network's std to the floor before the projection, and the trust region wins:
+    a floor within ``cov_bound`` of the rollout policy is met exactly, a floor far above it is not (the projected
+    covariance part stays within ``cov_bound``), but the projected entropy still moves from the rollout policy's toward it.
+    """
+    model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, projection=projection, target_entropy=0.0, seed=0, **TINY)
+    obs = th.as_tensor(model.env.reset())
+    distribution = model.policy.get_distribution(obs)
+    old_params = model.dist_params.extract(distribution).detach()  # the network is the rollout policy
+    std = th.exp(model.policy.log_std.detach())
+    near = float(_entropy(std * 1.01))  # KL part 1e-4, W2 part 1e-4 std^2, Frobenius ~4e-4 std^4: all within 1e-3
+    far = float(_entropy(std * 2.0))
+    with th.no_grad():
+        reached = model._project(distribution, old_params, near)
+        limited = model._project(distribution, old_params, far)
+    assert float(reached["distribution"].entropy().min()) == pytest.approx(near, abs=1e-5)
+    limited_entropy = limited["distribution"].entropy()
+    assert limited["parts"][1].max() <= model.cov_bound * (1 + 1e-4)
+    assert (limited_entropy < far - 0.1).all()
+    assert (limited_entropy > float(_entropy(std)) + 1e-3).all()
+
+
+def test_entropy_floor_is_approached_over_updates():
+    """A floor far above the rollout policy's entropy: every update keeps the bound and the acting entropy rises."""
+    logs = TrainLogs()
+    model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, target_entropy=3.0, seed=0, **TINY)
+    model.learn(4 * 64, callback=logs)
+    # Pendulum's one action dimension, a state-independent std: the acting entropy is log(std) + 0.5 log(2 pi e)
+    after = [math.log(v["train/action_std_mean"]) + 0.5 * (1 + math.log(2 * math.pi)) for v in logs.updates]
+    entropies = [model.initial_entropy, *after]
+    assert all(v["train/bound_met"] == 1.0 for v in logs.updates)
+    assert (np.diff(entropies) > 0).all()
+    assert entropies[-1] < logs.updates[-1]["train/min_entropy"]
+
+
+@pytest.mark.parametrize("projection", ["w2", "frobenius"])
+def test_distance_bound_is_no_kl_target(projection):
+    """
+    A W2 or Frobenius bound is logged as ``train/distance_bound``, never as ``train/target_kl`` (``train/kl`` is a KL),
+    and callbacks see no KL target; with ``projection="kl"`` the bound is the KL target.
+    """
+    monitor = KLMonitorCallback(direction="reverse")
+    logs = TrainLogs()
+    model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, projection=projection, seed=0, **TINY)
+    model.learn(2 * 64, callback=[monitor, logs])
+    for values in logs.updates:
+        assert "train/target_kl" not in values
+        assert values["train/distance_bound"] == pytest.approx(model.joint_bound)
+    assert model_target_kl(model) is None
+    assert all("target" not in record for record in monitor.history)
+    kl_model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, seed=0, **TINY)
+    assert model_target_kl(kl_model) == pytest.approx(kl_model.joint_bound)
 
 
 def test_entropy_control_decays_and_persists(tmp_path):
@@ -230,27 +302,32 @@ def test_save_load_round_trip(tmp_path):
     for key, tensor in model.policy.state_dict().items():
         assert th.equal(tensor, loaded.policy.state_dict()[key]), key
     loaded.learn(64, reset_num_timesteps=False)
-    # a bound given to load() is the one in force, and the one the KL logs and callbacks compare with
+    # a bound given to load() is the one in force and the one logged (a W2 bound, no KL target); with
+    # projection="kl" it is the KL target the logs and callbacks compare with
     tighter = TRPL.load(tmp_path / "model.zip", env=model.env, mean_bound=0.01)
-    assert tighter.joint_bound == pytest.approx(0.012) and tighter._current_target_kl() == pytest.approx(0.012)
+    assert tighter.joint_bound == pytest.approx(0.012) and tighter._current_target_kl() is None
+    tighter.learn(64, reset_num_timesteps=False)
+    assert tighter.logger.name_to_value["train/distance_bound"] == pytest.approx(0.012)
+    in_kl = TRPL.load(tmp_path / "model.zip", env=model.env, mean_bound=0.01, projection="kl")
+    assert in_kl._current_target_kl() == pytest.approx(0.012)
 
 
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
         (dict(projection="l2"), ValueError, "projection"),
-        (dict(mean_bound=0.0), ValueError, "mean_bound"),
+        (dict(mean_bound=0.0), ValueError, "pass e.g. mean_bound=0.03"),
         (dict(mean_bound=-0.1), ValueError, "mean_bound"),
         (dict(mean_bound=math.inf), ValueError, "mean_bound"),
         (dict(mean_bound=math.nan), ValueError, "mean_bound"),
-        (dict(cov_bound=0.0), ValueError, "cov_bound"),
+        (dict(cov_bound=0.0), ValueError, "pass e.g. cov_bound=0.001"),
         (dict(cov_bound=math.inf), ValueError, "cov_bound"),
         (dict(mean_bound="0.1"), TypeError, "mean_bound"),
         (dict(trust_region_coef=-1.0), ValueError, "trust_region_coef"),
         (dict(trust_region_coef=math.nan), ValueError, "trust_region_coef"),
         (dict(target_entropy=math.inf), ValueError, "target_entropy"),
         (dict(max_enforce_steps=-1), ValueError, "max_enforce_steps"),
-        (dict(bound_tolerance=0.9), ValueError, "bound_tolerance"),
+        (dict(bound_tolerance=0.9), ValueError, "bound_tolerance=1.05"),
         (dict(batch_size=1), ValueError, "batch_size"),
         (dict(n_epochs=0), ValueError, "n_epochs"),
         (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
@@ -260,6 +337,11 @@ def test_save_load_round_trip(tmp_path):
 def test_bad_arguments_raise(kwargs, error, match):
     with pytest.raises(error, match=match):
         TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, **kwargs)
+
+
+def test_truncated_minibatch_warns_as_in_ppo():
+    with pytest.warns(UserWarning, match="truncated mini-batch of size 36"):
+        TRPL("MlpPolicy", "Pendulum-v1", n_steps=100, batch_size=64)
 
 
 @pytest.mark.parametrize(

@@ -95,11 +95,12 @@ def distribution_params_for_policy(action_dist: Distribution) -> DistributionPar
 
 def model_target_kl(model: Any) -> float | None:
     """
-    The KL target an algorithm currently uses, if it has one: sb3_kl algorithms (``_current_target_kl()``),
-    stock PPO/TRPO with a number or schedule as ``target_kl``; otherwise None.
+    The KL target an algorithm currently uses, if it has one: sb3_kl algorithms (``_current_target_kl()``, None for
+    TRPL bounding a W2 or Frobenius distance), stock PPO/TRPO with a number or schedule as ``target_kl``; otherwise None.
     """
     if hasattr(model, "_current_target_kl"):
-        return float(model._current_target_kl())
+        target = model._current_target_kl()
+        return None if target is None else float(target)
     target = getattr(model, "target_kl", None)
     if target is None:
         return None

@@ -802,7 +802,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 f"{self.kl_settings.convention})."
             )
         else:
-            fresh = f"its KL constraint is target_kl={self._current_target_kl():g} on the KL {self.kl_settings.convention}."
+            target = self._current_target_kl()  # None: TRPL bounding a W2 or Frobenius distance
+            fresh = "it has no KL target."
+            if target is not None:
+                fresh = f"its KL constraint is target_kl={target:g} on the KL {self.kl_settings.convention}."
         notes = [
             f"{name} was saved by {saved_by}, without a KL state: its weights, optimizer state and hyperparameters are "
             f"loaded into {type(self).__name__} and {fresh}",
@@ -1100,7 +1103,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self,
         per_state: np.ndarray,
         new_params: np.ndarray,
-        target_kl: float,
+        target_kl: float | None,
         hold_kl_coef: bool = False,
     ) -> dict[str, float]:
         """
@@ -1109,7 +1112,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
 
         :param per_state: Per-state KL of the update
         :param new_params: Updated policy's distribution parameters on the buffer
-        :param target_kl: Current target
+        :param target_kl: Current target (None: the algorithm has no KL target, ``train/target_kl`` is not logged)
         :param hold_kl_coef: Do not lower beta: the update was ended by the stop at beta's upper bound
             (``kl_saturation_stop_factor``), so its KL is the stop's doing, not beta's, and lowering beta after a stop
             that came early would only let the next update run away. The controller still records the KL and may
@@ -1125,8 +1128,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         for name, value in stats.items():
             self.logger.record("train/kl" if name == "mean" else f"train/kl_{name}", value)
         self.logger.record("train/kl_convention", self.kl_settings.convention, exclude="tensorboard")
-        self.logger.record("train/target_kl", target_kl)
-        if self.has_kl_coef:
+        if target_kl is not None:
+            self.logger.record("train/target_kl", target_kl)
+        if self.has_kl_coef and target_kl is not None:
             self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs, allow_decrease=not hold_kl_coef)
             self.logger.record("train/kl_coef", self.kl_coef)
             self._check_kl_coef_floor(stats["mean"], target_kl)

@@ -59,7 +59,8 @@ class TRPL(KLOnPolicyAlgorithm):
     part ``<= cov_bound``, so the joint per-state KL is at most ``mean_bound + cov_bound``; for a categorical policy
     (``Discrete``; ``MultiDiscrete`` and ``MultiBinary`` jointly over their factors) the joint per-state KL is at most
     ``mean_bound``. ``"w2"`` and ``"frobenius"`` bound the Gaussian's parts in those distances instead
-    (:mod:`sb3_kl.common.projections` defines them).
+    (:mod:`sb3_kl.common.projections` defines them), with the bounds in that distance's units: the joint bound is then
+    no KL target (it is logged as ``train/distance_bound``, no ``train/target_kl``, and callbacks see no target).
 
     As in SB3, the policy that acts (``predict``, ``policy.get_distribution``) is the network itself, not its
     projection. After the epochs the bound is enforced on it over the update's rollout states: while the largest
@@ -98,11 +99,14 @@ class TRPL(KLOnPolicyAlgorithm):
         per-state KL)
     :param cov_bound: Bound on the covariance part of the per-state distance (Gaussian policies)
     :param trust_region_coef: Coefficient alpha of the regression of the network onto its projection
-    :param target_entropy: Entropy control for Gaussian policies: when set, the projected policy's joint entropy per
-        state is kept at least ``target_entropy + (initial - target_entropy) * progress_remaining``, where ``initial``
-        is the rollout policy's mean entropy at the first update (``initial_entropy``, saved with the model): a lower
-        bound decaying linearly from the initial entropy to the target. Applied to the network's std before the
-        trust-region projection. None (default): no entropy control
+    :param target_entropy: Entropy control for Gaussian policies: when set, an entropy floor
+        ``target_entropy + (initial - target_entropy) * progress_remaining``, where ``initial`` is the rollout policy's
+        mean entropy at the first update (``initial_entropy``, saved with the model), decays linearly from the initial
+        entropy to the target. In each state the network's std is raised to the floor before the trust-region
+        projection, and the trust region wins where they conflict: the projected policy stays within ``cov_bound``
+        of the rollout policy's covariance, so it reaches the floor only where that is within the bound, and a floor
+        far above the rollout policy's entropy is approached over several updates (the regression onto the
+        projection pulls the network's std up). None (default): no entropy control
     :param max_enforce_steps: Largest number of regression steps of the bound enforcement after the epochs (0: go
         straight to the move back toward the rollout policy when the bound is exceeded)
     :param bound_tolerance: The acting policy's largest per-state distance over the update's states must end at most
@@ -268,9 +272,10 @@ class TRPL(KLOnPolicyAlgorithm):
             target_kl = self.joint_bound
         return super()._target_kl_schedule(target_kl)
 
-    def _current_target_kl(self) -> float:
-        # the bound in force, also after ``load(..., mean_bound=...)`` (what the KL logs and callbacks compare with)
-        return self.joint_bound
+    def _current_target_kl(self) -> float | None:  # type: ignore[override]
+        # the bound in force, also after ``load(..., mean_bound=...)`` (what the KL logs and callbacks compare with);
+        # a W2 or Frobenius bound is not a KL target: None (logged as ``train/distance_bound``)
+        return self.joint_bound if self.projection == "kl" else None
 
     @property
     def joint_bound(self) -> float:
@@ -278,7 +283,7 @@ class TRPL(KLOnPolicyAlgorithm):
         return self.mean_bound + (self.cov_bound if isinstance(self.action_space, spaces.Box) else 0.0)
 
     def min_entropy(self) -> float | None:
-        """The entropy control's current lower bound on the projected Gaussian's joint entropy (None without it)."""
+        """The entropy control's floor now, to which the network's std is raised before the projection (None without it)."""
         if self.target_entropy is None or self.initial_entropy is None:
             return None
         progress = min(max(self._current_progress_remaining, 0.0), 1.0)
@@ -309,7 +314,7 @@ class TRPL(KLOnPolicyAlgorithm):
 
         :param distribution: The network's distribution (with gradients)
         :param old_params: The rollout policy's distribution parameters on the same states
-        :param min_entropy: Lower bound on the projected Gaussian's joint entropy (None: no entropy control)
+        :param min_entropy: Entropy floor the network's std is raised to before the projection (None: no entropy control)
         :return: ``distribution``: the projected distribution (SB3 ``Distribution``, differentiable);
             ``trust_region``: ``d(pi_net, stopgrad(pi_proj))`` per state; ``moved``: whether the projection changed
             each state; ``projected``: the projected distribution's joint distance to the rollout policy per state,
@@ -459,7 +464,9 @@ class TRPL(KLOnPolicyAlgorithm):
         self.logger.record("train/bound_met", float(enforcement["after"] <= self.bound_tolerance * self.joint_bound))
         self.logger.record("train/nonfinite_steps", nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
-        self._record_update_kl(per_state, new_params, self.joint_bound)
+        if self.projection != "kl":
+            self.logger.record("train/distance_bound", self.joint_bound)
+        self._record_update_kl(per_state, new_params, self._current_target_kl())
 
     # ----------------------------------------------------------------------------------------------------------
     # The bound on the acting policy
@@ -495,7 +502,7 @@ class TRPL(KLOnPolicyAlgorithm):
 
         :param actor_params: The parameters of the action distribution
         :param rollout_actor: Their values at the rollout (flat)
-        :param min_entropy: The entropy control's bound of this update (the projection's target)
+        :param min_entropy: The entropy control's floor of this update (:meth:`_project`)
         :return: the largest distance before and after, the regression steps taken and the factor ``t``
         """
         limit = self.bound_tolerance * self.joint_bound
