@@ -30,6 +30,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from measures import area_under_curve  # noqa: E402
 from run_records import MAIN_RESULTS, RECORDS_FILE, append_record, code_version  # noqa: E402
 
 FOLDER = MAIN_RESULTS / "trpl_bounds"
@@ -103,6 +104,7 @@ def summarize(records: list[dict[str, Any]], env: str) -> list[dict[str, Any]]:
                 score=float(episodes.mean()),
                 se=float(episodes.std(ddof=1) / np.sqrt(len(episodes))) if len(episodes) > 1 else float("nan"),
                 seed_means=[r["eval_mean"] for r in sorted(runs, key=lambda r: r["seed"])],
+                auc=float(np.mean([area_under_curve(r["curve"], r["budget"]) for r in runs])),
                 p99=float(np.median([u["p99"] for u in reverse])) if reverse else float("nan"),
                 max=float(np.max([u["max"] for u in reverse])) if reverse else float("nan"),
                 seconds=float(np.mean([r["train_seconds"] for r in runs])),
@@ -162,9 +164,9 @@ def report() -> None:
         "",
         f"![evaluation return and per-state KL of each candidate]({FIGURE.name})",
         "",
-        "| task | bounds | seeds | eval return (mean ± SE, 20 episodes) | per-state KL p99 (median over updates) |"
+        "| task | bounds | seeds | eval return (mean ± SE, 20 episodes) | AUC | per-state KL p99 (median over updates) |"
         " max per-state KL | seconds per run |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     choices = {}
     for env, rows in summaries.items():
@@ -174,7 +176,8 @@ def report() -> None:
             mark = " **(chosen)**" if row is chosen else ""
             lines.append(
                 f"| {env} | {bounds_name(row['bounds'])}{mark} | {', '.join(map(str, row['seeds']))} | "
-                f"{row['score']:.1f} ± {row['se']:.1f} | {row['p99']:.4f} | {row['max']:.4f} | {row['seconds']:.0f} |"
+                f"{row['score']:.1f} ± {row['se']:.1f} | {row['auc']:.1f} | {row['p99']:.4f} | {row['max']:.4f} | "
+                f"{row['seconds']:.0f} |"
             )
     versions = sorted({r["code_version"] for r in records})
     lines += [
@@ -184,6 +187,8 @@ def report() -> None:
         "Each run is a grid run of the `full` tier (its budget and settings: PPO's zoo entry without the clip) with the",
         f"bounds as overrides, on seeds {', '.join(map(str, SEEDS))} (the grid uses 0..9). The KL is the acting policy's",
         "per-state KL(new||old), summed over action dimensions, on every state of the rollout the update trained on.",
+        "AUC: the mean return of the last 100 training episodes averaged over training (`measures.area_under_curve`),",
+        "shown beside the rule's return, not part of it.",
         "",
         "Rule (stated before the runs): per task, the smallest joint bound (`mean_bound + cov_bound`; a tie to the",
         "smaller `mean_bound`) whose mean evaluation return is below the best candidate's by at most twice the standard",
