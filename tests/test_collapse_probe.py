@@ -40,7 +40,7 @@ def test_probe_leaves_the_training_unchanged_and_takes_the_monitors_normalizatio
     assert run_records.same_run(older, record)
 
 
-def test_phases_split_a_collapse_at_its_best_point():
+def test_phases_split_a_collapse_at_its_best_point(tmp_path):
     # 40 rollouts of 100 steps: the curve climbs to 1000 at rollout 29, then falls below half its gain at rollout 33
     times = [100.0 * (i + 1) for i in range(40)]
     returns = [10.0 + 33.0 * i for i in range(31)] + [900.0, 700.0, 400.0, 200.0] + [150.0] * 5
@@ -74,3 +74,9 @@ def test_phases_split_a_collapse_at_its_best_point():
     assert acted["max"] == pytest.approx(20.0) and acted["median"] == pytest.approx(1.0)
     rollouts[31]["terminated"] = 5.0
     assert collapse_probe.where_it_acted(probed)["flagged_falling"] == 1
+    # the page opens with the figure and a row per collapsed run: the fall's rollouts, falls and KL before / in it
+    probed.update(env="Hopper-v5", algo="klppo_noclip", seed=3)
+    collapse_probe.plot_collapses([probed], tmp_path / "collapses.png")
+    assert (tmp_path / "collapses.png").read_bytes().startswith(b"\x89PNG")
+    # (the fall now holds 5 + 1 + 1 falls over 300 steps)
+    assert collapse_probe.summary_table([probed])[2] == "| Hopper-v5 | klppo_noclip | 3 | 3 | 0.00 / 23.33 | 0.50 / 2.00 |"
