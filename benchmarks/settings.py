@@ -141,8 +141,8 @@ TRPO_FAMILY = ("trpo", "kltrpo", "kltrpo_matched")
 KLPPO_DROPPED = ("clip_range",)
 # TRPL's per-state bounds on KL(new||old) in the grid: the discrete tasks take ``mean_bound`` only (the bound of a
 # categorical policy's whole KL), the continuous ones both parts. Chosen once by ``trpl_bounds.py`` on seeds outside
-# the grid's (its page, ``results/trpl_bounds.md``, states the rule): discrete from CartPole-v1's runs; continuous,
-# until Pendulum-v1's runs are complete, TRPL's defaults.
+# the grid's (its page, ``results/trpl_bounds.md``, states the rule): discrete from CartPole-v1's runs, continuous
+# from Pendulum-v1's (TRPL's defaults).
 TRPL_BOUNDS = {"discrete": dict(mean_bound=0.01), "continuous": dict(mean_bound=0.03, cov_bound=0.001)}
 #: The grid's tasks with discrete actions (named, so that the settings of a MuJoCo task need no MuJoCo)
 DISCRETE_ENVS = ("CartPole-v1", "Acrobot-v1")
