@@ -15,11 +15,12 @@ difference) and deselected in both runs; there are none at present.
 """
 
 import argparse
-import re
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from run_sb3_ppo_tests import summary_table  # the same page table; scripts/ is on sys.path when run
 
 import sb3_contrib
 
@@ -87,21 +88,6 @@ def run(tests: Path, rebound: bool, pytest_args: list[str]) -> tuple[int, list[s
     summary = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
     summary += [line for line in lines[-3:] if " in " in line and ("passed" in line or "failed" in line)]
     return process.returncode, summary
-
-
-def summary_table(runs: dict[str, list[str]]) -> list[str]:
-    """
-    The page's opening table: per run, the counts of pytest's summary line.
-
-    :param runs: Per run name, its summary lines (``FAILED``/``ERROR`` lines and pytest's last line)
-    """
-    lines = ["| run | passed | failed | errors | skipped | deselected |", "|---|---|---|---|---|---|"]
-    for name, summary in runs.items():
-        counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary[-1])}
-        counts["errors"] = counts.get("errors", 0) + counts.get("error", 0)
-        cells = [str(counts.get(kind, 0)) for kind in ("passed", "failed", "errors", "skipped", "deselected")]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def main() -> int:
