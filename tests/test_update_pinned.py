@@ -1,5 +1,5 @@
 """
-The update is pinned bit for bit: short KLPPO, ClipKLPPO and MaskableKLPPO runs must end with exactly the parameters
+The update is pinned bit for bit: short KLPPO, ClipKLPPO, MaskableKLPPO and RecurrentKLPPO runs must end with exactly the parameters
 recorded in ``tests/fixtures/update_pins.npz``, which were written by the training loop as it stood before its
 host synchronisations were taken out of the minibatch loop (speed work must not change a single bit of an update).
 
@@ -34,6 +34,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "klppo_k3_reverse": ("KLPPO", "Pendulum-v1", dict(kl_estimator="k3", kl_direction="reverse", kl_reduction="mean")),
     # action masks
     "maskable_klppo": ("MaskableKLPPO", "masked", {}),
+    # an LSTM policy (its own minibatch loop, the same optimizer step)
+    "recurrent_klppo": ("RecurrentKLPPO", "CartPole-v1", dict(policy_kwargs=dict(net_arch=[16], lstm_hidden_size=8))),
 }
 
 
@@ -53,9 +55,9 @@ def short_run(name: str) -> dict[str, np.ndarray]:
         env = make_vec_env(lambda: InvalidActionEnvDiscrete(dim=20, n_invalid_actions=10), n_envs=2, seed=0)
     else:
         env = make_vec_env(env_id, n_envs=2, seed=0)
-    model = getattr(sb3_kl, algo)(
-        "MlpPolicy", env, n_steps=64, batch_size=32, n_epochs=3, policy_kwargs=dict(net_arch=[16]), seed=0, device="cpu", **extra
-    )
+    kwargs = dict(n_steps=64, batch_size=32, n_epochs=3, policy_kwargs=dict(net_arch=[16]), seed=0, device="cpu")
+    policy = "MlpLstmPolicy" if algo == "RecurrentKLPPO" else "MlpPolicy"
+    model = getattr(sb3_kl, algo)(policy, env, **{**kwargs, **extra})
     model.learn(2 * 64 * 2)
     return {key: value.detach().numpy().copy() for key, value in model.policy.state_dict().items()}
 
