@@ -1,7 +1,7 @@
 """
-The update is pinned bit for bit: short KLPPO, ClipKLPPO, MaskableKLPPO and RecurrentKLPPO runs must end with exactly the parameters
-recorded in ``tests/fixtures/update_pins.npz``, which were written by the training loop as it stood before its
-host synchronisations were taken out of the minibatch loop (speed work must not change a single bit of an update).
+The update is pinned bit for bit: short KLPPO, ClipKLPPO, MaskableKLPPO and RecurrentKLPPO runs must end with
+exactly the parameters recorded in ``tests/fixtures/update_pins.npz``, which were written by the training loop as it
+stood before its host synchronisations were taken out of the minibatch loop (speed work must not change an update).
 
 The pins hold on the machine kind they were written on (same torch build and CPU capability, one torch thread);
 elsewhere a different kernel choice may round differently, so the check falls back to a relative tolerance of 1e-5.

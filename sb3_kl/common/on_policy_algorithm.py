@@ -383,7 +383,13 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
         self.kl_controller = make_kl_controller(
             # (the controllers check the pairs, lists from a config file included, and name a value that is no pair)
-            kl_controller, kl_coef, kl_adapt_factor, kl_band, kl_coef_bounds, kl_window, kl_horizon
+            kl_controller,
+            kl_coef,
+            kl_adapt_factor,
+            kl_band,
+            kl_coef_bounds,
+            kl_window,
+            kl_horizon,
         )
         self._init_reference(
             ref_policy,
@@ -881,23 +887,34 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """Mark the policy as changed: the buffer just used is now stale."""
         self.policy_version += 1
 
-    def _optimizer_step(self, loss: th.Tensor) -> bool:
+    def _optimizer_step(self, loss: th.Tensor) -> th.Tensor:
         """
         zero_grad, backward, clip and step, then the variance floor (``min_std``); a non-finite loss or gradient norm
-        skips the step.
+        skips the step. With fused Adam the skip is decided on the device (the kernel's ``found_inf``, as AMP's
+        ``GradScaler`` uses it: no step, no moment or step-count change), so no host synchronisation is needed;
+        other optimizers read the norm.
 
-        :return: whether the step was applied
+        :return: whether the step was applied (a boolean tensor on the device)
         """
-        self.policy.optimizer.zero_grad()
+        optimizer = self.policy.optimizer
+        optimizer.zero_grad()
         loss.backward()
         # A non-finite loss gives non-finite gradients: one check of the norm covers both
         grad_norm = th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-        if not math.isfinite(grad_norm.item()):
-            self.policy.optimizer.zero_grad()
-            return False
-        self.policy.optimizer.step()
+        finite = th.isfinite(grad_norm)
+        if all(group.get("fused") for group in optimizer.param_groups) and type(optimizer) is th.optim.Adam:
+            optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+        elif finite.item():
+            optimizer.step()
+        else:
+            optimizer.zero_grad()
+            return finite
         self._apply_variance_floor()
-        return True
+        return finite
 
     def _warn_if_truncated_minibatch(self, batch_size: int) -> None:
         """SB3's PPO warning: the rollout buffer is not a multiple of ``batch_size`` (each epoch ends on a short minibatch)."""
@@ -916,15 +933,17 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 stacklevel=3,
             )
 
-    def _count_nonfinite_steps(self, applied_steps: int, nonfinite_steps: int) -> None:
+    def _count_nonfinite_steps(self, applied_steps: th.Tensor | int, steps: int) -> None:
         """
-        Add the update's skipped (non-finite) optimizer steps to ``nonfinite_steps_total``, or fail when no step of
-        the update was applied.
+        Add the update's skipped (non-finite) optimizer steps to ``nonfinite_steps_total`` (and keep them in
+        ``_last_nonfinite_steps`` for ``train/nonfinite_steps``), or fail when no step of the update was applied.
 
-        :param applied_steps: The update's applied optimizer steps
-        :param nonfinite_steps: Its steps skipped for a non-finite loss or gradient (:meth:`_optimizer_step`)
+        :param applied_steps: The update's applied optimizer steps (summed on the device: read here, once)
+        :param steps: The optimizer steps it tried (:meth:`_optimizer_step`)
         """
-        if applied_steps == 0 and nonfinite_steps > 0:
+        nonfinite_steps = steps - int(applied_steps)
+        self._last_nonfinite_steps = nonfinite_steps
+        if nonfinite_steps == steps and nonfinite_steps > 0:
             raise NonFiniteUpdateError(
                 f"All {nonfinite_steps} optimizer steps of this update had a non-finite loss or gradient, so none was "
                 "applied. Check the environment's observations and rewards for NaN/inf (wrap it with VecCheckNan), "

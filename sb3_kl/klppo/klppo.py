@@ -13,6 +13,7 @@ from stable_baselines3.common.utils import explained_variance
 from torch.nn import functional as F
 
 from sb3_kl.common.controllers import KLController
+from sb3_kl.common.host_sync import DeviceLog, without_distribution_validation
 from sb3_kl.common.kl import per_state_kl_to
 from sb3_kl.common.modes import (
     acting_mode,
@@ -282,15 +283,15 @@ class KLPPO(KLOnPolicyAlgorithm):
 
         # Same sanity checks as SB3's PPO (same exceptions, so PPO users see no difference)
         if normalize_advantage:
-            assert (
-                batch_size > 1
-            ), "`batch_size` must be greater than 1. See https://github.com/DLR-RM/stable-baselines3/issues/440"
+            assert batch_size > 1, (
+                "`batch_size` must be greater than 1. See https://github.com/DLR-RM/stable-baselines3/issues/440"
+            )
 
         if self.env is not None:
             buffer_size = self.env.num_envs * self.n_steps
-            assert buffer_size > 1 or (
-                not normalize_advantage
-            ), f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+            assert buffer_size > 1 or (not normalize_advantage), (
+                f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+            )
             self._warn_if_truncated_minibatch(batch_size)
         check_positive("kl_stop_factor", kl_stop_factor, allow_none=True, hint=" or None (no early stop)")
         check_positive(
@@ -327,10 +328,11 @@ class KLPPO(KLOnPolicyAlgorithm):
             self.clip_range = as_schedule(self.clip_range)
         if self.clip_range_vf is not None:
             if is_number(self.clip_range_vf):
-                assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, " "pass `None` to deactivate vf clipping"
+                assert self.clip_range_vf > 0, "`clip_range_vf` must be positive, pass `None` to deactivate vf clipping"
 
             self.clip_range_vf = as_schedule(self.clip_range_vf)
 
+    @without_distribution_validation
     def train(self) -> None:
         """
         Update policy using the currently gathered rollout buffer.
@@ -346,10 +348,10 @@ class KLPPO(KLOnPolicyAlgorithm):
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
         self._epoch_end_kl = None
 
-        entropy_losses, pg_losses, value_losses, kl_losses, clip_fractions = [], [], [], [], []
-        approx_kl_divs: list[float] = []
+        # what is logged stays on the device until the update ends: no host synchronisation per minibatch
+        logs = DeviceLog("entropy_loss", "policy_gradient_loss", "value_loss", "kl_loss", "approx_kl", "clip_fraction")
         n_minibatches = math.ceil(self.rollout_buffer.buffer_size * self.rollout_buffer.n_envs / self.batch_size)
-        nonfinite_steps, applied_steps = 0, 0
+        applied_steps, minibatch_steps = th.zeros((), dtype=th.long, device=self.device), 0
         kl_grad_ratio = float("nan")
         early_stop_epoch = self.n_epochs
         loss = th.zeros(())
@@ -362,7 +364,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         keep_statistics = saturation_stop_kl is not None and has_running_statistics(self.policy)
 
         for epoch in range(self.n_epochs):
-            approx_kl_divs = []
+            logs.clear("approx_kl")  # SB3 logs the last epoch's
             epoch_kl_sum, epoch_states = th.zeros((), device=self.device), 0
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
                 statistics = save_running_statistics(self.policy) if keep_statistics else []
@@ -403,17 +405,17 @@ class KLPPO(KLOnPolicyAlgorithm):
                 # Diagnostics: SB3's approx_kl (k3 estimate of KL(old||new)), see
                 # https://github.com/DLR-RM/stable-baselines3/issues/417 and http://joschu.net/blog/kl-approx.html
                 with th.no_grad():
-                    approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
+                    logs.add("approx_kl", th.mean(th.expm1(log_ratio) - log_ratio))
                     if self.kl_stop_factor is not None and self._kl_stop_judge == "minibatch_mean":
                         # summed as a tensor: one synchronisation per epoch, not per minibatch
                         epoch_kl_sum += self._epoch_stop_kl(kl, rollout_data, stop_in_acting_mode) * len(advantages)
                         epoch_states += len(advantages)
-                pg_losses.append(policy_loss.item())
-                value_losses.append(value_loss.item())
-                entropy_losses.append(entropy_loss.item())
-                kl_losses.append(kl_loss.item())
+                logs.add("policy_gradient_loss", policy_loss)
+                logs.add("value_loss", value_loss)
+                logs.add("entropy_loss", entropy_loss)
+                logs.add("kl_loss", kl_loss)
                 if clip_fraction is not None:
-                    clip_fractions.append(clip_fraction)
+                    logs.add("clip_fraction", clip_fraction)
 
                 if saturation_stop_kl is not None and self._stops_at_bound(
                     kl, rollout_data, distribution, saturation_stop_kl, epoch
@@ -424,9 +426,9 @@ class KLPPO(KLOnPolicyAlgorithm):
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(kl_loss, policy_loss)
 
-                applied = self._optimizer_step(loss)  # False: a non-finite loss or gradient, the step is skipped
-                applied_steps += int(applied)
-                nonfinite_steps += int(not applied)
+                # a boolean tensor, False for a non-finite loss or gradient (the step is skipped)
+                applied_steps += self._optimizer_step(loss)
+                minibatch_steps += 1
 
             self._n_updates += 1
             # Or the early stop judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
@@ -436,7 +438,7 @@ class KLPPO(KLOnPolicyAlgorithm):
                     kl_grad_ratio = self._recompute_gradient_ratio(rollout_data, clip_range, kl_coef, target_kl)
                 break
 
-        self._count_nonfinite_steps(applied_steps, nonfinite_steps)
+        self._count_nonfinite_steps(applied_steps, minibatch_steps)
 
         # The early stop's last pass measured the final policy already: reuse it (not after a stop at beta's bound,
         # which may come after steps of an epoch that "epoch_end" judging has not measured)
@@ -446,13 +448,11 @@ class KLPPO(KLOnPolicyAlgorithm):
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
 
         # Logs
-        self.logger.record("train/entropy_loss", np.mean(entropy_losses))
-        self.logger.record("train/policy_gradient_loss", np.mean(pg_losses))
-        self.logger.record("train/value_loss", np.mean(value_losses))
-        self.logger.record("train/kl_loss", np.mean(kl_losses))
-        self.logger.record("train/approx_kl", np.mean(approx_kl_divs))
+        means = logs.means()
+        for name in ("entropy_loss", "policy_gradient_loss", "value_loss", "kl_loss", "approx_kl"):
+            self.logger.record(f"train/{name}", means[name])
         if clip_range is not None:
-            self.logger.record("train/clip_fraction", np.mean(clip_fractions))
+            self.logger.record("train/clip_fraction", means["clip_fraction"])
             self.logger.record("train/clip_range", clip_range)
         self.logger.record("train/loss", loss.item())
         self.logger.record("train/explained_variance", explained_var)
@@ -461,7 +461,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         self.logger.record("train/kl_grad_ratio", kl_grad_ratio)
         self.logger.record("train/early_stop_epoch", early_stop_epoch)
         self.logger.record("train/early_stop_at_kl_coef_bound", float(stopped_at_bound))
-        self.logger.record("train/nonfinite_steps", nonfinite_steps)
+        self.logger.record("train/nonfinite_steps", self._last_nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)
@@ -620,13 +620,13 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     def _surrogate_loss(
         self, log_ratio: th.Tensor, advantages: th.Tensor, clip_range: float | None
-    ) -> tuple[th.Tensor, float | None]:
+    ) -> tuple[th.Tensor, th.Tensor | None]:
         """
         Policy-gradient surrogate ``-E[r A]``, with PPO's clipping when ``clip_range`` is set. With clipping, the
         ratio is SB3's PPO's, ``exp(log_ratio)``; without, where nothing else bounds it, the log-ratio is clamped to
         ``+/- log_ratio_clip`` before exponentiation (so that one far-off sample cannot overflow the loss).
 
-        :return: the loss and the clip fraction (None without clipping)
+        :return: the loss and the clip fraction (a tensor, None without clipping)
         """
         if clip_range is None:
             ratio = th.exp(th.clamp(log_ratio, -self.kl_settings.log_ratio_clip, self.kl_settings.log_ratio_clip))
@@ -634,7 +634,8 @@ class KLPPO(KLOnPolicyAlgorithm):
         ratio = th.exp(log_ratio)
         policy_loss_1 = advantages * ratio
         policy_loss_2 = advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)
-        clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float()).item()
+        with th.no_grad():
+            clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float())
         return -th.min(policy_loss_1, policy_loss_2).mean(), clip_fraction
 
     def _kl_penalty(self, kl: th.Tensor, kl_coef: float, target_kl: float) -> th.Tensor:
@@ -659,8 +660,9 @@ class KLPPO(KLOnPolicyAlgorithm):
             if not term.requires_grad:
                 norms.append(0.0)
                 continue
-            grads = th.autograd.grad(term, params, retain_graph=True, allow_unused=True)
-            norms.append(math.sqrt(sum(float((g**2).sum()) for g in grads if g is not None)))
+            grads = [g for g in th.autograd.grad(term, params, retain_graph=True, allow_unused=True) if g is not None]
+            # one read of the device: the squared norms summed there (in float64, as Python's sum of their floats)
+            norms.append(math.sqrt(float(th.stack([(g**2).sum() for g in grads]).double().sum())) if grads else 0.0)
         return norms[0] / norms[1] if norms[1] > 0 else float("nan")
 
     def _recompute_gradient_ratio(

@@ -15,6 +15,7 @@ from stable_baselines3.common.utils import explained_variance
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_kl.common.controllers import KLController
+from sb3_kl.common.host_sync import DeviceLog, without_distribution_validation
 from sb3_kl.common.kl import as_float64, attach_sde_features, per_state_kl
 from sb3_kl.common.modes import (
     has_mode_dependent_modules,
@@ -23,7 +24,7 @@ from sb3_kl.common.modes import (
     restore_running_statistics,
     save_running_statistics,
 )
-from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.recurrent import (
     SequenceEvaluation,
     evaluate_sequences,
@@ -495,9 +496,9 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         loss = policy_loss + kl_loss + self.vf_coef * value_loss
         if ref_kl_coef > 0:
             assert data.ref_dist_params is not None
-            ref_kl = self._reference_kl(
-                data.ref_dist_params, distribution, kl_log_prob, data.ref_log_prob, data.old_log_prob
-            )[mask].mean()
+            ref_kl = self._reference_kl(data.ref_dist_params, distribution, kl_log_prob, data.ref_log_prob, data.old_log_prob)[
+                mask
+            ].mean()
             loss = loss + ref_kl_coef * ref_kl
         if self.ent_coef != 0:
             loss = loss + self.ent_coef * entropy_loss
@@ -513,6 +514,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             "distribution": distribution,
         }
 
+    @without_distribution_validation
     def train(self) -> None:
         """
         Update policy using the currently gathered rollout buffer.
@@ -527,11 +529,11 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         ref_kl_coef = self.ref_kl_coef if self.ref_policy is not None else 0.0
         terms = (clip_range, clip_range_vf, kl_coef, ref_kl_coef, target_kl)
 
-        entropy_losses, pg_losses, value_losses, kl_losses, clip_fractions = [], [], [], [], []
-        approx_kl_divs: list[float] = []
+        # what is logged stays on the device until the update ends: no host synchronisation per minibatch
+        logs = DeviceLog("entropy_loss", "policy_gradient_loss", "value_loss", "kl_loss", "approx_kl", "clip_fraction")
         n_samples = self.rollout_buffer.buffer_size * self.rollout_buffer.n_envs
         n_minibatches = math.ceil(n_samples / (self.batch_size or n_samples))
-        nonfinite_steps, applied_steps = 0, 0
+        applied_steps, minibatch_steps = th.zeros((), dtype=th.long, device=self.device), 0
         kl_grad_ratio = float("nan")
         early_stop_epoch = self.n_epochs
         loss = th.zeros(())
@@ -543,7 +545,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         keep_statistics = saturation_stop_kl is not None and has_running_statistics(self.policy)
 
         for epoch in range(self.n_epochs):
-            approx_kl_divs = []
+            logs.clear("approx_kl")  # SB3 logs the last epoch's
             epoch_kl_sum, epoch_states = th.zeros((), device=self.device), 0
             for batch_idx, rollout_data in enumerate(self.rollout_buffer.get(self.batch_size)):
                 statistics = save_running_statistics(self.policy) if keep_statistics else []
@@ -552,16 +554,16 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                 with th.no_grad():
                     # SB3's approx_kl (k3 estimate of KL(old||new)) over the valid steps, as RecurrentPPO logs it
                     log_ratio = out["log_ratio"]
-                    approx_kl_divs.append(th.mean(th.expm1(log_ratio) - log_ratio).item())
+                    logs.add("approx_kl", th.mean(th.expm1(log_ratio) - log_ratio))
                     if self.kl_stop_factor is not None:
                         epoch_kl_sum += self._epoch_stop_kl(out["kl"], rollout_data, stop_in_acting_mode) * len(log_ratio)
                         epoch_states += len(log_ratio)
-                pg_losses.append(out["policy_loss"].item())
-                value_losses.append(out["value_loss"].item())
-                entropy_losses.append(out["entropy_loss"].item())
-                kl_losses.append(out["kl_loss"].item())
+                logs.add("policy_gradient_loss", out["policy_loss"])
+                logs.add("value_loss", out["value_loss"])
+                logs.add("entropy_loss", out["entropy_loss"])
+                logs.add("kl_loss", out["kl_loss"])
                 if out["clip_fraction"] is not None:
-                    clip_fractions.append(out["clip_fraction"])
+                    logs.add("clip_fraction", out["clip_fraction"])
                 if saturation_stop_kl is not None and self._stops_at_bound(
                     out["kl"], rollout_data, out["distribution"], saturation_stop_kl, epoch
                 ):
@@ -570,10 +572,9 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                     break
                 if epoch == self.n_epochs - 1 and batch_idx == n_minibatches - 1:
                     kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
-                if self._optimizer_step(loss):
-                    applied_steps += 1
-                else:
-                    nonfinite_steps += 1
+                # a boolean tensor, False for a non-finite loss or gradient (the step is skipped)
+                applied_steps += self._optimizer_step(loss)
+                minibatch_steps += 1
 
             self._n_updates += 1
             if stopped_at_bound or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
@@ -586,25 +587,17 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                         kl_grad_ratio = self._gradient_ratio(out["kl_loss"], out["policy_loss"])
                 break
 
-        if applied_steps == 0 and nonfinite_steps > 0:
-            raise NonFiniteUpdateError(
-                f"All {nonfinite_steps} optimizer steps of this update had a non-finite loss or gradient, so none was "
-                "applied. Check the environment's observations and rewards for NaN/inf (wrap it with VecCheckNan), "
-                "normalize them (VecNormalize), lower the learning rate, or set max_grad_norm."
-            )
-        self.nonfinite_steps_total += nonfinite_steps
+        self._count_nonfinite_steps(applied_steps, minibatch_steps)
 
         per_state, new_params = self._measure_update_kl()
         self._finish_update()
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
 
-        self.logger.record("train/entropy_loss", np.mean(entropy_losses))
-        self.logger.record("train/policy_gradient_loss", np.mean(pg_losses))
-        self.logger.record("train/value_loss", np.mean(value_losses))
-        self.logger.record("train/kl_loss", np.mean(kl_losses))
-        self.logger.record("train/approx_kl", np.mean(approx_kl_divs))
+        means = logs.means()
+        for name in ("entropy_loss", "policy_gradient_loss", "value_loss", "kl_loss", "approx_kl"):
+            self.logger.record(f"train/{name}", means[name])
         if clip_range is not None:
-            self.logger.record("train/clip_fraction", np.mean(clip_fractions))
+            self.logger.record("train/clip_fraction", means["clip_fraction"])
             self.logger.record("train/clip_range", clip_range)
         self.logger.record("train/loss", loss.item())
         self.logger.record("train/explained_variance", explained_var)
@@ -613,7 +606,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         self.logger.record("train/kl_grad_ratio", kl_grad_ratio)
         self.logger.record("train/early_stop_epoch", early_stop_epoch)
         self.logger.record("train/early_stop_at_kl_coef_bound", float(stopped_at_bound))
-        self.logger.record("train/nonfinite_steps", nonfinite_steps)
+        self.logger.record("train/nonfinite_steps", self._last_nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)

@@ -17,6 +17,7 @@ from stable_baselines3.common.utils import explained_variance
 from torch import nn
 from torch.nn import functional as F
 
+from sb3_kl.common.host_sync import without_distribution_validation
 from sb3_kl.common.kl import GaussianParams, MultiCategoricalParams, as_float64, kl_normal, per_state_kl
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
@@ -229,8 +230,7 @@ class TRPL(KLOnPolicyAlgorithm):
         if self.env is not None:
             self._check_action_space(self.action_space)
             assert self.n_steps * self.env.num_envs > 1 or not normalize_advantage, (
-                "`n_steps * n_envs` must be greater than 1. "
-                f"Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
+                f"`n_steps * n_envs` must be greater than 1. Currently n_steps={self.n_steps} and n_envs={self.env.num_envs}"
             )
             self._warn_if_truncated_minibatch(batch_size)
         if _init_setup_model:
@@ -257,9 +257,7 @@ class TRPL(KLOnPolicyAlgorithm):
         super()._setup_model()
         action_dist = self.policy.action_dist
         if getattr(action_dist, "bijector", None) is not None:
-            raise ValueError(
-                "TRPL projects the Gaussian before any squashing: pass policy_kwargs without squash_output=True."
-            )
+            raise ValueError("TRPL projects the Gaussian before any squashing: pass policy_kwargs without squash_output=True.")
         self._is_gaussian = isinstance(self.dist_params, GaussianParams)
         self._per_state_std = isinstance(action_dist, StateDependentNoiseDistribution)
 
@@ -370,14 +368,13 @@ class TRPL(KLOnPolicyAlgorithm):
             return per_state_kl(self.kl_settings, self.dist_params, old_params, new_params)
         new_mean, new_log_std = self.dist_params.split(new_params)  # type: ignore[attr-defined]
         old_mean, old_log_std = self.dist_params.split(old_params)  # type: ignore[attr-defined]
-        mean_dist, cov_dist = gaussian_distances(
-            new_mean, th.exp(new_log_std), old_mean, th.exp(old_log_std), self.projection
-        )
+        mean_dist, cov_dist = gaussian_distances(new_mean, th.exp(new_log_std), old_mean, th.exp(old_log_std), self.projection)
         return mean_dist + cov_dist
 
     # ----------------------------------------------------------------------------------------------------------
     # The update
 
+    @without_distribution_validation
     def train(self) -> None:
         """
         Update policy using the currently gathered rollout buffer.
@@ -396,7 +393,7 @@ class TRPL(KLOnPolicyAlgorithm):
 
         entropy_losses, pg_losses, value_losses, trust_region_losses, moved_fractions = [], [], [], [], []
         projected_max, mean_part_max, cov_part_max = 0.0, 0.0, 0.0
-        nonfinite_steps, applied_steps = 0, 0
+        applied_steps, minibatch_steps = th.zeros((), dtype=th.long, device=self.device), 0
         loss = th.zeros(())
         for _ in range(self.n_epochs):
             for rollout_data in self.rollout_buffer.get(self.batch_size):
@@ -429,12 +426,12 @@ class TRPL(KLOnPolicyAlgorithm):
                     mean_part_max = max(mean_part_max, projection["parts"][0].max().item())
                     cov_part_max = max(cov_part_max, projection["parts"][1].max().item())
 
-                applied = self._optimizer_step(loss)  # False: a non-finite loss or gradient, the step is skipped
-                applied_steps += int(applied)
-                nonfinite_steps += int(not applied)
+                # a boolean tensor, False for a non-finite loss or gradient (the step is skipped)
+                applied_steps += self._optimizer_step(loss)
+                minibatch_steps += 1
         self._n_updates += self.n_epochs
 
-        self._count_nonfinite_steps(applied_steps, nonfinite_steps)
+        self._count_nonfinite_steps(applied_steps, minibatch_steps)
 
         enforcement = self._enforce_bound(actor_params, rollout_actor, min_entropy)
         per_state, new_params = self._measure_update_kl()
@@ -462,7 +459,7 @@ class TRPL(KLOnPolicyAlgorithm):
         self.logger.record("train/enforcement_steps", enforcement["steps"])
         self.logger.record("train/enforcement_step_fraction", enforcement["step_fraction"])
         self.logger.record("train/bound_met", float(enforcement["after"] <= self.bound_tolerance * self.joint_bound))
-        self.logger.record("train/nonfinite_steps", nonfinite_steps)
+        self.logger.record("train/nonfinite_steps", self._last_nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if self.projection != "kl":
             self.logger.record("train/distance_bound", self.joint_bound)
