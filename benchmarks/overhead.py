@@ -36,14 +36,26 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-ENVS = ["CartPole-v1", "Pendulum-v1"]
-# environment steps per timed run (at least a few updates of each algorithm's rl-zoo settings)
-STEPS = {"CartPole-v1": 16_384, "Pendulum-v1": 16_384}
+ENVS = ["CartPole-v1", "Pendulum-v1", "HalfCheetah-v5"]
+# environment steps per timed run (at least a few updates of each algorithm's rl-zoo settings; HalfCheetah-v5's 16
+# updates of 512 steps x 20 epochs are as many minibatches as Pendulum-v1's 16,384 steps)
+STEPS = {"CartPole-v1": 16_384, "Pendulum-v1": 16_384, "HalfCheetah-v5": 8_192}
 # TRPO's zoo rollouts are long (2,048 steps on Pendulum, 1,024 on CartPole, against PPO's 256 on CartPole): its pairs
 # run 3x the steps, so that they take at least 24 turns each (:class:`Turns`) and the KLTRPO goal's small margin is
 # not left to a handful of turns
 STEPS_SCALE = {"kltrpo": 3, "kltrpo_subsampled": 3}
-GOALS = {"klppo": 0.95, "clip_klppo": 0.95, "kltrpo": 1.0, "kltrpo_subsampled": 1.0, "monitor": 0.95, "monitor_lstm": 0.95}
+GOALS = {
+    "klppo": 0.95,
+    "clip_klppo": 0.95,
+    "klppo_fused_adam": 0.97,
+    "clip_klppo_fused_adam": 0.97,
+    "kltrpo": 1.0,
+    "kltrpo_subsampled": 1.0,
+    "trpl": 0.8,
+    "trpl_gsde": 0.8,
+    "monitor": 0.95,
+    "monitor_lstm": 0.95,
+}
 # The recurrent pair runs on the velocity-masked task of each env, with the zoo's ppo_lstm settings for it
 RECURRENT_ENVS = {"CartPole-v1": "CartPoleNoVel-v1", "Pendulum-v1": "PendulumNoVel-v1"}
 LABELS = {
@@ -56,9 +68,15 @@ LABELS = {
     "kltrpo": ("KLTRPO", "TRPO (sb3-contrib)"),
     # Both with sub_sampling_factor=8: KLTRPO's line search still checks every candidate on the whole buffer
     "kltrpo_subsampled": ("KLTRPO, sub_sampling_factor=8", "TRPO (sb3-contrib), sub_sampling_factor=8"),
+    # TRPL (PPO's zoo entry without the clip, the grid's bounds) against stock PPO as users run it; on Pendulum-v1 the
+    # zoo entry already uses gSDE, trpl_gsde turns it on for both sides where it does not
+    "trpl": ("TRPL", "PPO"),
+    "trpl_gsde": ("TRPL, gSDE", "PPO, gSDE"),
     "monitor": ("PPO + KLMonitorCallback", "PPO"),
     "monitor_lstm": ("RecurrentPPO + KLMonitorCallback", "RecurrentPPO"),
 }
+# The tasks a comparison runs on, where not all of ENVS (gSDE needs Box actions; the recurrent pair has its masked tasks)
+COMPARISON_ENVS = {"trpl_gsde": ["HalfCheetah-v5"], "monitor_lstm": ["CartPole-v1", "Pendulum-v1"]}
 
 
 def timed_monitor() -> Any:
@@ -129,6 +147,8 @@ def build(comparison: str, side: str, env_id: str, seed: int) -> tuple[Any, Any]
         sub_sampling = dict(sub_sampling_factor=8)
     else:
         sub_sampling = {}
+    if comparison.startswith("trpl"):
+        return build_trpl(comparison, side, env_id, seed)
     family = TRPO_SETTINGS if comparison == "kltrpo" else PPO_SETTINGS
     setting = family[env_id]
     env = make_vec_env(env_id, n_envs=setting["n_envs"], seed=seed)
@@ -154,6 +174,23 @@ def build(comparison: str, side: str, env_id: str, seed: int) -> tuple[Any, Any]
     else:
         cls = getattr(sb3_kl, LABELS[comparison][0])
     return cls("MlpPolicy", env, seed=seed, device="cpu", **kwargs), callback
+
+
+def build_trpl(comparison: str, side: str, env_id: str, seed: int) -> tuple[Any, None]:
+    """:return: (model, None): TRPL with the grid's settings (``settings_for("trpl", ...)``) or stock PPO with the zoo's"""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    import sb3_kl
+    from settings import PPO_SETTINGS, settings_for
+
+    setting = settings_for("trpl", env_id) if side == "ours" else PPO_SETTINGS[env_id]
+    kwargs = dict(setting["kwargs"])
+    if comparison == "trpl_gsde":
+        kwargs["use_sde"] = True
+    env = make_vec_env(env_id, n_envs=setting["n_envs"], seed=seed)
+    cls = sb3_kl.TRPL if side == "ours" else PPO
+    return cls("MlpPolicy", env, seed=seed, device="cpu", **kwargs), None
 
 
 class Turns:
@@ -268,7 +305,7 @@ def timed_pair(comparison: str, env_id: str, seed: int, steps: int, first: str) 
     return result
 
 
-def command(pairs: int, steps_scale: float, comparisons: list[str], envs: list[str], out: Path) -> str:
+def command(pairs: int, steps_scale: float, comparisons: list[str], envs: list[str], out: Path, phases: bool = False) -> str:
     """The command line of a measurement (options left at their defaults omitted)."""
     try:
         out_text = str(out.resolve().relative_to(HERE.parent))
@@ -281,27 +318,64 @@ def command(pairs: int, steps_scale: float, comparisons: list[str], envs: list[s
         + (f" --comparisons {' '.join(comparisons)}" if comparisons != list(LABELS) else "")
         + (f" --envs {' '.join(envs)}" if envs != ENVS else "")
         + (f" --out {out_text}" if out.resolve() != default_out else "")
+        + (" --phases" if phases else "")
     )
 
 
-def measure(pairs: int, steps_scale: float, comparisons: list[str], envs: list[str], out: Path) -> dict[str, Any]:
+def measure(
+    pairs: int,
+    steps_scale: float,
+    comparisons: list[str],
+    envs: list[str],
+    out: Path,
+    resume: bool = False,
+    phases: bool = False,
+) -> dict[str, Any]:
     """
-    Time every pair of every comparison and environment.
+    Time every pair of every comparison and environment, writing the JSON record (:func:`json_path`) after each row
+    so that a stopped measurement keeps what it measured.
 
     :param pairs: Pairs of runs per comparison and environment (pair ``i`` uses seed ``i``)
     :param steps_scale: Multiplies the per-run step counts
     :param comparisons: Keys of :data:`LABELS`
     :param envs: Environments (the recurrent comparison runs their velocity-masked versions)
     :param out: The markdown the measurement is for (named in the command)
+    :param resume: Keep the rows of the JSON record already there when it was made by the same code and arguments
+    :param phases: Also time the phases of KLPPO's and ClipKLPPO's updates (:mod:`train_phases`), seed 0
     :return: the JSON record: the command and its arguments, ``code_version``, ``run_environment``, the load average
         when the measurement ended and, per comparison and environment, every pair's measurements and the ratios
     """
     import run_records
+    import train_phases
 
-    version = run_records.code_version("overhead.py", "settings.py")  # the checkout the runs start from
-    rows = []
+    version = run_records.code_version("overhead.py", "settings.py", "train_phases.py")  # the checkout the runs start from
+    arguments = dict(pairs=pairs, steps_scale=steps_scale, comparisons=comparisons, envs=envs)
+    record: dict[str, Any] = dict(
+        question="env-steps/s of each sb3-kl algorithm against its stock counterpart, in pairs that take turns",
+        command=command(pairs, steps_scale, comparisons, envs, out, phases),
+        arguments=arguments,
+        torch_threads=1,
+        cpu_count=os.cpu_count(),
+        load_average_end=list(os.getloadavg()),
+        code_version=version,
+        run_environment=run_records.run_environment(),
+        rows=[],
+        phases=[],
+    )
+    previous = json.loads(json_path(out).read_text()) if resume and json_path(out).exists() else None
+    if previous is not None and previous.get("code_version") == version and previous.get("arguments") == arguments:
+        record["rows"], record["phases"] = previous["rows"], previous.get("phases", [])
+    done = {(row["comparison"], row["env"]) for row in record["rows"]}
+
+    def save() -> None:
+        record["load_average_end"] = list(os.getloadavg())
+        json_path(out).parent.mkdir(parents=True, exist_ok=True)
+        json_path(out).write_text(json.dumps(record, indent=1))
+
     for comparison in comparisons:
-        for env_id in envs:
+        for env_id in [env for env in envs if env in COMPARISON_ENVS.get(comparison, ENVS)]:
+            if (comparison, env_id) in done:
+                continue
             steps = int(STEPS[env_id] * STEPS_SCALE.get(comparison, 1) * steps_scale)
             measured = []
             for pair in range(pairs):
@@ -326,7 +400,7 @@ def measure(pairs: int, steps_scale: float, comparisons: list[str], envs: list[s
                     flush=True,
                 )
             ratios = [m["ratio"] for m in measured]
-            rows.append(
+            record["rows"].append(
                 dict(
                     comparison=comparison,
                     env=env_id,
@@ -342,17 +416,19 @@ def measure(pairs: int, steps_scale: float, comparisons: list[str], envs: list[s
                     cpu_ratio_median=float(np.median([m["cpu_ratio"] for m in measured])),
                 )
             )
-    return dict(
-        question="env-steps/s of each sb3-kl algorithm against its stock counterpart, in pairs that take turns",
-        command=command(pairs, steps_scale, comparisons, envs, out),
-        arguments=dict(pairs=pairs, steps_scale=steps_scale, comparisons=comparisons, envs=envs),
-        torch_threads=1,
-        cpu_count=os.cpu_count(),
-        load_average_end=list(os.getloadavg()),
-        code_version=version,
-        run_environment=run_records.run_environment(),
-        rows=rows,
-    )
+            save()
+    timed = {(row["comparison"], row["env"]) for row in record["phases"]}
+    for comparison in [c for c in ("klppo_fused_adam", "clip_klppo_fused_adam") if phases and c in comparisons]:
+        for env_id in envs:
+            if (comparison, env_id) not in timed:
+                steps = int(STEPS[env_id] * steps_scale)
+                measured_phases = train_phases.time_phases(comparison, env_id, seed=0, steps=steps)
+                ours, stock = LABELS[comparison]
+                row = dict(comparison=comparison, env=env_id, ours=ours, stock=stock, measured=measured_phases)
+                record["phases"].append(row)
+                save()
+    save()
+    return record
 
 
 def json_path(out: Path) -> Path:
@@ -483,6 +559,19 @@ def render(record: dict[str, Any], json_name: str, figure: str | None = None) ->
                 f"{np.median(implied):.3f} | {min(implied):.3f}-{max(implied):.3f} | ≥ {goal} | "
                 f"{'yes' if np.median(implied) >= goal else 'NO'} |"
             )
+    if record.get("phases"):
+        import train_phases
+
+        lines += [
+            "",
+            "## Where the time goes",
+            "",
+            "One run per side (seed 0, the steps of the rows above), each phase timed around the methods that do it"
+            " (`benchmarks/train_phases.py`); per minibatch of the update, the once-per-update phases spread over its"
+            " minibatches. Stock PPO's `train()` is one method: its figure is its whole `train()` per minibatch.",
+            "",
+            *train_phases.phase_table(record["phases"]),
+        ]
     lines += ["", "Per-pair ratios:", ""]
     for row in record["rows"]:
         lines.append(
@@ -518,13 +607,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--report", action="store_true", help="only rewrite --out from the JSON record beside it (no measurement)"
     )
+    parser.add_argument("--resume", action="store_true", help="keep the rows already measured by the same code and arguments")
+    parser.add_argument("--phases", action="store_true", help="also time the phases of KLPPO's and ClipKLPPO's updates")
     args = parser.parse_args(argv)
     if not args.report:
         th.set_num_threads(1)
         os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3-kl-benchmarks")
-        record = measure(args.pairs, args.steps_scale, args.comparisons, args.envs, args.out)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        json_path(args.out).write_text(json.dumps(record, indent=1))
+        measure(args.pairs, args.steps_scale, args.comparisons, args.envs, args.out, args.resume, args.phases)
     print(write_report(args.out))
 
 

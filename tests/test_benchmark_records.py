@@ -17,6 +17,7 @@ sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "studies")]
 import adaptive_lr  # noqa: E402
 import overhead  # noqa: E402
 import reference  # noqa: E402
+import train_phases  # noqa: E402
 
 SIDE_KEYS = {"steps", "trained_steps", "wall_seconds", "cpu_seconds", "steps_per_second", "cpu_steps_per_second", "hook_share"}
 
@@ -62,6 +63,29 @@ def test_overhead_writes_the_measured_pairs_beside_the_markdown(tmp_path):
     out.write_text("")
     overhead.main(["--report", "--out", str(out)])
     assert out.read_text() == text
+
+
+def test_overhead_times_the_update_phases_and_resumes_without_measuring_again(tmp_path, monkeypatch):
+    out = tmp_path / "overhead_phases.md"
+    options = ["--pairs", "1", "--steps-scale", "0.02", "--comparisons", "klppo_fused_adam", "--envs", "CartPole-v1"]
+    overhead.main([*options, "--phases", "--out", str(out)])
+    record = json.loads(out.with_suffix(".json").read_text())
+    (timed,) = record["phases"]
+    ours, stock = timed["measured"]["ours"], timed["measured"]["stock"]
+    assert ours["minibatches"] == stock["minibatches"] > 0  # the same minibatches on both sides
+    assert set(ours["phases"]) == set(train_phases.PHASES)
+    assert 0 < sum(ours["phases"].values()) < ours["train_seconds"]
+    text = out.read_text()
+    assert "## Where the time goes" in text and "| KLPPO | CartPole-v1 | KL term (per-state KL, penalty) |" in text
+
+    # resumed with the same code and arguments, nothing is measured again
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(overhead, "timed_pair", refuse)
+    monkeypatch.setattr("train_phases.time_phases", refuse)
+    overhead.main([*options, "--phases", "--resume", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text())["rows"] == record["rows"]
 
 
 def test_adaptive_lr_records_every_run_resumes_and_reports_from_the_records(tmp_path, monkeypatch):
