@@ -219,7 +219,8 @@ def report(tier: str) -> str:
     if not side:
         lines += aggregate_comparison(groups, envs), ""
     # the side studies, each set beside the grid on a page of its own: a side folder's report leaves them out
-    sections = [budget_use(groups, envs), reverse_kl_table(groups, envs)]
+    reverse_kl_reruns = None if side else load_folder(f"reverse_kl/runs/{tier}")
+    sections = [budget_use(groups, envs), reverse_kl_table(groups, envs, reverse_kl_reruns)]
     if not side:
         links = write_pages(groups, tier)
         if links:
@@ -461,10 +462,17 @@ def budget_use(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs:
     return "\n".join(out) if not out[-1].startswith("|---") else ""
 
 
-def reverse_kl_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[str]) -> str:
+def reverse_kl_table(
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]],
+    envs: list[str],
+    extra: dict[tuple[str, str, float], list[dict[str, Any]]] | None = None,
+) -> str:
     """
     The acting policies' per-state KL(new||old) per update (TRPL's bounded direction) of the records that hold it
     (``kl_reverse_updates``, in records made since it was added); empty without such records.
+
+    :param extra: records of the same cells re-run into ``results/reverse_kl/`` for the field, used for a cell whose
+        grid records lack it
     """
     out = [
         "## Per-state KL(new||old) per update",
@@ -472,21 +480,27 @@ def reverse_kl_table(groups: dict[tuple[str, str, float], list[dict[str, Any]]],
         "On every state of the rollout an update trained on, the exact KL from the policy that collects the next rollout"
         " to the one that collected this one, summed over action dimensions (the direction TRPL bounds); per update its"
         " p99 and max over the states, then over the updates and seeds of a cell: the mean and the largest p99, and the"
-        " largest max. Only records made since the grid stores it count (their number is given).",
+        " largest max. The grid's records of the other algorithms were made before records held this figure: their"
+        " rows come from the same cells re-run on seeds 0-2 (0-1 on the MuJoCo and Box2D tasks) into"
+        " `results/reverse_kl/` (records: that folder).",
         "",
-        "| lr | env | algorithm | runs | mean p99 | largest p99 | largest max |",
-        "|---|---|---|---|---|---|---|",
+        "| lr | env | algorithm | runs | records | mean p99 | largest p99 | largest max |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for lr_mult in sorted({k[2] for k in groups}):
         for env in envs:
             for algo in ALL_ALGOS:
                 runs = [r for r in groups.get((env, algo, lr_mult), []) if r.get("kl_reverse_updates")]
+                source = "grid"
+                if not runs and extra:
+                    runs = [r for r in extra.get((env, algo, lr_mult), []) if r.get("kl_reverse_updates")]
+                    source = "reverse_kl/"
                 if not runs:
                     continue
                 updates = [u for r in runs for u in r["kl_reverse_updates"]]
                 p99s = [u["p99"] for u in updates]
                 out.append(
-                    f"| x{lr_mult:g} | {env} | {algo} | {len(runs)} | {np.mean(p99s):.4f} | {max(p99s):.4f} | "
+                    f"| x{lr_mult:g} | {env} | {algo} | {len(runs)} | {source} | {np.mean(p99s):.4f} | {max(p99s):.4f} | "
                     f"{max(u['max'] for u in updates):.4f} |"
                 )
     return "\n".join(out) if not out[-1].startswith("|---") else ""
