@@ -1,0 +1,185 @@
+"""
+Where TRPL loses at ten times the learning rate: its per-state bound holds at x10 as at x1, yet its return on
+Pendulum-v1 falls (the grid's stress rows). This study re-runs grid cells (same settings, seeds and budget, through
+``grid_runs.train_and_evaluate``, which re-makes the grid's run bit for bit) with a probe that keeps TRPL's own
+``train/`` figures of every update: how many states the projection moved, how far the network's raw output left the
+bound before the enforcement, how many enforcement steps and how much move-back each update needed, the critic's fit
+and the policy's spread. Writes ``benchmarks/results/trpl_high_learning_rate.{json,md,png}``, each run appended to the
+JSON as it finishes (a stopped study resumes); ``--report`` rewrites the page from the JSON.
+
+    python benchmarks/studies/trpl_high_learning_rate.py [--envs Pendulum-v1] [--seeds 0 1]
+    python benchmarks/studies/trpl_high_learning_rate.py --report
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
+sys.path.insert(0, str(HERE))
+
+import run_records  # noqa: E402
+
+OUT = HERE / "results" / "trpl_high_learning_rate.md"
+LR_MULTS = (1.0, 10.0)
+# TRPL's per-update figures kept (train/<name>)
+KEYS = (
+    "projected_fraction",
+    "distance_max_before_enforcement",
+    "distance_max",
+    "distance_bound",
+    "enforcement_steps",
+    "enforcement_step_fraction",
+    "trust_region_loss",
+    "policy_gradient_loss",
+    "value_loss",
+    "explained_variance",
+    "action_std_mean",
+    "kl",
+)
+
+
+def code_version() -> str:
+    """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
+    return run_records.code_version("settings.py", "grid_runs.py", f"studies/{Path(__file__).name}")
+
+
+def run(env_id: str, seed: int, lr_mult: float) -> dict[str, Any]:
+    """One grid run of TRPL with the probe; :return: its eval returns and TRPL's figures of every update"""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from grid_runs import train_and_evaluate
+
+    updates: list[dict[str, float]] = []
+
+    class Probe(BaseCallback):
+        """Reads the logger's ``train/`` values of the last update at each rollout's start (before they are dumped)."""
+
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:
+            values = self.model.logger.name_to_value
+            if "train/distance_max" in values:
+                updates.append({key: float(values[f"train/{key}"]) for key in KEYS if f"train/{key}" in values})
+
+    spec = dict(algo="trpl", env=env_id, seed=seed, lr_mult=lr_mult, tier="full")
+    record = train_and_evaluate(spec, probes=[Probe()])
+    return dict(env=env_id, seed=seed, lr_mult=lr_mult, eval_mean=record["eval_mean"], updates=updates)
+
+
+def summary(runs: list[dict[str, Any]]) -> list[str]:
+    """The page's table: per task and learning rate, the medians over the updates of every seed."""
+    lines = [
+        "| task | lr | runs | eval return | projected states | raw max / bound | enforcement steps | kept step "
+        "| explained variance | action std |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for env_id in sorted({r["env"] for r in runs}):
+        for lr_mult in LR_MULTS:
+            cell = [r for r in runs if r["env"] == env_id and r["lr_mult"] == lr_mult]
+            if not cell:
+                continue
+            ups = [u for r in cell for u in r["updates"]]
+
+            def med(key: str, ups: list[dict[str, float]] = ups) -> float:
+                return float(np.median([u[key] for u in ups if key in u]))
+
+            raw = float(np.median([u["distance_max_before_enforcement"] / u["distance_bound"] for u in ups]))
+            lines.append(
+                f"| {env_id} | x{lr_mult:g} | {len(cell)} | {np.mean([r['eval_mean'] for r in cell]):.1f} | "
+                f"{med('projected_fraction'):.1%} | {raw:.1f} | {med('enforcement_steps'):.0f} | "
+                f"{med('enforcement_step_fraction'):.2f} | {med('explained_variance'):.2f} | {med('action_std_mean'):.3f} |"
+            )
+    return lines
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("projected_fraction", "states the projection moved"),
+        ("distance_max_before_enforcement", "raw output's max distance / bound"),
+        ("explained_variance", "critic's explained variance"),
+        ("action_std_mean", "action std (mean)"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for r in runs:
+            values = [u[key] / (u["distance_bound"] if key.startswith("distance") else 1.0) for u in r["updates"]]
+            ax.plot(values, color="tab:blue" if r["lr_mult"] == 1.0 else "tab:red", lw=0.8, alpha=0.8)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("update")
+        if key.startswith("distance"):
+            ax.set_yscale("log")
+    axes[0].plot([], [], color="tab:blue", label="x1")
+    axes[0].plot([], [], color="tab:red", label="x10")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"TRPL on {', '.join(sorted({r['env'] for r in runs}))}: x1 (blue) and x10 (red) learning rate", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(record: dict[str, Any]) -> str:
+    runs = record["runs"]
+    plot(runs, OUT.with_suffix(".png"))
+    text = "\n".join(
+        [
+            "# TRPL at ten times the learning rate",
+            "",
+            f"![TRPL's per-update figures at x1 and x10]({OUT.with_suffix('.png').name})",
+            "",
+            *summary(runs),
+            "",
+            "Medians over every update of the runs (per update: the share of the minibatch states the projection moved,"
+            " averaged over the update's minibatches; the largest per-state distance of the network's raw output to the"
+            " rollout policy before the enforcement, over the bound; the enforcement's regression steps and the share of"
+            " the update's actor step kept by its move-back (1: none needed); the critic's explained variance; the"
+            " action std). Eval return: the grid's evaluation of the same runs, which these re-make bit for bit.",
+            "",
+            f"Written by `{record['command']}` on the code of commit {record['code_version']}, from"
+            f" `benchmarks/results/{OUT.with_suffix('.json').name}`.",
+        ]
+    )
+    OUT.write_text(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--envs", nargs="+", default=["Pendulum-v1"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--report", action="store_true")
+    args = parser.parse_args(argv)
+    path = OUT.with_suffix(".json")
+    record = json.loads(path.read_text()) if path.exists() else None
+    if not args.report:
+        seeds = " ".join(map(str, args.seeds))
+        command = f"python benchmarks/studies/trpl_high_learning_rate.py --envs {' '.join(args.envs)} --seeds {seeds}"
+        version = code_version()
+        if record is None or record["code_version"] != version:
+            record = dict(command=command, code_version=version, run_environment=run_records.run_environment(), runs=[])
+        record["command"] = command
+        for env_id in args.envs:
+            for seed in args.seeds:
+                for lr_mult in LR_MULTS:
+                    if any(r["env"] == env_id and r["seed"] == seed and r["lr_mult"] == lr_mult for r in record["runs"]):
+                        continue
+                    record["runs"].append(run(env_id, seed, lr_mult))
+                    path.write_text(json.dumps(record, indent=1))
+                    print(f"done {env_id} seed {seed} x{lr_mult:g}: eval {record['runs'][-1]['eval_mean']:.1f}", flush=True)
+    if record is None:
+        raise SystemExit(f"no {path}: run the study first")
+    print(write_report(record))
+
+
+if __name__ == "__main__":
+    main()
