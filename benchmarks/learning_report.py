@@ -799,6 +799,7 @@ def goals(groups: dict[tuple[str, str, float], list[dict[str, Any]]], note: str 
         ("No sb3-kl algorithm collapses in the grid", goal_collapses(groups)),
         ("Stock PPO with `target_kl` is in the grids", goal_baseline(groups)),
         ("5 seeds in every close cell", goal_seeds(groups)),
+        ("TRPL holds its bound in every state, learns and keeps up", goal_trpl(groups)),
     ]
     checks = standing_checks(groups)
     out = ["## Goals", ""] + ([note, ""] if note else [])
@@ -919,6 +920,82 @@ def goal_stress(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> l
                 f"both have, {100 * (x10 - x1) / abs(x1):+.1f}% "
                 f"({status(bool(return_ok))}, goal: within 20%)"
             )
+    return out
+
+
+def trpl_bound(record: dict[str, Any]) -> float:
+    """TRPL's joint per-state bound in a record: ``mean_bound`` (+ ``cov_bound``, which only Box actions are given)."""
+    settings = record["hyperparameters"]
+    return settings["mean_bound"] + settings.get("cov_bound", 0.0)
+
+
+def goal_trpl(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> list[str]:
+    """
+    TRPL's goals: return >= the better of PPO and TRPO minus one std on every task; the acting policies' largest
+    per-state KL(new||old) <= 1.05 x its bound in >= 99 % of updates; its per-update p99 and max at most half of PPO's
+    and KLPPO's (their rows from ``results/reverse_kl/``); at x10 no collapse and a return within 20 % of x1; and
+    >= 0.8 x PPO's env-steps/s (``overhead.md``).
+    """
+    trpl = [r for (_, algo, _), rs in groups.items() if algo == "trpl" for r in rs]
+    if not trpl:
+        return ["- TRPL's goals: " + status(None)]
+    out, cells, met = [], [], True
+    for env in MAIN_ENVS:
+        ours = _evals(groups, env, "trpl")
+        stock = max((_evals(groups, env, a) for a in ("ppo", "trpo")), key=lambda e: np.mean(e) if e else -np.inf)
+        if not ours or not stock:
+            met = None if met is not False else False
+            continue
+        ok = float(np.mean(ours)) >= float(np.mean(stock)) - float(np.std(stock)) and len(ours) >= 5
+        met = met and ok if met is not None else met
+        cells.append(f"{env} {np.mean(ours):.1f} vs {np.mean(stock):.1f} ± {np.std(stock):.1f}{'' if ok else ' (short)'}")
+    out.append(f"- TRPL's return ≥ the better of PPO and TRPO minus one std, six tasks: {status(met)} ({'; '.join(cells)})")
+    updates = [(u["max"], trpl_bound(r)) for r in trpl for u in r.get("kl_reverse_updates", [])]
+    share = float(np.mean([kl <= 1.05 * bound for kl, bound in updates])) if updates else None
+    worst = max(kl / bound for kl, bound in updates) if updates else float("nan")
+    out.append(
+        f"- TRPL's largest per-state KL(new||old) between acting policies ≤ 1.05 x its bound in ≥ 99% of updates: "
+        f"{status(None if share is None else share >= 0.99)} ({len(updates)} updates of {len(trpl)} runs, x1 and x10:"
+        f" {100 * (share or 0):.1f}% within, the largest {worst:.3f} x the bound)"
+    )
+    reruns = load_folder(f"reverse_kl/runs/{trpl[0]['tier']}")
+    tails, met = [], True
+    for env in MAIN_ENVS:
+        ours = [u for r in groups.get((env, "trpl", 1.0), []) for u in r.get("kl_reverse_updates", [])]
+        for algo in ("ppo", "klppo"):
+            theirs = [u for r in reruns.get((env, algo, 1.0), []) for u in r.get("kl_reverse_updates", [])]
+            if not ours or not theirs:
+                met = None if met is not False else False
+                continue
+            p99 = np.mean([u["p99"] for u in ours]) / np.mean([u["p99"] for u in theirs])
+            largest = max(u["max"] for u in ours) / max(u["max"] for u in theirs)
+            met = met and bool(p99 <= 0.5 and largest <= 0.5) if met is not None else met
+            tails.append(f"{env} vs {algo}: mean p99 x{p99:.2f}, largest max x{largest:.2f}")
+    out.append(
+        f"- TRPL's per-update p99 and largest per-state KL(new||old) at most half of PPO's and KLPPO's, every task: "
+        f"{status(met)} ({'; '.join(tails) or 'no rows'})"
+    )
+    for env in STRESS_ENVS:
+        runs = groups.get((env, "trpl", 10.0), [])
+        x1_by_seed = {r["seed"]: r["eval_mean"] for r in groups.get((env, "trpl", 1.0), [])}
+        paired = [(r["eval_mean"], x1_by_seed[r["seed"]]) for r in runs if r["seed"] in x1_by_seed]
+        if not paired:
+            out.append(f"- x10, {env}, trpl: no collapse, return within 20% of x1: {status(None)}")
+            continue
+        falls = sum(count_collapses(r["curve"]) > 0 for r in runs)
+        x10, x1 = (float(np.mean(v)) for v in zip(*paired, strict=True))
+        out.append(
+            f"- x10, {env}, trpl ({len(runs)} seeds): collapses {falls} ({status(falls == 0)}); return {x10:.1f} vs x1 "
+            f"{x1:.1f} on the {len(paired)} seeds both have, {100 * (x10 - x1) / abs(x1):+.1f}% "
+            f"({status(x10 >= x1 - 0.2 * abs(x1))}, goal: within 20%)"
+        )
+    for ours, stock in (("TRPL", "PPO"), ("TRPL, gSDE", "PPO, gSDE")):
+        ratios = overhead_ratios(ours, stock)
+        detail = ", ".join(f"{env} {r:.3f}" for env, r in ratios.items()) or "no overhead.md rows"
+        out.append(
+            f"- {ours} ≥ 0.8 x {stock}'s env-steps/s (`overhead.md`, median paired ratio): "
+            f"{status(None if not ratios else all(r >= 0.8 for r in ratios.values()))} ({detail})"
+        )
     return out
 
 
