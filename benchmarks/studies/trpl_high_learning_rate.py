@@ -145,7 +145,8 @@ def write_report(record: dict[str, Any]) -> str:
             " the update's actor step kept by its move-back (1: none needed); the critic's explained variance; the"
             " action std). Eval return: the grid's evaluation of the same runs, which these re-make bit for bit.",
             "",
-            f"Written by `{record['command']}` on the code of commit {record['code_version']}, from"
+            f"Written by `{record['command']}`; runs made by sb3-kl"
+            f" {', '.join(sorted({r.get('code_version', record['code_version']) for r in runs}))}, from"
             f" `benchmarks/results/{OUT.with_suffix('.json').name}`.",
         ]
     )
@@ -165,15 +166,16 @@ def main(argv: list[str] | None = None) -> None:
         seeds = " ".join(map(str, args.seeds))
         command = f"python benchmarks/studies/trpl_high_learning_rate.py --envs {' '.join(args.envs)} --seeds {seeds}"
         version = code_version()
-        if record is None or record["code_version"] != version:
+        if record is None:
             record = dict(command=command, code_version=version, run_environment=run_records.run_environment(), runs=[])
-        record["command"] = command
+        # runs made earlier are kept (each names its commit): the grid's runs they re-make do not change with it
+        record["command"], record["code_version"] = command, version
         for env_id in args.envs:
             for seed in args.seeds:
                 for lr_mult in LR_MULTS:
                     if any(r["env"] == env_id and r["seed"] == seed and r["lr_mult"] == lr_mult for r in record["runs"]):
                         continue
-                    record["runs"].append(run(env_id, seed, lr_mult))
+                    record["runs"].append({**run(env_id, seed, lr_mult), "code_version": version})
                     path.write_text(json.dumps(record, indent=1))
                     print(f"done {env_id} seed {seed} x{lr_mult:g}: eval {record['runs'][-1]['eval_mean']:.1f}", flush=True)
     if record is None:
