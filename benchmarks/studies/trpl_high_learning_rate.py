@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         if record is None:
             record = dict(command=command, code_version=version, run_environment=run_records.run_environment(), runs=[])
         # runs made earlier are kept (each names its commit): the grid's runs they re-make do not change with it
+        for made in record["runs"]:
+            made.setdefault("code_version", record["code_version"])
         record["command"], record["code_version"] = command, version
         for env_id in args.envs:
             for seed in args.seeds:
