@@ -146,3 +146,28 @@ def test_device_log_means_are_those_of_the_values_read_one_by_one() -> None:
     means = log.means()
     assert means["a"] == np.mean([value.item() for value in values])
     assert np.isnan(means["b"])
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1", "dict"])
+def test_minibatches_from_device_fields_equal_sb3s_copies(env_id: str) -> None:
+    from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+    from stable_baselines3.common.envs import SimpleMultiObsEnv
+
+    if env_id == "dict":
+        env = make_vec_env(SimpleMultiObsEnv, n_envs=2, seed=0)
+        model = KLPPO("MultiInputPolicy", env, n_steps=32, batch_size=16, n_epochs=1, seed=0)
+    else:
+        model = KLPPO("MlpPolicy", make_vec_env(env_id, n_envs=2, seed=0), n_steps=32, batch_size=16, n_epochs=1, seed=0)
+    stock = DictRolloutBuffer if env_id == "dict" else RolloutBuffer
+    for _ in range(2):  # two rollouts: the fields are remade for the second
+        model.learn(64, reset_num_timesteps=False)
+        buffer = model.rollout_buffer
+        indices = np.random.default_rng(0).permutation(64)[:16]
+        ours = buffer._get_samples(indices)
+        theirs = stock._get_samples(buffer, indices)
+        for field in theirs._fields:
+            a, b = getattr(ours, field), getattr(theirs, field)
+            for key in a if isinstance(a, dict) else [None]:
+                x, y = (a[key], b[key]) if key is not None else (a, b)
+                assert x.dtype == y.dtype and th.equal(x, y), (field, key)
+        assert th.equal(ours.old_dist_params, th.as_tensor(buffer.old_dist_params[indices]))

@@ -53,7 +53,32 @@ class KLBufferMixin:
         """
         return policy.get_distribution(obs)  # type: ignore[attr-defined]
 
+    def _device_fields(self) -> list[th.Tensor]:
+        """
+        The flattened buffer's fields as tensors on the device, in :class:`KLRolloutBufferSamples`' order (a dict's
+        observations first, one per key), made once per rollout: a minibatch then indexes them instead of copying
+        each field from numpy (on CPU they share the arrays' memory). Remade whenever an array is replaced
+        (``get()`` flattens into new arrays, ``reset()`` and :meth:`compute_old_distribution` make new ones).
+        """
+        observations = self.observations  # type: ignore[attr-defined]
+        arrays = [*(observations.values() if isinstance(observations, dict) else [observations])]
+        arrays += [self.actions, self.values, self.log_probs, self.advantages, self.returns]  # type: ignore[attr-defined]
+        arrays.append(self.old_dist_params)
+        cached = getattr(self, "_device_cache", None)
+        if cached is None or len(cached[0]) != len(arrays) or any(a is not b for a, b in zip(cached[0], arrays, strict=True)):
+            n_obs = len(arrays) - 6
+            converted = [
+                *arrays[:n_obs],
+                # as SB3's _get_samples: actions cast to float32, values and the rest flattened
+                arrays[n_obs].astype(np.float32, copy=False),
+                *(array.reshape(-1) for array in arrays[n_obs + 1 : n_obs + 5]),
+                arrays[-1],
+            ]
+            self._device_cache = (arrays, [th.as_tensor(array, device=self.device) for array in converted])
+        return self._device_cache[1]
+
     def _reset_kl_fields(self) -> None:
+        self._device_cache: tuple[list[np.ndarray], list[th.Tensor]] | None = None
         self.dist_params = self._distribution_params()
         # Flat layout (buffer_size * n_envs, n_params), in the order ``get()`` uses once it has flattened the buffer
         self.old_dist_params = np.zeros((self.buffer_size * self.n_envs, self.dist_params.n_params), dtype=np.float32)
@@ -164,8 +189,12 @@ class KLRolloutBuffer(KLBufferMixin, RolloutBuffer):
         batch_inds: np.ndarray,
         env: VecNormalize | None = None,
     ) -> KLRolloutBufferSamples:
-        samples = super()._get_samples(batch_inds, env)
-        return KLRolloutBufferSamples(*samples, old_dist_params=self.to_torch(self.old_dist_params[batch_inds]))
+        if not self.generator_ready:
+            samples = super()._get_samples(batch_inds, env)
+            return KLRolloutBufferSamples(*samples, old_dist_params=self.to_torch(self.old_dist_params[batch_inds]))
+        # the same values as SB3's copies from numpy, taken from the fields kept on the device (_device_fields)
+        index = th.as_tensor(batch_inds, device=self.device)
+        return KLRolloutBufferSamples(*(field[index] for field in self._device_fields()))
 
 
 class KLDictRolloutBuffer(KLBufferMixin, DictRolloutBuffer):
@@ -190,5 +219,11 @@ class KLDictRolloutBuffer(KLBufferMixin, DictRolloutBuffer):
         batch_inds: np.ndarray,
         env: VecNormalize | None = None,
     ) -> KLDictRolloutBufferSamples:
-        samples = super()._get_samples(batch_inds, env)
-        return KLDictRolloutBufferSamples(*samples, old_dist_params=self.to_torch(self.old_dist_params[batch_inds]))
+        if not self.generator_ready:
+            samples = super()._get_samples(batch_inds, env)
+            return KLDictRolloutBufferSamples(*samples, old_dist_params=self.to_torch(self.old_dist_params[batch_inds]))
+        index = th.as_tensor(batch_inds, device=self.device)
+        fields = [field[index] for field in self._device_fields()]
+        n_obs = len(fields) - 6
+        observations = dict(zip(self.observations, fields[:n_obs], strict=True))
+        return KLDictRolloutBufferSamples(observations, *fields[n_obs:])
