@@ -273,6 +273,11 @@ def pages() -> dict[str, str]:
         "results_recurrent_klppo.md": recurrent_table(),
         "results_maskable_klppo.md": maskable_table(),
         "results_trpl.md": trpl_zoo_table(),
+        "results_trpl_grid.md": grid_table(
+            "trpl",
+            [("TRPL", "trpl"), ("PPO", "ppo"), ("TRPO", "trpo"), ("KLPPO", "klppo")],
+            "TRPL beside stock PPO (whose zoo settings it runs, without the clip), sb3-contrib's TRPO and KLPPO",
+        ),
     }
 
 
