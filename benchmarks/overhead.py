@@ -437,7 +437,7 @@ def measure(
         for env_id in envs:
             if (comparison, env_id) not in timed:
                 steps = int(STEPS[env_id] * steps_scale)
-                measured_phases = train_phases.time_phases(comparison, env_id, seed=0, steps=steps)
+                measured_phases = train_phases.time_phases(build, comparison, env_id, seed=0, steps=steps)
                 ours, stock = LABELS[comparison]
                 row = dict(
                     comparison=comparison, env=env_id, ours=ours, stock=stock, measured=measured_phases, code_version=version

@@ -12,6 +12,7 @@ minibatch is the KL machinery's cost.
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 # phase name: the methods (of the algorithm) whose calls it sums
@@ -48,16 +49,18 @@ class PhaseClock:
         setattr(model, name, timed)
 
 
-def time_phases(comparison: str, env_id: str, seed: int, steps: int) -> dict[str, Any]:
+def time_phases(
+    build: Callable[[str, str, str, int], tuple[Any, Any]], comparison: str, env_id: str, seed: int, steps: int
+) -> dict[str, Any]:
     """
     Train both sides of ``comparison`` (``klppo_fused_adam`` or ``clip_klppo_fused_adam``) one after the other for
     ``steps`` env steps and time their phases.
 
+    :param build: ``overhead.build``: ``(comparison, side, env_id, seed) -> (model, callback)``
+
     :return: per side: ``updates``, ``minibatches``, ``train_seconds``, ``rollout_seconds`` and ``phases`` (phase name:
         seconds), all wall-clock
     """
-    from overhead import build
-
     result = {}
     for side in ("stock", "ours"):
         model, _ = build(comparison, side, env_id, seed)
