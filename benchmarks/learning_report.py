@@ -924,8 +924,13 @@ def goal_stress(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> l
 
 
 def trpl_bound(record: dict[str, Any]) -> float:
-    """TRPL's joint per-state bound in a record: ``mean_bound`` (+ ``cov_bound``, which only Box actions are given)."""
-    settings = record["hyperparameters"]
+    """
+    TRPL's joint per-state bound in a record: ``mean_bound`` (+ ``cov_bound``, which only Box actions are given), else
+    its ``target_kl`` (the grid records TRPL's joint bound there).
+    """
+    settings = record.get("hyperparameters") or {}
+    if "mean_bound" not in settings:
+        return float(record["target_kl"])
     return settings["mean_bound"] + settings.get("cov_bound", 0.0)
 
 

@@ -293,9 +293,17 @@ def test_report_sets_trpl_beside_the_grid_and_tabulates_the_reverse_kl_of_the_re
     assert "| env | budget | ppo | trpl |" in text[:start]  # trpl's column of the grid's tables
     section = text[start:]
     section = section[: _section_end(section, 1)]
-    assert "| x1 | Pendulum-v1 | trpl | 2 | 0.0220 | 0.0240 | 0.0300 |" in section and "| ppo |" not in section
+    assert "| x1 | Pendulum-v1 | trpl | 2 | grid | 0.0220 | 0.0240 | 0.0300 |" in section and "| ppo |" not in section
+    # PPO's row from its re-runs into reverse_kl/ (the grid's records predate the field)
+    rerun = _record("ppo", "Pendulum-v1", 0, -200.0, [0.03], 0.03)
+    rerun["kl_reverse_updates"] = [dict(timesteps=0, mean=0.05, p99=0.2, max=0.9)]
+    _write(tmp_path / "reverse_kl" / "runs" / "tiny", rerun)
+    text = learning_report.report("tiny")
+    assert "| x1 | Pendulum-v1 | ppo | 1 | reverse_kl/ | 0.2000 | 0.2000 | 0.9000 |" in text
+    assert "between acting policies ≤ 1.05 x its bound in ≥ 99% of updates: **met**" in text
     # without a record that holds it, no section
     _empty(folder)
+    _empty(tmp_path / "reverse_kl" / "runs" / "tiny")
     _write(folder, _record("ppo", "Pendulum-v1", 0, -200.0, [0.03], 0.03))
     assert "## Per-state KL(new||old) per update" not in learning_report.report("tiny")
 
