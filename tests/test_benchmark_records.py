@@ -147,3 +147,20 @@ def test_reference_report_names_the_commit_of_records_made_before_they_named_it(
     assert reference.record_version({"name": "x", "code_version": "abc1234"}) == "abc1234"
     assert set(reference.provenance()) == {"code_version", "run_environment"}
     assert re.fullmatch(r"[0-9a-f]{7,}(\+modified)?|unknown", reference.code_version())
+
+
+def test_reverse_kl_reruns_remake_the_grid_records_bit_for_bit():
+    # the per-state KL(new||old) rows of PPO, KLPPO, TRPO and KLTRPO come from re-runs of grid cells: each must be the
+    # grid's run made again (same evaluation and per-update KL), only with the field the grid's record lacks
+    import run_records
+
+    records = run_records.read_folder(run_records.RESULTS / "runs" / "full")
+    grid = {(r["algo"], r["env"], r["lr_mult"], r["seed"]): r for r in records}
+    reruns = run_records.read_folder(run_records.RESULTS / "reverse_kl" / "runs" / "full")
+    assert reruns
+    for rerun in reruns:
+        original = grid[(rerun["algo"], rerun["env"], rerun["lr_mult"], rerun["seed"])]
+        assert rerun["eval_returns"] == original["eval_returns"], rerun["algo"] + " " + rerun["env"]
+        for ours, theirs in zip(rerun["kl_updates"], original["kl_updates"], strict=True):
+            assert {k: ours[k] for k in theirs} == theirs
+        assert rerun["kl_reverse_updates"]
