@@ -22,8 +22,11 @@ from sb3_kl.common.projections import (
     gaussian_distances,
     gaussian_entropy_projection,
     project_bernoulli,
+    project_bernoulli_with_distances,
     project_categorical,
+    project_categorical_with_distances,
     project_gaussian,
+    project_gaussian_with_distances,
 )
 
 RTOL = 1e-6
@@ -158,6 +161,76 @@ def test_inside_bound_is_unchanged_with_identity_gradient():
         assert th.equal(projected, logits)
         (grad,) = th.autograd.grad((projected * 2).sum(), logits)
         assert th.equal(grad, th.full_like(logits, 2.0))
+
+
+def test_all_inside_batch_returns_the_inputs_themselves():
+    """
+    With no state outside a bound, the projection is the identity and skips its work: the input tensors themselves
+    come back (gradient the identity), and the distances it reports are the inputs' own, before and after.
+    """
+    for per_state in (False, True):
+        mean, std, old_mean, old_std = _gaussian_batch(6, 3, 1e-3, 1.0, per_state, th.float32, seed=3)
+        std = (old_std * 1.001).requires_grad_()
+        mean.requires_grad_()
+        for projection in PROJECTIONS:
+            result = project_gaussian_with_distances(mean, std, old_mean, old_std, 0.1, 0.1, projection)
+            assert result.mean is mean and result.std is std
+            mean_grad, std_grad = th.autograd.grad((result.mean * 2).sum() + (result.std * 3).sum(), (mean, std))
+            assert th.equal(mean_grad, th.full_like(mean, 2.0)) and th.equal(std_grad, th.full_like(std, 3.0))
+            mean_part, cov_part = gaussian_distances(*(x.double() for x in (mean, std, old_mean, old_std)), projection)
+            assert th.equal(result.mean_before, mean_part.detach()) and th.equal(result.mean_after, result.mean_before)
+            assert th.equal(result.cov_before, cov_part.detach()) and th.equal(result.cov_after, result.cov_before)
+    # only the means outside: the stds come back themselves, the means are projected
+    mean, std, old_mean, old_std = _gaussian_batch(6, 3, 10.0, 1.0, True, th.float32, seed=3)
+    std = old_std * 1.001
+    result = project_gaussian_with_distances(mean, std, old_mean, old_std, 0.1, 0.1)
+    assert result.std is std and result.mean is not mean and not th.equal(result.mean, mean)
+    # a state-independent std against per-state old stds is broadcast per state, as a projection would be
+    result = project_gaussian_with_distances(mean, old_std[0] * 1.001, old_mean, old_std, 1e3, 1e3)
+    assert result.std.shape == mean.shape
+    old_logits = 3 * th.randn(5, 10, generator=th.Generator().manual_seed(3))
+    logits = (old_logits + 1e-3 * th.randn(5, 10, generator=th.Generator().manual_seed(4))).requires_grad_()
+    for result in (
+        project_categorical_with_distances(logits, old_logits, 0.1, MULTI_DISCRETE),
+        project_bernoulli_with_distances(logits, old_logits, 0.1),
+    ):
+        assert result.logits is logits
+        (grad,) = th.autograd.grad((result.logits * 2).sum(), logits)
+        assert th.equal(grad, th.full_like(logits, 2.0))
+        assert th.equal(result.after, result.before) and (result.before <= 0.1).all()
+    assert th.allclose(
+        project_categorical_with_distances(logits, old_logits, 0.1, MULTI_DISCRETE).before,
+        categorical_kl(logits.detach().double(), old_logits.double(), MULTI_DISCRETE),
+        rtol=1e-9,
+        atol=1e-15,
+    )
+    assert th.allclose(
+        project_bernoulli_with_distances(logits, old_logits, 0.1).before,
+        bernoulli_kl(logits.detach().double(), old_logits.double()),
+        rtol=1e-9,
+        atol=1e-15,
+    )
+
+
+def test_reported_distances_are_those_of_the_result():
+    """The distances after the projection that it reports are the returned parameters' (float64), within the bound."""
+    mean, std, old_mean, old_std = _gaussian_batch(32, 3, 3.0, 2.0, True, th.float32, seed=4)
+    for projection in PROJECTIONS:
+        result = project_gaussian_with_distances(mean, std, old_mean, old_std, 0.01, 0.001, projection)
+        mean_part, cov_part = gaussian_distances(
+            *(x.double() for x in (result.mean, result.std, old_mean, old_std)), projection
+        )
+        assert th.allclose(result.mean_after, mean_part, rtol=1e-12) and th.allclose(result.cov_after, cov_part, rtol=1e-12)
+        assert result.mean_after.max() <= 0.01 and result.cov_after.max() <= 0.001
+        before_mean, before_cov = gaussian_distances(*(x.double() for x in (mean, std, old_mean, old_std)), projection)
+        assert th.equal(result.mean_before, before_mean) and th.equal(result.cov_before, before_cov)
+    logits, old_logits = _logits_batch(32, 10, 3.0, th.float32, seed=4)
+    result = project_categorical_with_distances(logits, old_logits, 0.01, MULTI_DISCRETE)
+    after = categorical_kl(result.logits.double(), old_logits.double(), MULTI_DISCRETE)
+    assert th.allclose(result.after, after, rtol=1e-9) and result.after.max() <= 0.01
+    result = project_bernoulli_with_distances(logits, old_logits, 0.01)
+    after = bernoulli_kl(result.logits.double(), old_logits.double())
+    assert th.allclose(result.after, after, rtol=1e-9) and result.after.max() <= 0.01
 
 
 def test_mixed_batch_changes_only_outside_states():

@@ -411,3 +411,39 @@ def test_same_seed_same_model():
         model.learn(2 * 64)
         params.append(th.nn.utils.parameters_to_vector(model.policy.parameters()).detach())
     assert th.equal(params[0], params[1])
+
+
+@pytest.mark.parametrize(
+    "env_id, kwargs",
+    [("CartPole-v1", {}), ("Pendulum-v1", {}), ("Pendulum-v1", dict(use_sde=True)), ("Pendulum-v1", dict(projection="w2"))],
+)
+def test_projection_of_the_rollout_policy_is_the_identity(env_id, kwargs):
+    """
+    On states where the network is the rollout policy, no state is outside the bound: the projected distribution has
+    the network's own parameter tensors, the regression term is 0 (and so is its gradient), no state counts as moved,
+    and the logged distances are the network's own (0).
+    """
+    model = TRPL("MlpPolicy", env_id, n_steps=64, seed=0, **kwargs, **TINY)
+    obs = th.as_tensor(model.env.reset())
+    _, distribution = model._forward(obs)
+    old_params = model.dist_params.extract(distribution).detach()
+    projection = model._project(distribution, old_params, None)
+    assert th.equal(projection["trust_region"], th.zeros(len(obs))) and not projection["moved"].any()
+    assert projection["projected"].abs().max() < 1e-12
+    projected = projection["distribution"].distribution
+    if model._is_gaussian:
+        assert th.equal(projected.mean, distribution.distribution.mean)
+        assert th.equal(projected.stddev, distribution.distribution.stddev.expand_as(projected.stddev))
+    else:
+        assert th.equal(projected.logits, distribution.distribution.logits)
+
+
+@pytest.mark.parametrize("projection", ["kl", "w2"])
+def test_logged_update_kl_is_the_measured_one(projection):
+    """The update's KL, taken from the bound enforcement's last pass over the buffer, is what a fresh pass measures."""
+    logs = TrainLogs()
+    model = TRPL("MlpPolicy", "Pendulum-v1", n_steps=64, projection=projection, seed=0, **TINY)
+    model.learn(2 * 64, callback=logs)
+    per_state, _ = model._measure_update_kl()
+    assert logs.updates[-1]["train/kl"] == float(np.mean(per_state))
+    assert logs.updates[-1]["train/kl_max"] == float(np.max(per_state))

@@ -47,6 +47,7 @@ the bound in float32 (a move below float32 resolution) gets the old distribution
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch as th
 from torch.nn import functional as F
@@ -61,6 +62,33 @@ _FLOAT64_MARGIN = 1e-9
 # Stop the root search when |g| <= _ROOT_RTOL * bound (or the bracket is at machine precision).
 _ROOT_RTOL = 1e-12
 _MAX_ROOT_ITERATIONS = 100
+
+
+class GaussianProjection(NamedTuple):
+    """
+    The projected Gaussian, with the distances to the old one that the projection measured (float64, no gradient).
+    A part with no state outside its bound is the input tensor itself (the identity, gradient included).
+    """
+
+    mean: th.Tensor
+    std: th.Tensor
+    #: mean part per state before and after the projection, ``(batch,)``
+    mean_before: th.Tensor
+    mean_after: th.Tensor
+    #: covariance part before and after, ``(batch,)``, or ``()`` for state-independent stds
+    cov_before: th.Tensor
+    cov_after: th.Tensor
+
+
+class LogitsProjection(NamedTuple):
+    """
+    Projected logits (categorical or Bernoulli), with the joint KL to the old distribution per state before and after
+    the projection (float64, no gradient). With no state outside the bound, ``logits`` is the input tensor itself.
+    """
+
+    logits: th.Tensor
+    before: th.Tensor
+    after: th.Tensor
 
 
 def _check_bound(bound: float, name: str) -> None:
@@ -124,7 +152,7 @@ def _round_inside(
     :param bound: the bound
     :param dtype: the dtype of the result
     :param separable: whether rounding toward ``old`` cannot increase the distance
-    :return: the projected parameters in ``dtype``
+    :return: the projected parameters in ``dtype``, and their distance per state (float64, the re-check's)
     """
     if dtype == th.float64 or separable:
         margin = _FLOAT64_MARGIN
@@ -145,12 +173,13 @@ def _round_inside(
             dist = distance(result.detach().to(th.float64))
         over = dist > bound
         if not bool(over.any()):
-            return result
+            return result, dist
         target = th.where(over, target * (bound / dist) * (1.0 - margin), target)
         result = cast(solve(target))
     with th.no_grad():
-        over = distance(result.detach().to(th.float64)) > bound
-    return th.where(over.unsqueeze(-1), old.to(dtype), result)
+        dist = distance(result.detach().to(th.float64))
+        over = dist > bound
+    return th.where(over.unsqueeze(-1), old.to(dtype), result), th.where(over, th.zeros_like(dist), dist)
 
 
 def _solve_increasing(
@@ -258,28 +287,27 @@ def gaussian_distances(
     return _mean_distance(mean, old_mean, old_std, projection), _cov_distance(std, old_std, projection)
 
 
-def _project_mean(
-    mean: th.Tensor, old_mean: th.Tensor, old_std: th.Tensor, bound: float, target: float | th.Tensor, projection: str
+def _project_closed(
+    values: th.Tensor, old: th.Tensor, dist: th.Tensor, active: th.Tensor, target: float | th.Tensor
 ) -> th.Tensor:
-    """Closed-form mean projection, float64 in and out."""
-    dist = _mean_distance(mean, old_mean, old_std, projection)
-    active = dist > bound
+    """
+    Closed-form projection of a distance that scales with the square of ``values - old`` (the means; the stds in
+    W2), float64 in and out.
+
+    :param dist: the distance of ``values`` per state (differentiable)
+    :param active: the states outside the bound
+    """
     # mu~ = (mu + omega mu_old) / (1 + omega) = mu_old + (mu - mu_old) / (1 + omega), with 1 + omega = sqrt(d / target)
     scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
-    return th.where(active.unsqueeze(-1), old_mean + (mean - old_mean) * scale, mean)
+    return th.where(active.unsqueeze(-1), old + (values - old) * scale, values)
 
 
-def _project_closed_cov(
-    std: th.Tensor, old_std: th.Tensor, bound: float, target: float | th.Tensor, projection: str
+def _project_frobenius_cov(
+    std: th.Tensor, old_std: th.Tensor, dist: th.Tensor, active: th.Tensor, target: float | th.Tensor
 ) -> th.Tensor:
-    """Closed-form W2 (std interpolation) or Frobenius (variance interpolation) covariance projection, float64."""
-    dist = _cov_distance(std, old_std, projection)
-    active = dist > bound
+    """Closed-form Frobenius covariance projection (variance interpolation), float64 in and out."""
     scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
-    if projection == "w2":
-        projected = old_std + (std - old_std) * scale
-    else:
-        projected = th.sqrt(old_std**2 + (std**2 - old_std**2) * scale)
+    projected = th.sqrt(old_std**2 + (std**2 - old_std**2) * scale)
     return th.where(active.unsqueeze(-1), projected, std)
 
 
@@ -296,12 +324,17 @@ def _kl_cov_constraint(t: th.Tensor, ratio_m1: th.Tensor, target: float | th.Ten
     return value, slope
 
 
-def _project_kl_cov(std: th.Tensor, old_std: th.Tensor, bound: float, target: float | th.Tensor) -> th.Tensor:
-    """KL covariance projection (precision interpolation with a per-state multiplier), float64 in and out."""
+def _project_kl_cov(
+    std: th.Tensor, old_std: th.Tensor, cov_part: th.Tensor, active: th.Tensor, bound: float, target: float | th.Tensor
+) -> th.Tensor:
+    """
+    KL covariance projection (precision interpolation with a per-state multiplier), float64 in and out.
+
+    :param cov_part: the covariance part of ``std`` per state (:func:`_cov_distance`)
+    :param active: the states outside the bound
+    """
     log_ratio = 2.0 * (th.log(old_std) - th.log(std))  # log r, with r = precision / old precision
     ratio_m1 = th.expm1(log_ratio)
-    cov_part = 0.5 * (th.expm1(-log_ratio) + log_ratio).sum(-1)
-    active = cov_part > bound
     with th.no_grad():
         fixed = ratio_m1.detach()
         t0 = th.sqrt(target / th.where(active, cov_part, th.ones_like(cov_part))).clamp(max=1.0)
@@ -337,6 +370,26 @@ def project_gaussian(
     :return: the projected means ``(batch, k)`` and standard deviations (the shape of ``std``, or ``(batch, k)`` if
         only ``old_std`` is per state)
     """
+    projected = project_gaussian_with_distances(mean, std, old_mean, old_std, mean_bound, cov_bound, projection)
+    return projected.mean, projected.std
+
+
+def project_gaussian_with_distances(
+    mean: th.Tensor,
+    std: th.Tensor,
+    old_mean: th.Tensor,
+    old_std: th.Tensor,
+    mean_bound: float,
+    cov_bound: float,
+    projection: str = "kl",
+) -> GaussianProjection:
+    """
+    :func:`project_gaussian`, also returning the distances to the old Gaussians before and after the projection that
+    it evaluates anyway. A part (mean or covariance) with no state outside its bound is returned as the input tensor
+    itself, in the dtype of ``mean``.
+
+    :return: the projection and the distances (:class:`GaussianProjection`)
+    """
     _check_projection(projection)
     _check_bound(mean_bound, "mean_bound")
     _check_bound(cov_bound, "cov_bound")
@@ -350,22 +403,42 @@ def project_gaussian(
     dtype = mean.dtype
     mean64, std64 = mean.to(th.float64), std.to(th.float64)
     old_mean64, old_std64 = old_mean.detach().to(th.float64), old_std.detach().to(th.float64)
-    new_mean = _round_inside(
-        lambda target: _project_mean(mean64, old_mean64, old_std64, mean_bound, target, projection),
-        lambda x: _mean_distance(x, old_mean64, old_std64, projection),
-        old_mean64,
-        mean_bound,
-        dtype,
-        separable=True,
-    )
-    if projection == "kl":
-        solve_cov = lambda target: _project_kl_cov(std64, old_std64, cov_bound, target)  # noqa: E731
+    # Each distance is evaluated once: the activity test, the closed forms' scale and the root search's start share it
+    mean_dist = _mean_distance(mean64, old_mean64, old_std64, projection)
+    cov_dist = _cov_distance(std64, old_std64, projection)
+    mean_active, cov_active = mean_dist.detach() > mean_bound, cov_dist.detach() > cov_bound
+    # One host read for both parts; a part with no state outside is the identity and skips its projection entirely
+    move_mean, move_cov = th.stack((mean_active.any(), cov_active.any())).tolist()
+
+    if move_mean:
+        new_mean, mean_after = _round_inside(
+            lambda target: _project_closed(mean64, old_mean64, mean_dist, mean_active, target),
+            lambda x: _mean_distance(x, old_mean64, old_std64, projection),
+            old_mean64,
+            mean_bound,
+            dtype,
+            separable=True,
+        )
     else:
-        solve_cov = lambda target: _project_closed_cov(std64, old_std64, cov_bound, target, projection)  # noqa: E731
-    new_std = _round_inside(
-        solve_cov, lambda x: _cov_distance(x, old_std64, projection), old_std64, cov_bound, dtype, separable=True
+        new_mean, mean_after = mean, mean_dist.detach()
+
+    if move_cov:
+        if projection == "kl":
+            solve_cov = lambda target: _project_kl_cov(std64, old_std64, cov_dist, cov_active, cov_bound, target)  # noqa: E731
+        elif projection == "w2":
+            solve_cov = lambda target: _project_closed(std64, old_std64, cov_dist, cov_active, target)  # noqa: E731
+        else:
+            solve_cov = lambda target: _project_frobenius_cov(std64, old_std64, cov_dist, cov_active, target)  # noqa: E731
+        new_std, cov_after = _round_inside(
+            solve_cov, lambda x: _cov_distance(x, old_std64, projection), old_std64, cov_bound, dtype, separable=True
+        )
+    else:
+        # shaped as a projection would be: per state if either std is
+        shape = th.broadcast_shapes(std.shape, old_std.shape)
+        new_std, cov_after = (std if std.shape == shape else std.expand(shape)), cov_dist.detach()
+    return GaussianProjection(
+        new_mean.to(dtype), new_std.to(dtype), mean_dist.detach(), mean_after, cov_dist.detach(), cov_after
     )
-    return new_mean.to(dtype), new_std.to(dtype)
 
 
 def gaussian_entropy_projection(std: th.Tensor, min_entropy: float) -> th.Tensor:
@@ -440,7 +513,7 @@ def _project_interpolation(
     constraint: Callable[[th.Tensor, tuple[th.Tensor, ...], tuple[th.Tensor, ...], float], tuple[th.Tensor, th.Tensor]],
     normalize: Callable[[tuple[th.Tensor, ...]], th.Tensor],
     normalize_old: bool,
-) -> th.Tensor:
+) -> LogitsProjection:
     """
     I-projection by geometric interpolation of natural parameters, shared by the categorical and Bernoulli cases.
 
@@ -448,6 +521,7 @@ def _project_interpolation(
     :param constraint: ``(t, deltas, old factors, target) -> (KL - target, dKL/dt)``
     :param normalize: maps projected factors back to one logits tensor (normalized, for float32 precision)
     :param normalize_old: turn the old factors into log-probabilities first (categorical)
+    :return: the projected logits (``logits`` itself when no state is outside the bound) and the KL before and after
     """
     dtype = logits.dtype
     z = split(logits.to(th.float64))
@@ -459,6 +533,9 @@ def _project_interpolation(
     with th.no_grad():
         full, _ = constraint(th.ones(logits.shape[:-1], dtype=th.float64, device=logits.device), fixed, z_old, 0.0)
     active = full > bound
+    if not bool(active.any()):
+        # The projection is the identity (the usual minibatch late in training): no root search, no re-check
+        return LogitsProjection(logits, full, full)
 
     def solve(target: float | th.Tensor) -> th.Tensor:
         with th.no_grad():
@@ -476,7 +553,8 @@ def _project_interpolation(
             0.0,
         )[0]
 
-    return _round_inside(solve, distance, old_logits.detach().to(th.float64), bound, dtype, separable=False).to(dtype)
+    projected, after = _round_inside(solve, distance, old_logits.detach().to(th.float64), bound, dtype, separable=False)
+    return LogitsProjection(projected.to(dtype), full, after)
 
 
 def project_categorical(logits: th.Tensor, old_logits: th.Tensor, bound: float, action_dims: Sequence[int]) -> th.Tensor:
@@ -490,6 +568,18 @@ def project_categorical(logits: th.Tensor, old_logits: th.Tensor, bound: float, 
     :param action_dims: ``[n]`` for ``Discrete(n)``, ``list(nvec)`` for ``MultiDiscrete(nvec)``
     :return: projected logits, same shape and dtype; states inside the bound are returned as they were, projected
         ones as normalized log-probabilities
+    """
+    return project_categorical_with_distances(logits, old_logits, bound, action_dims).logits
+
+
+def project_categorical_with_distances(
+    logits: th.Tensor, old_logits: th.Tensor, bound: float, action_dims: Sequence[int]
+) -> LogitsProjection:
+    """
+    :func:`project_categorical`, also returning the joint KL to the old distribution per state before and after the
+    projection, which it evaluates anyway. With no state outside the bound, the logits returned are ``logits`` itself.
+
+    :return: the projection and the KL (:class:`LogitsProjection`)
     """
     _check_bound(bound, "bound")
     _split_factors(logits, action_dims)
@@ -544,6 +634,16 @@ def project_bernoulli(logits: th.Tensor, old_logits: th.Tensor, bound: float) ->
     :param old_logits: old logits, same shape (treated as a constant)
     :param bound: the KL bound
     :return: projected logits, same shape and dtype
+    """
+    return project_bernoulli_with_distances(logits, old_logits, bound).logits
+
+
+def project_bernoulli_with_distances(logits: th.Tensor, old_logits: th.Tensor, bound: float) -> LogitsProjection:
+    """
+    :func:`project_bernoulli`, also returning the joint KL to the old distribution per state before and after the
+    projection, which it evaluates anyway. With no state outside the bound, the logits returned are ``logits`` itself.
+
+    :return: the projection and the KL (:class:`LogitsProjection`)
     """
     _check_bound(bound, "bound")
     _check_same_shape(logits, old_logits, "logits")

@@ -17,7 +17,7 @@ from stable_baselines3.common.utils import explained_variance
 from torch import nn
 from torch.nn import functional as F
 
-from sb3_kl.common.host_sync import without_distribution_validation
+from sb3_kl.common.host_sync import DeviceLog, without_distribution_validation
 from sb3_kl.common.kl import GaussianParams, MultiCategoricalParams, as_float64, kl_normal, per_state_kl
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
@@ -25,9 +25,9 @@ from sb3_kl.common.projections import (
     PROJECTIONS,
     gaussian_distances,
     gaussian_entropy_projection,
-    project_bernoulli,
-    project_categorical,
-    project_gaussian,
+    project_bernoulli_with_distances,
+    project_categorical_with_distances,
+    project_gaussian_with_distances,
 )
 from sb3_kl.common.validation import check_bool, check_choice, check_finite, check_int, check_non_negative, check_positive
 from sb3_kl.trpl.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
@@ -324,16 +324,19 @@ class TRPL(KLOnPolicyAlgorithm):
             net_std = std
             if min_entropy is not None:
                 std = gaussian_entropy_projection(std, min_entropy)
-            proj_mean, proj_std = project_gaussian(
+            result = project_gaussian_with_distances(
                 mean, std, old_mean, old_std, self.mean_bound, self.cov_bound, self.projection
             )
-            mean_dist, cov_dist = gaussian_distances(mean, net_std, proj_mean.detach(), proj_std.detach(), self.projection)
-            trust_region = mean_dist + cov_dist
-            with th.no_grad():
-                before_mean, before_cov = gaussian_distances(mean, std, old_mean, old_std, self.projection)
-                moved = (before_mean > self.mean_bound) | (before_cov > self.cov_bound)
-                after_mean, after_cov = gaussian_distances(proj_mean, proj_std, old_mean, old_std, self.projection)
-                after_cov = after_cov.expand_as(after_mean)
+            proj_mean, proj_std = result.mean, result.std
+            if proj_mean is mean and proj_std is net_std:
+                # The projection is the identity: d(pi_net, pi_proj) is 0 with a zero gradient, exactly
+                trust_region = mean.new_zeros(mean.shape[:-1])
+            else:
+                mean_dist, cov_dist = gaussian_distances(mean, net_std, proj_mean.detach(), proj_std.detach(), self.projection)
+                trust_region = mean_dist + cov_dist
+            # the distances to the rollout policy come from the projection, which measured them (in float64)
+            moved = (result.mean_before > self.mean_bound) | (result.cov_before > self.cov_bound)
+            after_mean, after_cov = result.mean_after, result.cov_after.expand_as(result.mean_after)
             projected = DiagGaussianDistribution(self.dist_params.n_dims).proba_distribution(proj_mean, th.log(proj_std))
             return {
                 "distribution": projected,
@@ -344,17 +347,27 @@ class TRPL(KLOnPolicyAlgorithm):
             }
         logits = self.dist_params.extract(distribution)
         if isinstance(self.policy.action_dist, BernoulliDistribution):
-            proj_logits = project_bernoulli(logits, old_params, self.mean_bound)
+            result = project_bernoulli_with_distances(logits, old_params, self.mean_bound)
         else:
             action_dims = self.dist_params.nvec if isinstance(self.dist_params, MultiCategoricalParams) else [logits.shape[-1]]
-            proj_logits = project_categorical(logits, old_params, self.mean_bound, action_dims)
-        # KL(pi_net || stopgrad(pi_proj)) and the distances to the rollout policy, from the shared KL core
-        trust_region = self.dist_params.kl_per_dim(logits, proj_logits.detach()).sum(dim=-1)
-        with th.no_grad():
-            moved = self.dist_params.kl_per_dim(logits, old_params).sum(dim=-1) > self.mean_bound
-            after = self.dist_params.kl_per_dim(proj_logits, old_params).sum(dim=-1)
+            result = project_categorical_with_distances(logits, old_params, self.mean_bound, action_dims)
+        proj_logits = result.logits
+        if proj_logits is logits:
+            # The projection is the identity: KL(pi_net || pi_proj) is 0, and so is its gradient
+            trust_region = logits.new_zeros(logits.shape[:-1])
+        else:
+            # KL(pi_net || stopgrad(pi_proj)), from the shared KL core
+            trust_region = self.dist_params.kl_per_dim(logits, proj_logits.detach()).sum(dim=-1)
+        # the KL to the rollout policy before and after comes from the projection, which measured it (in float64)
+        moved = result.before > self.mean_bound
         projected = copy.copy(self.policy.action_dist).proba_distribution(action_logits=proj_logits)
-        return {"distribution": projected, "trust_region": trust_region, "moved": moved, "projected": after, "parts": None}
+        return {
+            "distribution": projected,
+            "trust_region": trust_region,
+            "moved": moved,
+            "projected": result.after,
+            "parts": None,
+        }
 
     def _distance_to_old(self, new_params: th.Tensor, old_params: th.Tensor) -> th.Tensor:
         """
@@ -391,8 +404,10 @@ class TRPL(KLOnPolicyAlgorithm):
         actor_params = self._actor_parameters()
         rollout_actor = nn.utils.parameters_to_vector(actor_params).detach().clone()
 
-        entropy_losses, pg_losses, value_losses, trust_region_losses, moved_fractions = [], [], [], [], []
-        projected_max, mean_part_max, cov_part_max = 0.0, 0.0, 0.0
+        # what is logged stays on the device until the update ends: no host synchronisation per minibatch
+        logs = DeviceLog("entropy_loss", "policy_gradient_loss", "value_loss", "trust_region_loss", "projected_fraction")
+        # running maxima of the projected distances (joint, mean part, covariance part), float64 as measured
+        maxima = th.zeros(3, dtype=th.float64, device=self.device)
         applied_steps, minibatch_steps = th.zeros((), dtype=th.long, device=self.device), 0
         loss = th.zeros(())
         for _ in range(self.n_epochs):
@@ -416,15 +431,13 @@ class TRPL(KLOnPolicyAlgorithm):
                 if self.ent_coef != 0:
                     loss = loss + self.ent_coef * entropy_loss
 
-                pg_losses.append(policy_loss.item())
-                value_losses.append(value_loss.item())
-                entropy_losses.append(entropy_loss.item())
-                trust_region_losses.append(trust_region_loss.item())
-                moved_fractions.append(projection["moved"].float().mean().item())
-                projected_max = max(projected_max, projection["projected"].max().item())
-                if projection["parts"] is not None:
-                    mean_part_max = max(mean_part_max, projection["parts"][0].max().item())
-                    cov_part_max = max(cov_part_max, projection["parts"][1].max().item())
+                logs.add("policy_gradient_loss", policy_loss)
+                logs.add("value_loss", value_loss)
+                logs.add("entropy_loss", entropy_loss)
+                logs.add("trust_region_loss", trust_region_loss)
+                logs.add("projected_fraction", projection["moved"].float().mean())
+                parts = projection["parts"] or (projection["projected"], projection["projected"])
+                maxima = th.maximum(maxima, th.stack([projection["projected"].max(), parts[0].max(), parts[1].max()]))
 
                 # a boolean tensor, False for a non-finite loss or gradient (the step is skipped)
                 applied_steps += self._optimizer_step(loss)
@@ -434,20 +447,25 @@ class TRPL(KLOnPolicyAlgorithm):
         self._count_nonfinite_steps(applied_steps, minibatch_steps)
 
         enforcement = self._enforce_bound(actor_params, rollout_actor, min_entropy)
-        per_state, new_params = self._measure_update_kl()
+        if self.kl_settings.estimator == "analytic":
+            # the enforcement's last pass over the buffer evaluated the final acting policy already: its KL and
+            # parameters are those _measure_update_kl would compute again
+            per_state, new_params = enforcement["final_kl"].cpu().numpy(), enforcement["final_params"].cpu().numpy()
+        else:  # a sample estimate needs the log-probabilities of the stored actions
+            per_state, new_params = self._measure_update_kl()
         self._finish_update()
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
 
         # Logs (PPO's keys for the same things)
-        self.logger.record("train/entropy_loss", np.mean(entropy_losses))
-        self.logger.record("train/policy_gradient_loss", np.mean(pg_losses))
-        self.logger.record("train/value_loss", np.mean(value_losses))
-        self.logger.record("train/trust_region_loss", np.mean(trust_region_losses))
+        means = logs.means()
+        projected_max, mean_part_max, cov_part_max = maxima.tolist()
+        for name in ("entropy_loss", "policy_gradient_loss", "value_loss", "trust_region_loss"):
+            self.logger.record(f"train/{name}", means[name])
         self.logger.record("train/loss", loss.item())
         self.logger.record("train/explained_variance", explained_var)
         if hasattr(self.policy, "log_std"):
             self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
-        self.logger.record("train/projected_fraction", np.mean(moved_fractions))
+        self.logger.record("train/projected_fraction", means["projected_fraction"])
         self.logger.record("train/projected_max", projected_max)
         if self._is_gaussian:
             self.logger.record("train/projected_mean_part_max", mean_part_max)
@@ -478,18 +496,30 @@ class TRPL(KLOnPolicyAlgorithm):
         return [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic]
 
     @th.no_grad()
-    def _network_distances(self, chunk_size: int = 4096) -> th.Tensor:
-        """The acting policy's joint per-state distance to the rollout policy on every state of the buffer (float64)."""
-        distances = []
+    def _network_distances(self, chunk_size: int = 4096) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
+        """
+        The acting policy on every state of the buffer (one no-grad pass, as :meth:`_measure_update_kl` makes it).
+
+        :return: the joint per-state distance to the rollout policy (float64), the per-state KL in the algorithm's
+            convention (float64; the same tensor with ``projection="kl"``) and the distribution parameters
+        """
+        distances, kls, params = [], [], []
         with acting_mode(self.policy):
             for data in self.rollout_buffer.ordered_samples(chunk_size):
                 distribution = self._samples_distribution(self.policy, data)
-                distances.append(self._distance_to_old(self.dist_params.extract(distribution), data.old_dist_params))
-        return th.cat(distances)
+                new_params = self.dist_params.extract(distribution)
+                distance = self._distance_to_old(new_params, data.old_dist_params)
+                distances.append(distance)
+                if self.projection == "kl":
+                    kls.append(distance)
+                else:
+                    kls.append(per_state_kl(self.kl_settings, self.dist_params, *as_float64(data.old_dist_params, new_params)))
+                params.append(new_params)
+        return th.cat(distances), th.cat(kls), th.cat(params)
 
     def _enforce_bound(
         self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
-    ) -> dict[str, float]:
+    ) -> dict[str, Any]:
         """
         Bring the acting policy's largest per-state distance to the rollout policy, over the update's states, within
         ``bound_tolerance * joint_bound``: first up to ``max_enforce_steps`` optimizer steps on the regression of the
@@ -500,10 +530,12 @@ class TRPL(KLOnPolicyAlgorithm):
         :param actor_params: The parameters of the action distribution
         :param rollout_actor: Their values at the rollout (flat)
         :param min_entropy: The entropy control's floor of this update (:meth:`_project`)
-        :return: the largest distance before and after, the regression steps taken and the factor ``t``
+        :return: the largest distance before and after, the regression steps taken and the factor ``t``; and the
+            last pass over the buffer, of the final acting policy: its per-state KL (``final_kl``, as
+            :meth:`_measure_update_kl` measures it) and distribution parameters (``final_params``)
         """
         limit = self.bound_tolerance * self.joint_bound
-        distances = self._network_distances()
+        distances, kls, params = self._network_distances()
         before = distances.max().item()
         steps = 0
         while distances.max().item() > limit and steps < self.max_enforce_steps:
@@ -513,7 +545,7 @@ class TRPL(KLOnPolicyAlgorithm):
             trust_region = self._project(distribution, data.old_dist_params, min_entropy)["trust_region"]
             self._optimizer_step(trust_region.mean())
             steps += 1
-            distances = self._network_distances()
+            distances, kls, params = self._network_distances()
         step_fraction = 1.0
         if distances.max().item() > limit:
             with th.no_grad():
@@ -521,14 +553,21 @@ class TRPL(KLOnPolicyAlgorithm):
                 for _ in range(20):
                     step_fraction *= 0.8
                     _copy_flat_to_parameters(rollout_actor + step_fraction * (current - rollout_actor), actor_params)
-                    distances = self._network_distances()
+                    distances, kls, params = self._network_distances()
                     if distances.max().item() <= limit:
                         break
                 else:
                     step_fraction = 0.0
                     _copy_flat_to_parameters(rollout_actor, actor_params)
-                    distances = self._network_distances()
-        return {"before": before, "after": distances.max().item(), "steps": steps, "step_fraction": step_fraction}
+                    distances, kls, params = self._network_distances()
+        return {
+            "before": before,
+            "after": distances.max().item(),
+            "steps": steps,
+            "step_fraction": step_fraction,
+            "final_kl": kls,
+            "final_params": params,
+        }
 
     def learn(
         self: SelfTRPL,
