@@ -183,7 +183,11 @@ def _round_inside(
 
 
 def _solve_increasing(
-    fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], t0: th.Tensor, bound: float, active: th.Tensor
+    fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]],
+    t0: th.Tensor,
+    bound: float,
+    active: th.Tensor,
+    rtol: float = _ROOT_RTOL,
 ) -> th.Tensor:
     """
     Batched root search of ``g(t) = 0`` for ``g`` increasing on ``[0, 1]`` with ``g(0) < 0 < g(1)``.
@@ -196,6 +200,7 @@ def _solve_increasing(
     :param t0: starting point in ``(0, 1]``
     :param bound: the bound, to scale the stopping tolerance
     :param active: entries outside the bound; the others are not searched and return ``t = 1``
+    :param rtol: stop when ``|g| <= rtol * bound``
     :return: the root, float64, without grad
     """
     lo, hi = th.zeros_like(t0), th.ones_like(t0)
@@ -212,19 +217,26 @@ def _solve_increasing(
         lo, g_lo = th.where(feasible, t, lo), th.where(feasible, g, g_lo)
         hi, g_hi = th.where(feasible, hi, t), th.where(feasible, g_hi, g)
         previous = feasible
-        done = (g.abs() <= _ROOT_RTOL * bound) | (hi - lo <= 4e-16 * hi) | ~active
-        if bool(done.all()):
-            break
+        g_abs = g.abs()
+        done = (g_abs <= rtol * bound) | (hi - lo <= 4e-16 * hi) | ~active
         # A Newton step that leaves the bracket falls back to the secant of the bracket; when |g| did not halve in
         # the last step, to a bisection instead (geometric while the bracket spans decades, or a tenfold
         # step down while no feasible point is known)
         newton = t - g / dg
+        slow = g_abs > 0.5 * g_previous
+        g_previous = g_abs
+        take_newton = (newton > lo) & (newton < hi) & ~slow
+        # one host read for both: whether to stop, and whether every entry still searching takes its Newton step
+        all_done, all_newton = th.stack((done.all(), (done | take_newton).all())).tolist()
+        if all_done:
+            break
+        if all_newton:  # the usual case near the root: the fallbacks would not be used
+            t = th.where(done, t, newton)
+            continue
         secant = lo - g_lo * (hi - lo) / (g_hi - g_lo)
         bisection = th.where(lo > 0.1 * hi, 0.5 * (lo + hi), th.where(lo > 0, th.sqrt(lo * hi), 0.1 * hi))
-        slow = g.abs() > 0.5 * g_previous
-        g_previous = g.abs()
         fallback = th.where((secant > lo) & (secant < hi) & ~slow, secant, bisection)
-        t = th.where(done, t, th.where((newton > lo) & (newton < hi) & ~slow, newton, fallback))
+        t = th.where(done, t, th.where(take_newton, newton, fallback))
     # Converged within rounding but possibly a hair outside: step back until feasible (else keep the bracket's end)
     for _ in range(4):
         if bool(((g <= 0) | ~active).all()):
