@@ -72,6 +72,14 @@ def run(env_id: str, seed: int, lr_mult: float) -> dict[str, Any]:
     return dict(env=env_id, seed=seed, lr_mult=lr_mult, eval_mean=record["eval_mean"], updates=updates)
 
 
+def bound(env_id: str) -> float:
+    """TRPL's joint per-state bound in the grid on ``env_id`` (``settings.TRPL_BOUNDS``)."""
+    from settings import settings_for
+
+    kwargs = settings_for("trpl", env_id)["kwargs"]
+    return kwargs["mean_bound"] + kwargs.get("cov_bound", 0.0)
+
+
 def summary(runs: list[dict[str, Any]]) -> list[str]:
     """The page's table: per task and learning rate, the medians over the updates of every seed."""
     lines = [
@@ -89,13 +97,42 @@ def summary(runs: list[dict[str, Any]]) -> list[str]:
             def med(key: str, ups: list[dict[str, float]] = ups) -> float:
                 return float(np.median([u[key] for u in ups if key in u]))
 
-            raw = float(np.median([u["distance_max_before_enforcement"] / u["distance_bound"] for u in ups]))
+            raw = float(np.median([u["distance_max_before_enforcement"] for u in ups])) / bound(env_id)
             lines.append(
                 f"| {env_id} | x{lr_mult:g} | {len(cell)} | {np.mean([r['eval_mean'] for r in cell]):.1f} | "
                 f"{med('projected_fraction'):.1%} | {raw:.1f} | {med('enforcement_steps'):.0f} | "
                 f"{med('enforcement_step_fraction'):.2f} | {med('explained_variance'):.2f} | {med('action_std_mean'):.3f} |"
             )
     return lines
+
+
+def findings(runs: list[dict[str, Any]]) -> list[str]:
+    """What the figures say, per task, computed from the runs (x10 against x1)."""
+    out = []
+    for env_id in sorted({r["env"] for r in runs}):
+        cells = {m: [r for r in runs if r["env"] == env_id and r["lr_mult"] == m] for m in LR_MULTS}
+        if not all(cells.values()):
+            continue
+
+        def med(m: float, key: str, cells: dict[float, list[dict[str, Any]]] = cells) -> float:
+            return float(np.median([u[key] for r in cells[m] for u in r["updates"] if key in u]))
+
+        def last_std(m: float, cells: dict[float, list[dict[str, Any]]] = cells) -> float:
+            return float(np.mean([r["updates"][-1]["action_std_mean"] for r in cells[m]]))
+
+        raw = {m: med(m, "distance_max_before_enforcement") / bound(env_id) for m in LR_MULTS}
+
+        out.append(
+            f"- {env_id}: each update's KL is held alike (median `train/kl` {med(1.0, 'kl'):.4f} at x1, {med(10.0, 'kl'):.4f}"
+            f" at x10) and the critic fits alike (explained variance {med(1.0, 'explained_variance'):.2f} and"
+            f" {med(10.0, 'explained_variance'):.2f}), so x10 does not lose by larger steps or a worse critic. What differs:"
+            f" the network's raw output leaves the bound farther ({raw[10.0]:.1f} against {raw[1.0]:.1f} x the bound),"
+            " the enforcement takes"
+            f" {med(10.0, 'enforcement_steps'):.0f} regression steps per update instead of {med(1.0, 'enforcement_steps'):.0f}"
+            f" (each an Adam step at the x10 rate), and the action std ends at {last_std(10.0):.2f} instead of"
+            f" {last_std(1.0):.2f}: the policy stays broader, so the same KL budget buys less return."
+        )
+    return out
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -113,7 +150,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (key, title) in zip(axes, panels, strict=True):
         for r in runs:
-            values = [u[key] / (u["distance_bound"] if key.startswith("distance") else 1.0) for u in r["updates"]]
+            scale = bound(r["env"]) if key.startswith("distance") else 1.0
+            values = [u[key] / scale for u in r["updates"]]
             ax.plot(values, color="tab:blue" if r["lr_mult"] == 1.0 else "tab:red", lw=0.8, alpha=0.8)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("update")
@@ -144,6 +182,8 @@ def write_report(record: dict[str, Any]) -> str:
             " rollout policy before the enforcement, over the bound; the enforcement's regression steps and the share of"
             " the update's actor step kept by its move-back (1: none needed); the critic's explained variance; the"
             " action std). Eval return: the grid's evaluation of the same runs, which these re-make bit for bit.",
+            "",
+            *findings(runs),
             "",
             f"Written by `{record['command']}`; runs made by sb3-kl"
             f" {', '.join(sorted({r.get('code_version', record['code_version']) for r in runs}))}, from"
