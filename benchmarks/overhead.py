@@ -433,7 +433,7 @@ def measure(
             )
             save()
     timed = {(row["comparison"], row["env"]) for row in record["phases"]}
-    for comparison in [c for c in ("klppo_fused_adam", "clip_klppo_fused_adam") if phases and c in comparisons]:
+    for comparison in [c for c in ("klppo_fused_adam", "clip_klppo_fused_adam", "trpl") if phases and c in comparisons]:
         for env_id in envs:
             if (comparison, env_id) not in timed:
                 steps = int(STEPS[env_id] * steps_scale)

@@ -26,6 +26,16 @@ PHASES = {
 }
 
 
+# TRPL's phases: the projection (with its distances) is the part of its minibatch the other algorithms do not have
+TRPL_PHASES = {
+    "forward pass": ("_forward_samples",),
+    "projection (trust region, distances)": ("_project",),
+    "optimizer step (backward, clip, Adam)": ("_optimizer_step",),
+    "rollout distribution (once per update)": ("_prepare_rollout_distribution",),
+    "bound enforcement and update KL (once per update)": ("_enforce_bound", "_record_update_kl"),
+}
+
+
 class PhaseClock:
     """Wall-clock and thread CPU seconds and call counts of the wrapped methods of one model."""
 
@@ -53,19 +63,20 @@ def time_phases(
     build: Callable[[str, str, str, int], tuple[Any, Any]], comparison: str, env_id: str, seed: int, steps: int
 ) -> dict[str, Any]:
     """
-    Train both sides of ``comparison`` (``klppo_fused_adam`` or ``clip_klppo_fused_adam``) one after the other for
-    ``steps`` env steps and time their phases.
+    Train both sides of ``comparison`` (``klppo_fused_adam``, ``clip_klppo_fused_adam`` or ``trpl``) one after the
+    other for ``steps`` env steps and time their phases (:data:`PHASES`, TRPL's :data:`TRPL_PHASES`).
 
     :param build: ``overhead.build``: ``(comparison, side, env_id, seed) -> (model, callback)``
 
     :return: per side: ``updates``, ``minibatches``, ``train_seconds``, ``rollout_seconds`` and ``phases`` (phase name:
         seconds), all wall-clock
     """
+    phases = TRPL_PHASES if comparison.startswith("trpl") else PHASES
     result = {}
     for side in ("stock", "ours"):
         model, _ = build(comparison, side, env_id, seed)
         clock = PhaseClock()
-        names = ["train", "collect_rollouts"] + ([m for methods in PHASES.values() for m in methods] if side == "ours" else [])
+        names = ["train", "collect_rollouts"] + ([m for methods in phases.values() for m in methods] if side == "ours" else [])
         for name in names:
             clock.wrap(model, name)
         if side == "stock":
@@ -77,7 +88,7 @@ def time_phases(
             minibatches=minibatches,
             train_seconds=clock.wall["train"],
             rollout_seconds=clock.wall["collect_rollouts"],
-            phases={phase: sum(clock.wall[m] for m in methods) for phase, methods in PHASES.items()}
+            phases={phase: sum(clock.wall[m] for m in methods) for phase, methods in phases.items()}
             if side == "ours"
             else {},
         )
@@ -103,7 +114,7 @@ def phase_table(rows: list[dict[str, Any]]) -> list[str]:
                 f"{seconds / ours['train_seconds']:.1%} |"
             )
         lines.append(
-            f"| {row['ours']} | {row['env']} | **whole train()** (stock PPO with fused Adam: "
+            f"| {row['ours']} | {row['env']} | **whole train()** ({row['stock']}: "
             f"{stock['train_seconds'] * 1e6 / max(stock['minibatches'], 1):.0f}) | "
             f"**{ours['train_seconds'] * per_minibatch:.0f}** | 100% |"
         )
