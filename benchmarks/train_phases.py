@@ -43,15 +43,21 @@ class PhaseClock:
         self.wall: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.depth = 0  # phases being timed: a phase called inside another (TRPL's enforcement steps) is the outer's
 
-    def wrap(self, model: Any, name: str) -> None:
+    def wrap(self, model: Any, name: str, outer: bool = False) -> None:
+        """:param outer: a method around the phases (``train``, the rollout), timed whatever runs inside it"""
         method = getattr(model, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if not outer and self.depth > 0:
+                return method(*args, **kwargs)
             wall, cpu = time.perf_counter(), time.thread_time()
+            self.depth += 0 if outer else 1
             try:
                 return method(*args, **kwargs)
             finally:
+                self.depth -= 0 if outer else 1
                 self.wall[name] += time.perf_counter() - wall
                 self.cpu[name] += time.thread_time() - cpu
                 self.calls[name] += 1
@@ -78,7 +84,7 @@ def time_phases(
         clock = PhaseClock()
         names = ["train", "collect_rollouts"] + ([m for methods in phases.values() for m in methods] if side == "ours" else [])
         for name in names:
-            clock.wrap(model, name)
+            clock.wrap(model, name, outer=name in ("train", "collect_rollouts"))
         if side == "stock":
             clock.wrap(model.policy.optimizer, "step")
         model.learn(steps)
