@@ -185,7 +185,14 @@ def write_report(record: dict[str, Any]) -> str:
             "",
             *findings(runs),
             "",
-            f"Written by `{record['command']}`; runs made by sb3-kl"
+            "Written by "
+            + ", ".join(
+                f"`python benchmarks/studies/trpl_high_learning_rate.py --envs {env_id} --seeds "
+                + " ".join(str(seed) for seed in sorted({r["seed"] for r in runs if r["env"] == env_id}))
+                + "`"
+                for env_id in sorted({r["env"] for r in runs})
+            )
+            + "; runs made by sb3-kl"
             f" {', '.join(sorted({r.get('code_version', record['code_version']) for r in runs}))}, from"
             f" `benchmarks/results/{OUT.with_suffix('.json').name}`.",
         ]
