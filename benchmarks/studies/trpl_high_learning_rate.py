@@ -121,16 +121,20 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
             return float(np.mean([r["updates"][-1]["action_std_mean"] for r in cells[m]]))
 
         raw = {m: med(m, "distance_max_before_enforcement") / bound(env_id) for m in LR_MULTS}
-
+        kl = {m: med(m, "kl") for m in LR_MULTS}
+        fit = {m: med(m, "explained_variance") for m in LR_MULTS}
+        steps = {m: med(m, "enforcement_steps") for m in LR_MULTS}
+        kept = {m: med(m, "enforcement_step_fraction") for m in LR_MULTS}
+        std = {m: last_std(m) for m in LR_MULTS}
+        steps_alike = "alike" if kl[10.0] <= 1.25 * kl[1.0] else "larger at x10"
+        critic = "alike" if abs(fit[10.0] - fit[1.0]) <= 0.1 else ("worse at x10" if fit[10.0] < fit[1.0] else "better at x10")
         out.append(
-            f"- {env_id}: each update's KL is held alike (median `train/kl` {med(1.0, 'kl'):.4f} at x1, {med(10.0, 'kl'):.4f}"
-            f" at x10) and the critic fits alike (explained variance {med(1.0, 'explained_variance'):.2f} and"
-            f" {med(10.0, 'explained_variance'):.2f}), so x10 does not lose by larger steps or a worse critic. What differs:"
-            f" the network's raw output leaves the bound farther ({raw[10.0]:.1f} against {raw[1.0]:.1f} x the bound),"
-            " the enforcement takes"
-            f" {med(10.0, 'enforcement_steps'):.0f} regression steps per update instead of {med(1.0, 'enforcement_steps'):.0f}"
-            f" (each an Adam step at the x10 rate), and the action std ends at {last_std(10.0):.2f} instead of"
-            f" {last_std(1.0):.2f}: the policy stays broader, so the same KL budget buys less return."
+            f"- {env_id}: median per-update `train/kl` {kl[1.0]:.4f} at x1, {kl[10.0]:.4f} at x10 ({steps_alike});"
+            f" the critic's explained variance {fit[1.0]:.2f} and {fit[10.0]:.2f} ({critic}). The network's raw output"
+            f" leaves the bound farther ({raw[10.0]:.1f} against {raw[1.0]:.1f} x the bound); the enforcement takes"
+            f" {steps[10.0]:.0f} regression steps per update instead of {steps[1.0]:.0f} (each an Adam step at the"
+            f" run's rate) and keeps {kept[10.0]:.2f} of the actor's step instead of {kept[1.0]:.2f}; the action std"
+            f" ends at {std[10.0]:.2f} against {std[1.0]:.2f} ({'broader' if std[10.0] > std[1.0] else 'narrower'} at x10)."
         )
     return out
 
