@@ -496,26 +496,30 @@ class TRPL(KLOnPolicyAlgorithm):
         return [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic]
 
     @th.no_grad()
-    def _network_distances(self, chunk_size: int = 4096) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
+    def _network_distances(self, chunk_size: int = 4096) -> tuple[th.Tensor, th.Tensor]:
         """
         The acting policy on every state of the buffer (one no-grad pass, as :meth:`_measure_update_kl` makes it).
 
-        :return: the joint per-state distance to the rollout policy (float64), the per-state KL in the algorithm's
-            convention (float64; the same tensor with ``projection="kl"``) and the distribution parameters
+        :return: the joint per-state distance to the rollout policy (float64) and the distribution parameters
         """
-        distances, kls, params = [], [], []
+        distances, params = [], []
         with acting_mode(self.policy):
             for data in self.rollout_buffer.ordered_samples(chunk_size):
                 distribution = self._samples_distribution(self.policy, data)
                 new_params = self.dist_params.extract(distribution)
-                distance = self._distance_to_old(new_params, data.old_dist_params)
-                distances.append(distance)
-                if self.projection == "kl":
-                    kls.append(distance)
-                else:
-                    kls.append(per_state_kl(self.kl_settings, self.dist_params, *as_float64(data.old_dist_params, new_params)))
+                distances.append(self._distance_to_old(new_params, data.old_dist_params))
                 params.append(new_params)
-        return th.cat(distances), th.cat(kls), th.cat(params)
+        return th.cat(distances), th.cat(params)
+
+    def _final_kl(self, distances: th.Tensor, params: th.Tensor) -> th.Tensor:
+        """
+        The per-state KL of the final acting policy, in the algorithm's convention (float64), from the enforcement's
+        last pass: its distances with ``projection="kl"``, else computed once from its parameters.
+        """
+        if self.projection == "kl":
+            return distances
+        old_params = th.as_tensor(self.rollout_buffer.old_dist_params, device=params.device)
+        return per_state_kl(self.kl_settings, self.dist_params, *as_float64(old_params, params))
 
     def _enforce_bound(
         self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
@@ -535,7 +539,7 @@ class TRPL(KLOnPolicyAlgorithm):
             :meth:`_measure_update_kl` measures it) and distribution parameters (``final_params``)
         """
         limit = self.bound_tolerance * self.joint_bound
-        distances, kls, params = self._network_distances()
+        distances, params = self._network_distances()
         before = distances.max().item()
         steps = 0
         while distances.max().item() > limit and steps < self.max_enforce_steps:
@@ -545,7 +549,7 @@ class TRPL(KLOnPolicyAlgorithm):
             trust_region = self._project(distribution, data.old_dist_params, min_entropy)["trust_region"]
             self._optimizer_step(trust_region.mean())
             steps += 1
-            distances, kls, params = self._network_distances()
+            distances, params = self._network_distances()
         step_fraction = 1.0
         if distances.max().item() > limit:
             with th.no_grad():
@@ -553,19 +557,19 @@ class TRPL(KLOnPolicyAlgorithm):
                 for _ in range(20):
                     step_fraction *= 0.8
                     _copy_flat_to_parameters(rollout_actor + step_fraction * (current - rollout_actor), actor_params)
-                    distances, kls, params = self._network_distances()
+                    distances, params = self._network_distances()
                     if distances.max().item() <= limit:
                         break
                 else:
                     step_fraction = 0.0
                     _copy_flat_to_parameters(rollout_actor, actor_params)
-                    distances, kls, params = self._network_distances()
+                    distances, params = self._network_distances()
         return {
             "before": before,
             "after": distances.max().item(),
             "steps": steps,
             "step_fraction": step_fraction,
-            "final_kl": kls,
+            "final_kl": self._final_kl(distances, params),
             "final_params": params,
         }
 
