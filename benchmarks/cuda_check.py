@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -44,6 +43,10 @@ import gymnasium as gym
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run_records  # noqa: E402
+
 RESULTS = HERE / "results"
 
 CHECK_ENVS = ["CartPole-v1", "Pendulum-v1"]
@@ -267,17 +270,6 @@ def speed(pairs: int, timer: Callable[..., dict[str, float]] = timed_learn) -> l
     return cases
 
 
-def commit() -> str:
-    """:return: ``git rev-parse --short HEAD`` of the repository, or "unknown" outside one"""
-    try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True, check=True
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return result.stdout.strip()
-
-
 def markdown(record: dict[str, Any]) -> list[str]:
     """:return: the lines of the page: the same-results table, then the speed table"""
     lines = [
@@ -328,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": th.__version__,
         "torch_cuda": th.version.cuda,
         "device": th.cuda.get_device_name(),
-        "commit": commit(),
+        "commit": run_records.code_version("cuda_check.py"),
         "kl_tolerance": {"rtol": KL_RTOL, "atol": KL_ATOL, "compared_updates": COMPARED_UPDATES},
     }
     record["same_results"] = same_results()
