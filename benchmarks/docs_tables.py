@@ -44,11 +44,11 @@ def records_commit(folder: Path) -> str:
     """The last git commit that changed a records folder (``unknown`` outside a git checkout)."""
     try:
         out = subprocess.run(
-            ["git", "log", "-1", "--format=%h", "--", str(folder)], cwd=HERE, capture_output=True, text=True, check=True
+            ["git", "log", "-1", "--format=%H", "--", str(folder)], cwd=HERE, capture_output=True, text=True, check=True
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    return run_records.short_commit(out.stdout) or "unknown"
 
 
 def header(title: str, source: str, folder: Path, records: Records) -> list[str]:

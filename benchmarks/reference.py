@@ -85,7 +85,7 @@ def commit_that_added(path: str) -> str | None:
     """:return: the (short) commit that added ``path`` to the repository, None if no commit has"""
     try:
         out = subprocess.run(
-            ["git", "log", "--diff-filter=A", "--format=%h", "--", os.path.abspath(path)],
+            ["git", "log", "--diff-filter=A", "--format=%H", "--", os.path.abspath(path)],
             cwd=HERE,
             capture_output=True,
             text=True,
@@ -93,7 +93,7 @@ def commit_that_added(path: str) -> str | None:
         ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
-    return out[0] if out else None  # the latest addition, if the file was ever deleted and added again
+    return run_records.short_commit(out[0]) if out else None  # the latest addition, if the file was ever deleted and added again
 
 
 def record_version(record: dict[str, Any]) -> str:

@@ -119,6 +119,16 @@ def save_record(record: dict[str, Any]) -> Path:
 GRID_CODE = ("grid.py", "grid_runs.py", "run_records.py", "measures.py")
 
 
+#: Characters of a commit hash that records and pages name: fixed, since git's own ``--short`` grows with the
+#: repository's object count and so differs between clones
+SHORT_HASH = 7
+
+
+def short_commit(full_hash: str) -> str:
+    """:return: ``full_hash`` cut to :data:`SHORT_HASH` characters (empty stays empty)"""
+    return full_hash.strip()[:SHORT_HASH]
+
+
 def code_version(*scripts: str) -> str:
     """
     The commit of the sb3-kl checkout that ran, with ``+modified`` when the package or the benchmark code had
@@ -132,7 +142,7 @@ def code_version(*scripts: str) -> str:
         return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
-        commit = git("rev-parse", "--short", "HEAD")
+        commit = short_commit(git("rev-parse", "HEAD"))
         scripts = scripts or ("settings.py", "learning.py")
         if "learning.py" in scripts:  # the grid's code: the CLI and the modules that run a cell
             scripts = (*scripts, *GRID_CODE)

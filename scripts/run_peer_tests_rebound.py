@@ -156,11 +156,11 @@ def report_lines(
 
 def code_version() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "sb3_kl"], cwd=ROOT, capture_output=True, text=True)
     except OSError:
         return "unknown"
-    return commit.strip() + ("+modified" if dirty.stdout.strip() else "")
+    return commit.strip()[:7] + ("+modified" if dirty.stdout.strip() else "")
 
 
 def main() -> int:

@@ -104,7 +104,7 @@ def main() -> int:
     stock_code, stock = run(tests, rebound=False, pytest_args=args.pytest_args)
     rebound_code, rebound = run(tests, rebound=True, pytest_args=args.pytest_args)
     root = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()[:7]
     lines = [
         "# sb3-contrib's LSTM tests, stock and with RecurrentPPO replaced by RecurrentKLPPO",
         "",

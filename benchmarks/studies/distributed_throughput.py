@@ -31,21 +31,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the throwaway server of the tests
+sys.path.insert(0, str(HERE))
 
 from postgres_server import PostgresServer  # noqa: E402
+import run_records  # noqa: E402
 
 RESULTS = Path(os.environ.get("SB3_KL_BENCHMARK_RESULTS", HERE / "results"))
 # The expensive dimensions of a trial, fixed (queued) so that every trial costs the same
 FIXED_TRIAL = {"n_steps_pow": 7, "batch_size_pow": 6, "n_epochs": 5, "net_arch": "small"}
-
-
-def git_version() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD")
-    modified = git("status", "--porcelain", "--", "sb3_kl", "benchmarks/studies/distributed_throughput.py")
-    return commit + ("+modified" if modified else "") if commit else "unknown"
 
 
 def load_average() -> tuple[float, float, float]:
@@ -388,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(run)
     meta = dict(
         command=command,
-        commit=git_version(),
+        commit=run_records.code_version("studies/distributed_throughput.py"),
         cpu_count=os.cpu_count(),
         server_version=args.server_version,
         timesteps=args.timesteps,
