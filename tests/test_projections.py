@@ -9,6 +9,7 @@ formulas of the same distance (cancellation in ``r - 1 - log r`` and in ``(s^2 -
 at worst at the smallest bound, 1e-6.
 """
 
+import math
 import time
 
 import pytest
@@ -336,6 +337,34 @@ def test_one_dimensional_projection_matches_brute_force(projection):
         best_std = stds[th.where(cov_part <= bound, std_objective, th.inf).argmin()]
         assert abs(best_mean.item() - new_mean.item()) < 2e-5
         assert abs(best_std.item() / new_std.item() - 1) < 5e-5
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
+@pytest.mark.parametrize("per_state", [False, True])
+def test_one_dimensional_kl_covariance_closed_form_matches_the_root_search(bound, per_state):
+    """
+    With one action dimension the KL covariance projection is closed form; the root search (reached here with a
+    per-state target, which the closed form does not take) finds the same stds, and gradcheck passes through both.
+    """
+    from sb3_kl.common.projections import _cov_distance, _project_kl_cov
+
+    _, std, _, old_std = _gaussian_batch(64, 1, 1.0, 1.0, per_state, th.float64, seed=11)
+    if per_state:  # both sides, far and near
+        std = std * th.exp(th.linspace(-12.0, 4.0, std.numel(), dtype=th.float64)).reshape(std.shape)
+    else:  # one std for every state (SB3's log_std), far enough to be outside every bound
+        std = old_std * math.exp(-12.0)
+    cov_part = _cov_distance(std, old_std, "kl")
+    active = cov_part > bound
+    target = bound * (1 - 1e-9)
+    closed = _project_kl_cov(std, old_std, cov_part, active, bound, target)
+    searched = _project_kl_cov(std, old_std, cov_part, active, bound, th.full_like(cov_part, target))
+    assert active.any() and closed.shape == searched.shape
+    th.testing.assert_close(closed, searched, rtol=1e-8, atol=0)  # the search stops at |KL - target| <= 1e-10 bound
+    assert _cov_distance(closed, old_std, "kl").max().item() <= bound
+    assert th.autograd.gradcheck(
+        lambda s: _project_kl_cov(s, old_std, _cov_distance(s, old_std, "kl"), active, bound, target),
+        (std.clone().requires_grad_(),),
+    )
 
 
 @pytest.mark.parametrize("space", ["discrete", "multi_discrete", "multi_binary"])

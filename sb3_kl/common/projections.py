@@ -12,7 +12,7 @@ Gaussians (diagonal, as in SB3) are bounded separately in mean and covariance, e
   covariance part ``0.5 [tr(Sigma_old^-1 Sigma) - k + log det Sigma_old - log det Sigma]``; the two add up to
   KL(pi || pi_old). The covariance projection interpolates the precisions,
   ``Sigma~^-1 = (Sigma^-1 + eta Sigma_old^-1) / (1 + eta)``, with the multiplier ``eta >= 0`` found per state by a
-  1-D root search.
+  1-D root search (closed form with one action dimension).
 - ``"w2"``: the squared 2-Wasserstein distance, unscaled: mean part ``||mu - mu_old||^2`` (plain Euclidean),
   covariance part ``||sigma - sigma_old||^2`` on the standard deviations. The bounds are therefore in squared
   action units. Closed form: both parts interpolate linearly (means, resp. standard deviations).
@@ -59,8 +59,10 @@ PROJECTIONS = ("kl", "w2", "frobenius")
 # Relative margins below the bound aimed at, so that the rounded result stays inside
 _FLOAT32_MARGIN = 1e-4
 _FLOAT64_MARGIN = 1e-9
-# Stop the root search when |g| <= _ROOT_RTOL * bound (or the bracket is at machine precision).
-_ROOT_RTOL = 1e-12
+# Stop the root search when |g| <= _ROOT_RTOL * bound (or the bracket is at machine precision): a tenth of the float64
+# margin, so that the root is inside the bound; tighter would chase the rounding noise of the distances (about
+# 1e-12 of the bound, from the cancellation in the KL covariance part), which took the search 2-4 evaluations more
+_ROOT_RTOL = 1e-10
 _MAX_ROOT_ITERATIONS = 100
 
 
@@ -185,25 +187,33 @@ def _round_inside(
 def _solve_increasing(
     fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]],
     t0: th.Tensor,
+    target: float | th.Tensor,
     bound: float,
     active: th.Tensor,
     rtol: float = _ROOT_RTOL,
 ) -> th.Tensor:
     """
-    Batched root search of ``g(t) = 0`` for ``g`` increasing on ``[0, 1]`` with ``g(0) < 0 < g(1)``.
+    Batched root search of ``g(t) = D(t) - target = 0`` for a distance ``D >= 0`` increasing on ``[0, 1]``, with
+    ``D(0) = 0 < target < D(1)``.
 
-    Safeguarded Newton: a bracket ``[lo, hi]`` is kept, and a Newton step that leaves it is replaced by the secant
-    of the bracket, or else by a geometric bisection. Returns, per entry, the final iterate, stepped
-    back if it is a rounding error outside (``g > 0``), and otherwise the feasible end of the bracket.
+    Safeguarded Newton on ``sqrt(D) - sqrt(target)``: the distances here grow like ``t^2`` from 0, so their square
+    root is close to linear in ``t`` and Newton lands in about half the steps it needs on ``g`` itself (same root,
+    same bracket). A bracket ``[lo, hi]`` is kept, and a Newton step that leaves it is replaced by the secant of the
+    bracket, or else by a geometric bisection. Returns, per entry, the final iterate if ``g <= rtol * bound`` there
+    (stepped back if not), and otherwise the feasible end of the bracket: callers aim at a target at least
+    ``10 rtol * bound`` below the bound, so the root is inside it.
 
     :param fn: maps ``t`` (float64, no grad) to ``(g(t), g'(t))``
     :param t0: starting point in ``(0, 1]``
+    :param target: the distance aimed at (float or per entry)
     :param bound: the bound, to scale the stopping tolerance
     :param active: entries outside the bound; the others are not searched and return ``t = 1``
     :param rtol: stop when ``|g| <= rtol * bound``
     :return: the root, float64, without grad
     """
+    tol = rtol * bound
     lo, hi = th.zeros_like(t0), th.ones_like(t0)
+    sqrt_target = math.sqrt(target) if isinstance(target, float) else th.sqrt(target)
     g_lo, g_hi = th.full_like(t0, -th.inf), th.full_like(t0, th.inf)  # g at the bracket ends, once known
     t = t0.clamp(1e-300, 1.0)
     previous = th.zeros_like(t0, dtype=th.bool)
@@ -218,11 +228,14 @@ def _solve_increasing(
         hi, g_hi = th.where(feasible, hi, t), th.where(feasible, g_hi, g)
         previous = feasible
         g_abs = g.abs()
-        done = (g_abs <= rtol * bound) | (hi - lo <= 4e-16 * hi) | ~active
+        done = (g_abs <= tol) | (hi - lo <= 4e-16 * hi) | ~active
         # A Newton step that leaves the bracket falls back to the secant of the bracket; when |g| did not halve in
         # the last step, to a bisection instead (geometric while the bracket spans decades, or a tenfold
         # step down while no feasible point is known)
-        newton = t - g / dg
+        # Newton on sqrt(D): t - (sqrt(D) - sqrt(target)) 2 sqrt(D) / g', with the difference of roots written
+        # without cancellation
+        sqrt_d = th.sqrt((g + target).clamp(min=0.0))
+        newton = t - 2.0 * g * sqrt_d / (dg * (sqrt_d + sqrt_target))
         slow = g_abs > 0.5 * g_previous
         g_previous = g_abs
         take_newton = (newton > lo) & (newton < hi) & ~slow
@@ -237,14 +250,14 @@ def _solve_increasing(
         bisection = th.where(lo > 0.1 * hi, 0.5 * (lo + hi), th.where(lo > 0, th.sqrt(lo * hi), 0.1 * hi))
         fallback = th.where((secant > lo) & (secant < hi) & ~slow, secant, bisection)
         t = th.where(done, t, th.where(take_newton, newton, fallback))
-    # Converged within rounding but possibly a hair outside: step back until feasible (else keep the bracket's end)
+    # Stopped on the bracket's width beyond the tolerance: step back until within it (else keep the bracket's end)
     for _ in range(4):
-        if bool(((g <= 0) | ~active).all()):
+        if bool(((g <= tol) | ~active).all()):
             break
         back = th.maximum(2.0 * g / dg, 4e-16 * t)
-        t = th.where((g > 0) & active, th.where(th.isfinite(back), t - back, lo), t).clamp(min=0.0)
+        t = th.where((g > tol) & active, th.where(th.isfinite(back), t - back, lo), t).clamp(min=0.0)
         g, dg = fn(t)
-    return th.where(active, th.where(g <= 0, t, lo), th.ones_like(t))
+    return th.where(active, th.where(g <= tol, t, lo), th.ones_like(t))
 
 
 def _implicit_t(t_root: th.Tensor, fn: Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], active: th.Tensor) -> th.Tensor:
@@ -336,21 +349,56 @@ def _kl_cov_constraint(t: th.Tensor, ratio_m1: th.Tensor, target: float | th.Ten
     return value, slope
 
 
+def _one_dim_precision_ratios(target: float) -> tuple[float, float]:
+    """
+    The two precision ratios ``x`` (projected over old) at which a one-dimensional Gaussian's KL covariance part,
+    ``0.5 (1/x - 1 + log x)``, equals ``target``: one below 1 (a wider projection), one above (a narrower one).
+
+    Newton in ``u = x - 1`` on the square root of the part, which is close to linear in ``u``, from its quadratic
+    approximation ``u = +-2 sqrt(target)``; a step that would leave ``x > 0`` is halved instead.
+    """
+    roots = []
+    for sign in (-1.0, 1.0):
+        u = sign * min(2.0 * math.sqrt(target), 0.5)
+        for _ in range(_MAX_ROOT_ITERATIONS):
+            part = 0.5 * (math.log1p(u) - u / (1.0 + u))
+            slope = 0.5 * u / (1.0 + u) ** 2
+            step = 2.0 * (part - target) * math.sqrt(part) / (slope * (math.sqrt(part) + math.sqrt(target)))
+            while u - step <= -1.0:
+                step *= 0.5
+            u -= step
+            if abs(step) <= 1e-15 * abs(u):
+                break
+        roots.append(1.0 + u)
+    return roots[0], roots[1]
+
+
 def _project_kl_cov(
     std: th.Tensor, old_std: th.Tensor, cov_part: th.Tensor, active: th.Tensor, bound: float, target: float | th.Tensor
 ) -> th.Tensor:
     """
     KL covariance projection (precision interpolation with a per-state multiplier), float64 in and out.
 
+    With one action dimension the interpolated precision that meets a common target is the same in every state,
+    one ratio to the old precision for a narrower and one for a wider std (:func:`_one_dim_precision_ratios`), and the
+    projection is closed form. Its gradient with respect to ``std`` is then zero, as the implicit one is.
+
     :param cov_part: the covariance part of ``std`` per state (:func:`_cov_distance`)
     :param active: the states outside the bound
     """
+    if std.shape[-1] == 1 and isinstance(target, float):
+        wider, narrower = _one_dim_precision_ratios(target)
+        # the projection keeps the side of the network's std: narrower than the old one means a larger precision
+        # (the factors as float64 tensors: th.where would make Python floats float32)
+        narrower_factor, wider_factor = old_std.new_tensor(narrower**-0.5), old_std.new_tensor(wider**-0.5)
+        projected = old_std * th.where(std < old_std, narrower_factor, wider_factor)
+        return th.where(active.unsqueeze(-1), projected, std)
     log_ratio = 2.0 * (th.log(old_std) - th.log(std))  # log r, with r = precision / old precision
     ratio_m1 = th.expm1(log_ratio)
     with th.no_grad():
         fixed = ratio_m1.detach()
         t0 = th.sqrt(target / th.where(active, cov_part, th.ones_like(cov_part))).clamp(max=1.0)
-        t_root = _solve_increasing(lambda t: _kl_cov_constraint(t, fixed, target), t0, bound, active)
+        t_root = _solve_increasing(lambda t: _kl_cov_constraint(t, fixed, target), t0, target, bound, active)
     t = _implicit_t(t_root, lambda t: _kl_cov_constraint(t, ratio_m1, target), active)
     projected = old_std * th.rsqrt(1.0 + t.unsqueeze(-1) * ratio_m1)  # std~ = old_std / sqrt(x)
     return th.where(active.unsqueeze(-1), projected, std)
@@ -552,7 +600,7 @@ def _project_interpolation(
     def solve(target: float | th.Tensor) -> th.Tensor:
         with th.no_grad():
             t0 = th.sqrt(target / th.where(active, full, th.ones_like(full))).clamp(max=1.0)
-            t_root = _solve_increasing(lambda t: constraint(t, fixed, z_old, target), t0, bound, active)
+            t_root = _solve_increasing(lambda t: constraint(t, fixed, z_old, target), t0, target, bound, active)
         t = _implicit_t(t_root, lambda t: constraint(t, deltas, z_old, target), active).unsqueeze(-1)
         projected = normalize(tuple(old + t * delta for old, delta in zip(z_old, deltas, strict=True)))
         return th.where(active.unsqueeze(-1), projected, logits.to(th.float64))
