@@ -86,6 +86,27 @@ def test_gaussian_within_bound(projection, dtype, per_state):
             _assert_within(cov_part, bound)
 
 
+def test_fast_newton_steps_and_the_safeguarded_search_find_the_same_projections(monkeypatch):
+    """The root search's unguarded Newton steps give what the safeguarded search alone gives, on extreme batches too."""
+    import sb3_kl.common.projections as projections
+
+    def project_all():
+        out = []
+        for bound in BOUNDS:
+            for seed, (far, std_factor) in enumerate(GAUSSIAN_CASES):
+                out += project_gaussian(*_gaussian_batch(256, 4, far, std_factor, True, th.float64, seed), bound, bound)
+            for seed, far in enumerate((0.1, 1.0, 10.0, 100.0)):
+                logits, old_logits = _logits_batch(256, sum(MULTI_DISCRETE), far, th.float64, seed)
+                out.append(project_categorical(logits, old_logits, bound, MULTI_DISCRETE))
+                out.append(project_bernoulli(logits, old_logits, bound))
+        return out
+
+    fast = project_all()
+    monkeypatch.setattr(projections, "_FAST_NEWTON_STEPS", 0)
+    for with_fast_steps, safeguarded in zip(fast, project_all(), strict=True):
+        th.testing.assert_close(with_fast_steps, safeguarded, rtol=1e-7, atol=1e-12)
+
+
 def _logits_batch(batch, n, far, dtype, seed=0):
     gen = th.Generator().manual_seed(seed)
     old = (3 * th.randn(batch, n, generator=gen, dtype=dtype)).clamp(-50, 50)

@@ -64,6 +64,8 @@ _FLOAT64_MARGIN = 1e-9
 # 1e-12 of the bound, from the cancellation in the KL covariance part), which took the search 2-4 evaluations more
 _ROOT_RTOL = 1e-10
 _MAX_ROOT_ITERATIONS = 100
+# Unguarded Newton steps tried before the safeguarded search (three reach the tolerance from the usual start)
+_FAST_NEWTON_STEPS = 6
 
 
 class GaussianProjection(NamedTuple):
@@ -198,8 +200,9 @@ def _solve_increasing(
 
     Safeguarded Newton on ``sqrt(D) - sqrt(target)``: the distances here grow like ``t^2`` from 0, so their square
     root is close to linear in ``t`` and Newton lands in about half the steps it needs on ``g`` itself (same root,
-    same bracket). A bracket ``[lo, hi]`` is kept, and a Newton step that leaves it is replaced by the secant of the
-    bracket, or else by a geometric bisection. Returns, per entry, the final iterate if ``g <= rtol * bound`` there
+    same bracket). Plain Newton steps come first, as long as each stays in ``(0, 1]``; if they do not converge, a
+    bracket ``[lo, hi]`` is kept, and a Newton step that leaves it is replaced by the secant of the bracket, or else
+    by a geometric bisection. Returns, per entry, the final iterate if ``g <= rtol * bound`` there
     (stepped back if not), and otherwise the feasible end of the bracket: callers aim at a target at least
     ``10 rtol * bound`` below the bound, so the root is inside it.
 
@@ -212,10 +215,24 @@ def _solve_increasing(
     :return: the root, float64, without grad
     """
     tol = rtol * bound
-    lo, hi = th.zeros_like(t0), th.ones_like(t0)
     sqrt_target = math.sqrt(target) if isinstance(target, float) else th.sqrt(target)
-    g_lo, g_hi = th.full_like(t0, -th.inf), th.full_like(t0, th.inf)  # g at the bracket ends, once known
     t = t0.clamp(1e-300, 1.0)
+    # The usual case first, with no bracket to keep: plain Newton steps while every one stays in (0, 1]
+    for _ in range(_FAST_NEWTON_STEPS):
+        g, dg = fn(t)
+        done = (g.abs() <= tol) | ~active
+        sqrt_d = th.sqrt((g + target).clamp(min=0.0))
+        newton = t - 2.0 * g * sqrt_d / (dg * (sqrt_d + sqrt_target))
+        # one host read for both: whether to stop, and whether every step still searching stays in (0, 1]
+        all_done, all_inside = th.stack((done.all(), (done | ((newton > 0) & (newton <= 1))).all())).tolist()
+        if all_done:
+            return th.where(active, t, th.ones_like(t))
+        if not all_inside:
+            break
+        t = th.where(done, t, newton)
+    # Safeguarded search from where the fast steps stopped (the bracket [0, 1] holds every root)
+    lo, hi = th.zeros_like(t0), th.ones_like(t0)
+    g_lo, g_hi = th.full_like(t0, -th.inf), th.full_like(t0, th.inf)  # g at the bracket ends, once known
     previous = th.zeros_like(t0, dtype=th.bool)
     g_previous = th.full_like(t0, th.inf)
     for _ in range(_MAX_ROOT_ITERATIONS):
@@ -554,15 +571,27 @@ def _categorical_constraint(
     derivative in ``t``, which is ``t * Var_q(z - z_old)`` summed over factors. The old factors must be normalized
     log-probabilities.
     """
-    value = th.zeros_like(t)
-    slope = th.zeros_like(t)
+    t_ = t.unsqueeze(-1)
+    value, variance = -target, 0.0
     for delta, old in zip(deltas, old_logits, strict=True):
-        log_q = _log_normalize(old + t.unsqueeze(-1) * delta)
-        q = log_q.exp()
-        value = value + (q * (log_q - old)).sum(-1)
-        centred = delta - (q * delta).sum(-1, keepdim=True)
-        slope = slope + t * (q * centred**2).sum(-1)
-    return value - target, slope
+        interpolated = old + t_ * delta
+        log_norm = interpolated.logsumexp(-1, keepdim=True)
+        q = (interpolated - log_norm).exp()
+        mean = (q * delta).sum(-1, keepdim=True)
+        # log q - old = t delta - log_norm, so the KL is t E_q[delta] - log_norm
+        value = value + (t_ * mean - log_norm).squeeze(-1)
+        variance = variance + (q * (delta - mean) ** 2).sum(-1)
+    return value, t * variance
+
+
+def _categorical_factors_kl(new: tuple[th.Tensor, ...], old_log_probs: tuple[th.Tensor, ...]) -> th.Tensor:
+    """Joint KL(new || old) per state of categorical factors, the old ones given as normalized log-probabilities."""
+    value = None
+    for logits, old in zip(new, old_log_probs, strict=True):
+        log_q = _log_normalize(logits)
+        kl = (log_q.exp() * (log_q - old)).sum(-1)
+        value = kl if value is None else value + kl
+    return value
 
 
 def _project_interpolation(
@@ -571,6 +600,7 @@ def _project_interpolation(
     bound: float,
     split: Callable[[th.Tensor], tuple[th.Tensor, ...]],
     constraint: Callable[[th.Tensor, tuple[th.Tensor, ...], tuple[th.Tensor, ...], float], tuple[th.Tensor, th.Tensor]],
+    kl: Callable[[tuple[th.Tensor, ...], tuple[th.Tensor, ...]], th.Tensor],
     normalize: Callable[[tuple[th.Tensor, ...]], th.Tensor],
     normalize_old: bool,
 ) -> LogitsProjection:
@@ -579,6 +609,8 @@ def _project_interpolation(
 
     :param split: splits logits into factors
     :param constraint: ``(t, deltas, old factors, target) -> (KL - target, dKL/dt)``
+    :param kl: ``(new factors, old factors) -> KL`` per state: the constraint's KL at ``t = 1``, without its slope
+        (the test of every minibatch, and the re-check of the result)
     :param normalize: maps projected factors back to one logits tensor (normalized, for float32 precision)
     :param normalize_old: turn the old factors into log-probabilities first (categorical)
     :return: the projected logits (``logits`` itself when no state is outside the bound) and the KL before and after
@@ -591,7 +623,7 @@ def _project_interpolation(
     deltas = tuple(new - old for new, old in zip(z, z_old, strict=True))
     fixed = tuple(delta.detach() for delta in deltas)
     with th.no_grad():
-        full, _ = constraint(th.ones(logits.shape[:-1], dtype=th.float64, device=logits.device), fixed, z_old, 0.0)
+        full = kl(tuple(new.detach() for new in z), z_old)
     active = full > bound
     if not bool(active.any()):
         # The projection is the identity (the usual minibatch late in training): no root search, no re-check
@@ -606,12 +638,7 @@ def _project_interpolation(
         return th.where(active.unsqueeze(-1), projected, logits.to(th.float64))
 
     def distance(x: th.Tensor) -> th.Tensor:
-        return constraint(
-            th.ones(x.shape[:-1], dtype=th.float64, device=x.device),
-            tuple(new - old for new, old in zip(split(x), z_old, strict=True)),
-            z_old,
-            0.0,
-        )[0]
+        return kl(split(x), z_old)
 
     projected, after = _round_inside(solve, distance, old_logits.detach().to(th.float64), bound, dtype, separable=False)
     return LogitsProjection(projected.to(dtype), full, after)
@@ -651,6 +678,7 @@ def project_categorical_with_distances(
         bound,
         lambda x: _split_factors(x, action_dims),
         _categorical_constraint,
+        _categorical_factors_kl,
         lambda factors: th.cat([_log_normalize(factor) for factor in factors], dim=-1),
         normalize_old=True,
     )
@@ -709,5 +737,12 @@ def project_bernoulli_with_distances(logits: th.Tensor, old_logits: th.Tensor, b
     _check_same_shape(logits, old_logits, "logits")
     bound = float(bound)
     return _project_interpolation(
-        logits, old_logits, bound, lambda x: (x,), _bernoulli_constraint, lambda factors: factors[0], normalize_old=False
+        logits,
+        old_logits,
+        bound,
+        lambda x: (x,),
+        _bernoulli_constraint,
+        lambda new, old: bernoulli_kl(new[0], old[0]),
+        lambda factors: factors[0],
+        normalize_old=False,
     )

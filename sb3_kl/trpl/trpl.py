@@ -360,7 +360,12 @@ class TRPL(KLOnPolicyAlgorithm):
             trust_region = self.dist_params.kl_per_dim(logits, proj_logits.detach()).sum(dim=-1)
         # the KL to the rollout policy before and after comes from the projection, which measured it (in float64)
         moved = result.before > self.mean_bound
-        projected = copy.copy(self.policy.action_dist).proba_distribution(action_logits=proj_logits)
+        # the network's own distribution when the projection is the identity (the same logits, built once)
+        projected = (
+            distribution
+            if proj_logits is logits
+            else copy.copy(self.policy.action_dist).proba_distribution(action_logits=proj_logits)
+        )
         return {
             "distribution": projected,
             "trust_region": trust_region,
@@ -436,8 +441,9 @@ class TRPL(KLOnPolicyAlgorithm):
                 logs.add("entropy_loss", entropy_loss)
                 logs.add("trust_region_loss", trust_region_loss)
                 logs.add("projected_fraction", projection["moved"].float().mean())
-                parts = projection["parts"] or (projection["projected"], projection["projected"])
-                maxima = th.maximum(maxima, th.stack([projection["projected"].max(), parts[0].max(), parts[1].max()]))
+                projected_max, parts = projection["projected"].max(), projection["parts"]
+                minibatch_maxima = th.stack([projected_max, *(part.max() for part in parts)]) if parts else projected_max.expand(3)
+                maxima = th.maximum(maxima, minibatch_maxima)
 
                 # a boolean tensor, False for a non-finite loss or gradient (the step is skipped)
                 applied_steps += self._optimizer_step(loss)
