@@ -620,14 +620,14 @@ def _project_interpolation(
     z_old = split(old_logits.detach().to(th.float64))
     if normalize_old:
         z_old = tuple(_log_normalize(old) for old in z_old)
-    deltas = tuple(new - old for new, old in zip(z, z_old, strict=True))
-    fixed = tuple(delta.detach() for delta in deltas)
     with th.no_grad():
         full = kl(tuple(new.detach() for new in z), z_old)
     active = full > bound
     if not bool(active.any()):
         # The projection is the identity (the usual minibatch late in training): no root search, no re-check
         return LogitsProjection(logits, full, full)
+    deltas = tuple(new - old for new, old in zip(z, z_old, strict=True))
+    fixed = tuple(delta.detach() for delta in deltas)
 
     def solve(target: float | th.Tensor) -> th.Tensor:
         with th.no_grad():
