@@ -7,7 +7,7 @@ beside the grid's runs on the same seeds.
 import inspect
 import json
 import shlex
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -690,42 +690,102 @@ def collapse_rates(groups: dict[tuple[str, str, float], list[dict[str, Any]]], t
     return "\n".join(out)
 
 
-#: A side experiment that gives KLTRPO the PPO entry's settings on one environment: (environment, results folder)
-KLTRPO_PPO_SETTINGS_RUNS = ("Hopper-v5", "hopper_kltrpo_ppo_settings")
+class SettingsSwap(NamedTuple):
+    """A side experiment that runs one algorithm of the grid with settings of another's zoo entry."""
+
+    #: the page's name (``side_studies/<name>.md``)
+    name: str
+    #: the algorithm run, and the other whose settings it takes
+    algo: str
+    settings_of: str
+    #: its results folder under ``results/``, and the environments run
+    folder: str
+    envs: tuple[str, ...]
+    #: what was swapped, for the title ("discount, GAE and policy network")
+    swapped: str
+    #: the question the runs answer, the first sentence of the page
+    question: str
+    #: the grid's algorithms set beside the runs, on the same seeds
+    compared: tuple[str, ...]
 
 
-def settings_swap_comparison(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str) -> str:
+#: Side experiments with another algorithm's settings
+SETTINGS_SWAPS = (
+    SettingsSwap(
+        "kltrpo_ppo_settings",
+        "kltrpo",
+        "PPO",
+        "hopper_kltrpo_ppo_settings",
+        ("Hopper-v5",),
+        "discount, GAE and policy network",
+        "Do the PPO family's falls on {env} come with its zoo settings or with its optimizer (many minibatch steps of"
+        " Adam on a clipped or penalized surrogate, where TRPO takes one natural-gradient step)? KLTRPO was run with"
+        " the settings of PPO's zoo entry that apply to it, the rest of TRPO's entry unchanged",
+        ("kltrpo", "klppo", "klppo_noclip", "ppo"),
+    ),
+    SettingsSwap(
+        "trpl_trpo_settings",
+        "trpl",
+        "TRPO",
+        "trpl_trpo_settings",
+        ("Hopper-v5", "LunarLanderContinuous-v3"),
+        "discount, GAE and policy network",
+        "Does TRPL lose to TRPO on {env} by its trust region or by the PPO zoo entry's settings it runs with? TRPL was"
+        " run with the settings of TRPO's zoo entry that differ from PPO's and apply to it (discount and GAE lambda,"
+        " and the policy network where they differ), the rest of PPO's entry unchanged",
+        ("trpl", "trpo", "kltrpo", "ppo", "klppo"),
+    ),
+)
+#: The first of them, by its old name (the grid's report points to its page)
+KLTRPO_PPO_SETTINGS_RUNS = (SETTINGS_SWAPS[0].envs[0], SETTINGS_SWAPS[0].folder)
+
+
+def settings_swap_comparison(
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: str, swap: SettingsSwap = SETTINGS_SWAPS[0]
+) -> str:
     """
-    Whether the PPO family's collapses on an environment follow its settings or its optimizer: KLTRPO run with the
-    settings of PPO's zoo entry that KLTRPO takes (``--override``: the discount, GAE lambda and policy network,
-    :data:`KLTRPO_PPO_SETTINGS_RUNS`) beside the grid's KLTRPO (TRPO's zoo settings), KLPPO and PPO on the same seeds:
-    collapses (Fisher's exact test), evaluation and AUC (Welch); empty without records.
+    Whether an algorithm's results on an environment follow its settings or its optimizer: the algorithm run with
+    the settings of another zoo entry (``--override``, :data:`SETTINGS_SWAPS`) beside the grid's runs of the same
+    seeds: collapses (Fisher's exact test), evaluation and AUC (Welch); empty without records.
     """
-    env, folder = KLTRPO_PPO_SETTINGS_RUNS
-    swapped = load_folder(f"{folder}/runs/{tier}").get((env, "kltrpo", 1.0), [])
-    if not swapped:
+    tables = []
+    for env in swap.envs:
+        swapped = load_folder(f"{swap.folder}/runs/{tier}").get((env, swap.algo, 1.0), [])
+        if swapped:
+            tables.append(_settings_swap_table(groups, tier, swap, env, swapped))
+    if not tables:
         return ""
+    title = f"## {swap.algo.upper()} on {' and '.join(swap.envs)} with {swap.settings_of}'s {swap.swapped}"
+    return "\n\n".join([title, *tables])
+
+
+def _settings_swap_table(
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]],
+    tier: str,
+    swap: SettingsSwap,
+    env: str,
+    swapped: list[dict[str, Any]],
+) -> str:
+    """One environment's paragraph and table of :func:`settings_swap_comparison`."""
     overrides = swapped[0].get("overrides") or {}
     shown = " ".join(shlex.quote(f"{k}={json.dumps(v, separators=(',', ':'))}") for k, v in overrides.items())
     versions = ", ".join(f"`{v}`" for v in sorted(code_versions(swapped)))
     seeds = {r["seed"] for r in swapped}
-    rows = [("kltrpo with PPO's settings", swapped)] + [
-        (f"{algo} (grid)", [r for r in groups.get((env, algo, 1.0), []) if r["seed"] in seeds])
-        for algo in ("kltrpo", "klppo", "klppo_noclip", "ppo")
+    label = f"{swap.algo} with {swap.settings_of}'s settings"
+    prose = f"{swap.algo.upper()} with {swap.settings_of}'s settings"
+    rows = [(label, swapped)] + [
+        (f"{algo} (grid)", [r for r in groups.get((env, algo, 1.0), []) if r["seed"] in seeds]) for algo in swap.compared
     ]
     lines = [
-        f"## KLTRPO on {env} with PPO's discount, GAE and policy network",
-        "",
-        f"Do the PPO family's falls on {env} come with its zoo settings or with its optimizer (many minibatch steps"
-        " of Adam on a clipped or penalized surrogate, where TRPO takes one natural-gradient step)? KLTRPO was run with"
-        " the settings of PPO's zoo entry that apply to it, the rest of TRPO's entry unchanged (from the repository"
-        f" root: `SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{folder} python benchmarks/learning.py --tier {tier}"
-        f" --algos kltrpo --envs {env} --lr-mults 1 --seeds {seed_range(swapped)} --override {shown}`; records in"
-        f" `benchmarks/results/{folder}/`, code {versions}), beside the grid's runs of the same seeds. Collapses:"
-        f" `count_collapses`, with Fisher's exact test against KLTRPO with PPO's settings; evaluation and AUC as in"
-        f" the grid, with the Welch p-value of the difference from KLTRPO with PPO's settings (p ≥ {SIGNIFICANCE}:"
-        " a tie). *Largest update KL in the fall*: for each collapsed run, the largest per-update KL (the monitor's"
-        " exact per-update mean, / the run's target) of the updates of its fall (`fall_kl`).",
+        swap.question.format(env=env)
+        + f" (from the repository root: `SB3_KL_BENCHMARK_RESULTS=benchmarks/results/{swap.folder} python"
+        f" benchmarks/learning.py --tier {tier} --algos {swap.algo} --envs {env} --lr-mults 1 --seeds"
+        f" {seed_range(swapped)} --override {shown}`; records in `benchmarks/results/{swap.folder}/`, code {versions}),"
+        " beside the grid's runs of the same seeds. Collapses: `count_collapses`, with Fisher's exact test against"
+        f" {prose}; evaluation and AUC as in the grid, with the Welch p-value of the difference from {prose}"
+        f" (p ≥ {SIGNIFICANCE}: a tie). *Largest update KL in the fall*: for each collapsed run, the largest"
+        " per-update KL (the monitor's exact per-update mean, / the run's target) of the updates of its fall"
+        " (`fall_kl`).",
         "",
         "| runs | seeds | collapses | seeds collapsed | largest update KL in the fall | collapses: p | eval |"
         " eval: difference | AUC | AUC: difference |",
@@ -914,7 +974,7 @@ def sections(groups: dict[tuple[str, str, float], list[dict[str, Any]]], tier: s
             (f"longer_budget_{folder}", longer_budget_collapses(groups, tier, env))
             for env, folder in LONGER_BUDGET_RUNS.items()
         ],
-        ("kltrpo_ppo_settings", settings_swap_comparison(groups, tier)),
+        *[(swap.name, settings_swap_comparison(groups, tier, swap)) for swap in SETTINGS_SWAPS],
     ]
     return [(name, text) for name, text in studies if text]
 
@@ -937,8 +997,9 @@ def study_folders(name: str, tier: str) -> list[str]:
         "initial_kl_coef": ["replication", *(folder for folder, *_ in INITIAL_KL_COEF_RUNS)],
         "clip_klppo_start": [folder for folder, *_ in CLIP_KLPPO_START_RUNS],
         "lower_target": [LOWER_TARGET_RUNS[0]],
-        "kltrpo_ppo_settings": [KLTRPO_PPO_SETTINGS_RUNS[1]],
     }
+    for swap in SETTINGS_SWAPS:
+        folders[swap.name] = [swap.folder]
     for folder, _ in MORE_SEEDS_RUNS.values():
         folders[f"more_seeds_{folder}"] = [folder]
     for folder in LONGER_BUDGET_RUNS.values():
