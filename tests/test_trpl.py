@@ -447,3 +447,41 @@ def test_logged_update_kl_is_the_measured_one(projection):
     per_state, _ = model._measure_update_kl()
     assert logs.updates[-1]["train/kl"] == float(np.mean(per_state))
     assert logs.updates[-1]["train/kl_max"] == float(np.max(per_state))
+
+
+@pytest.mark.parametrize("variant", ["fresh", "shared"])
+def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant):
+    """
+    The regression steps of the bound enforcement step an optimizer of their own (the policy optimizer's class and
+    hyperparameters, this update's learning rate, new moments): the policy optimizer counts only the minibatch steps.
+    With ``_enforcement_optimizer = "shared"`` (kept to compare) it counts the regression steps too.
+    """
+    monkeypatch.setattr(TRPL, "_enforcement_optimizer", variant)
+    probe = UpdateProbe()
+    model = TRPL("MlpPolicy", "CartPole-v1", learning_rate=1e-2, n_steps=256, seed=0, **TINY)
+    made = []
+    make = model._make_enforcement_optimizer
+
+    def recording(actor_params):
+        made.append(make(actor_params))
+        return made[-1]
+
+    model._make_enforcement_optimizer = recording
+    model.learn(3 * 256, callback=probe)
+    regression_steps = sum(v["train/enforcement_steps"] for v in probe.updates)
+    assert regression_steps > 0  # the test is not vacuous
+    minibatch_steps = 3 * TINY["n_epochs"] * (256 // TINY["batch_size"])
+    policy_steps = max(int(state["step"]) for state in model.policy.optimizer.state.values())
+    if variant == "shared":
+        assert policy_steps == minibatch_steps + regression_steps
+        assert all(optimizer is model.policy.optimizer for optimizer in made)
+        return
+    assert policy_steps == minibatch_steps
+    policy_group = model.policy.optimizer.param_groups[0]
+    for optimizer in made:
+        assert type(optimizer) is type(model.policy.optimizer) and optimizer is not model.policy.optimizer
+        group = optimizer.param_groups[0]
+        assert {k: group[k] for k in ("lr", "eps", "betas", "fused")} == {k: policy_group[k] for k in ("lr", "eps", "betas", "fused")}
+        actor = {id(p) for p in model._actor_parameters()}
+        assert {id(p) for p in group["params"]} == actor
+    assert sum(max(int(s["step"]) for s in optimizer.state.values()) for optimizer in made) == regression_steps

@@ -887,16 +887,18 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         """Mark the policy as changed: the buffer just used is now stale."""
         self.policy_version += 1
 
-    def _optimizer_step(self, loss: th.Tensor) -> th.Tensor:
+    def _optimizer_step(self, loss: th.Tensor, optimizer: th.optim.Optimizer | None = None) -> th.Tensor:
         """
         zero_grad, backward, clip and step, then the variance floor (``min_std``); a non-finite loss or gradient norm
         skips the step. With fused Adam the skip is decided on the device (the kernel's ``found_inf``, as AMP's
         ``GradScaler`` uses it: no step, no moment or step-count change), so no host synchronisation is needed;
         other optimizers read the norm.
 
+        :param loss: The loss to minimise
+        :param optimizer: The optimizer to step; default the policy's
         :return: whether the step was applied (a boolean tensor on the device)
         """
-        optimizer = self.policy.optimizer
+        optimizer = self.policy.optimizer if optimizer is None else optimizer
         optimizer.zero_grad()
         loss.backward()
         # A non-finite loss gives non-finite gradients: one check of the norm covers both

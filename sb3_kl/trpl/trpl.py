@@ -66,7 +66,8 @@ class TRPL(KLOnPolicyAlgorithm):
     As in SB3, the policy that acts (``predict``, ``policy.get_distribution``) is the network itself, not its
     projection. After the epochs the bound is enforced on it over the update's rollout states: while the largest
     per-state distance exceeds ``bound_tolerance * bound``, up to ``max_enforce_steps`` optimizer steps regress the
-    network onto its projection on the states above the bound; if that is not enough, the actor's parameters are
+    network onto its projection on the states above the bound (an optimizer like the policy's, with moments of its
+    own each update); if that is not enough, the actor's parameters are
     moved back along the straight line to the rollout policy's (where the distance is 0) until the bound holds.
 
     Paper: Otto et al., "Differentiable Trust Region Layers for Deep Reinforcement Learning", ICLR 2021,
@@ -130,6 +131,11 @@ class TRPL(KLOnPolicyAlgorithm):
         "MultiInputPolicy": MultiInputPolicy,
     }
     has_kl_coef: ClassVar[bool] = False  # a projection, no penalty coefficient
+    #: The optimizer of the bound enforcement's regression steps: ``"fresh"``, one of the policy optimizer's class and
+    #: hyperparameters with moments of its own, made anew each update; or ``"shared"``, the policy's optimizer itself,
+    #: whose moments carry the surrogate's last steps into the regression's first ones and the regression's into the
+    #: next update (kept to compare the two, see ``benchmarks/studies/trpl_enforcement_optimizer.py``)
+    _enforcement_optimizer: ClassVar[str] = "fresh"
 
     def __init__(
         self,
@@ -527,13 +533,26 @@ class TRPL(KLOnPolicyAlgorithm):
         old_params = th.as_tensor(self.rollout_buffer.old_dist_params, device=params.device)
         return per_state_kl(self.kl_settings, self.dist_params, *as_float64(old_params, params))
 
+    def _make_enforcement_optimizer(self, actor_params: list[nn.Parameter]) -> th.optim.Optimizer:
+        """
+        The optimizer of this update's regression steps (:attr:`_enforcement_optimizer`): a new one of the policy
+        optimizer's class over the actor's parameters, with the hyperparameters of its (first) parameter group, the
+        learning rate of this update included; or the policy's optimizer itself (``"shared"``).
+        """
+        optimizer = self.policy.optimizer
+        if self._enforcement_optimizer == "shared":
+            return optimizer
+        group = optimizer.param_groups[0]
+        return type(optimizer)(actor_params, **{name: group[name] for name in optimizer.defaults if name in group})
+
     def _enforce_bound(
         self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
     ) -> dict[str, Any]:
         """
         Bring the acting policy's largest per-state distance to the rollout policy, over the update's states, within
         ``bound_tolerance * joint_bound``: first up to ``max_enforce_steps`` optimizer steps on the regression of the
-        network onto its projection, on the states above the bound; then, if still needed, the actor's parameters
+        network onto its projection, on the states above the bound (with moments of their own,
+        :meth:`_make_enforcement_optimizer`); then, if still needed, the actor's parameters
         are moved back toward the rollout policy's, ``theta = theta_old + t (theta - theta_old)``, with the largest
         ``t`` of ``1, 0.8, 0.8^2, ...`` (20 tries, then ``t = 0``: the rollout policy, distance 0) meeting the bound.
 
@@ -547,13 +566,15 @@ class TRPL(KLOnPolicyAlgorithm):
         limit = self.bound_tolerance * self.joint_bound
         distances, params = self._network_distances()
         before = distances.max().item()
-        steps = 0
+        steps, optimizer = 0, None
         while distances.max().item() > limit and steps < self.max_enforce_steps:
             outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
             data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
             _, distribution = self._forward_samples(data)
             trust_region = self._project(distribution, data.old_dist_params, min_entropy)["trust_region"]
-            self._optimizer_step(trust_region.mean())
+            if optimizer is None:
+                optimizer = self._make_enforcement_optimizer(actor_params)
+            self._optimizer_step(trust_region.mean(), optimizer)
             steps += 1
             distances, params = self._network_distances()
         step_fraction = 1.0

@@ -1,0 +1,210 @@
+"""
+Which optimizer TRPL's bound enforcement should step: the policy's own Adam (``"shared"``: its moments carry the
+surrogate's last steps into the regression's first ones, and the regression's into the next update) or one like it
+with moments of its own, made anew each update (``"fresh"``). Grid runs (``grid_runs.train_and_evaluate``: the
+grid's settings and budget) on seeds outside the grid's, with a probe that keeps TRPL's ``train/`` figures of every
+update. Writes ``benchmarks/results/trpl_enforcement_optimizer.{json,md,png}``, each run appended to the JSON as it
+finishes (a stopped study resumes); ``--report`` rewrites the page from the JSON.
+
+    python benchmarks/studies/trpl_enforcement_optimizer.py [--cells Pendulum-v1:10 HalfCheetah-v5:1] [--seeds 10 11]
+    python benchmarks/studies/trpl_enforcement_optimizer.py --report
+"""
+
+import argparse
+import json
+import sys
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the modules and results/ the study shares
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run_records  # noqa: E402
+import trpl_high_learning_rate  # noqa: E402
+
+OUT = HERE / "results" / "trpl_enforcement_optimizer.md"
+VARIANTS = ("shared", "fresh")
+COLORS = {"shared": "tab:red", "fresh": "tab:blue"}
+
+
+def code_version() -> str:
+    """The commit of this checkout, with ``+modified`` when the package or this script had uncommitted changes."""
+    return run_records.code_version("settings.py", "grid_runs.py", f"studies/{Path(__file__).name}")
+
+
+def run(job: tuple[str, float, int, str]) -> dict[str, Any]:
+    """One grid run of TRPL with ``_enforcement_optimizer = variant``; :return: its eval return and per-update figures"""
+    import time
+
+    from sb3_kl import TRPL
+
+    env_id, lr_mult, seed, variant = job
+    TRPL._enforcement_optimizer = variant
+    start = time.perf_counter()
+    result = trpl_high_learning_rate.run(env_id, seed, lr_mult)
+    return {**result, "variant": variant, "seconds": time.perf_counter() - start, "code_version": code_version()}
+
+
+def cell_runs(runs: list[dict[str, Any]], env_id: str, lr_mult: float, variant: str) -> list[dict[str, Any]]:
+    return [r for r in runs if (r["env"], r["lr_mult"], r["variant"]) == (env_id, lr_mult, variant)]
+
+
+def figures(cell: list[dict[str, Any]], env_id: str) -> dict[str, float]:
+    """A cell's figures over every update of its runs."""
+    ups = [u for r in cell for u in r["updates"]]
+    return dict(
+        eval_mean=float(np.mean([r["eval_mean"] for r in cell])),
+        eval_std=float(np.std([r["eval_mean"] for r in cell])),
+        steps=float(np.mean([u["enforcement_steps"] for u in ups])),
+        capped=float(np.mean([u["enforcement_steps"] >= 30 for u in ups])),
+        moved_back=float(np.mean([u["enforcement_step_fraction"] < 1 for u in ups])),
+        kept=float(np.mean([u["enforcement_step_fraction"] for u in ups])),
+        worst=max(u["distance_max"] for u in ups) / trpl_high_learning_rate.bound(env_id),
+        kl=float(np.median([u["kl"] for u in ups])),
+        fit=float(np.median([u["explained_variance"] for u in ups])),
+        seconds=float(np.mean([r["seconds"] for r in cell])),
+    )
+
+
+def table(runs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| task | lr | optimizer | runs | eval return | regression steps per update | at the 30-step cap | moved back "
+        "| share of step kept | worst max / bound | median `train/kl` | explained variance | seconds per run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for env_id, lr_mult in cells(runs):
+        for variant in VARIANTS:
+            cell = cell_runs(runs, env_id, lr_mult, variant)
+            if not cell:
+                continue
+            f = figures(cell, env_id)
+            lines.append(
+                f"| {env_id} | x{lr_mult:g} | {variant} | {len(cell)} | {f['eval_mean']:.1f} ± {f['eval_std']:.1f} |"
+                f" {f['steps']:.1f} | {f['capped']:.0%} | {f['moved_back']:.0%} | {f['kept']:.2f} | {f['worst']:.3f} |"
+                f" {f['kl']:.4f} | {f['fit']:.2f} | {f['seconds']:.0f} |"
+            )
+    return lines
+
+
+def cells(runs: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    return sorted({(r["env"], r["lr_mult"]) for r in runs})
+
+
+def findings(runs: list[dict[str, Any]]) -> list[str]:
+    """Per cell, fresh against shared, computed from the runs (returns: Welch's test, a tie unless p < 0.05)."""
+    from significance import verdict
+
+    out = []
+    for env_id, lr_mult in cells(runs):
+        shared, fresh = (cell_runs(runs, env_id, lr_mult, v) for v in VARIANTS)
+        if not shared or not fresh:
+            continue
+        s, f = figures(shared, env_id), figures(fresh, env_id)
+        text, result = verdict([r["eval_mean"] for r in fresh], [r["eval_mean"] for r in shared])
+        out.append(
+            f"- {env_id} x{lr_mult:g}: a fresh optimizer takes {f['steps']:.1f} regression steps per update against"
+            f" {s['steps']:.1f}, reaches the cap in {f['capped']:.0%} of updates against {s['capped']:.0%}, and moves"
+            f" the actor back in {f['moved_back']:.0%} against {s['moved_back']:.0%}; the bound holds in both (worst"
+            f" {f['worst']:.3f} and {s['worst']:.3f} x the bound); return {text} ({result}); a run takes"
+            f" {f['seconds']:.0f} s against {s['seconds']:.0f} s."
+        )
+    return out
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = cells(runs)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
+    for ax, (env_id, lr_mult) in zip(axes[0], panels, strict=True):
+        for variant in VARIANTS:
+            for r in cell_runs(runs, env_id, lr_mult, variant):
+                ax.plot([u["enforcement_steps"] for u in r["updates"]], color=COLORS[variant], lw=0.8, alpha=0.8)
+            ax.plot([], [], color=COLORS[variant], label=variant)
+        ax.set_title(f"{env_id} x{lr_mult:g}", fontsize=9)
+        ax.set_xlabel("update")
+        ax.set_ylabel("regression steps")
+        ax.legend(fontsize=8)
+    fig.suptitle("TRPL's bound enforcement: regression steps per update, by the optimizer they step", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(record: dict[str, Any]) -> str:
+    runs = record["runs"]
+    plot(runs, OUT.with_suffix(".png"))
+    seeds = " ".join(str(s) for s in sorted({r["seed"] for r in runs}))
+    cell_args = " ".join(f"{env_id}:{lr_mult:g}" for env_id, lr_mult in cells(runs))
+    text = "\n".join(
+        [
+            "# TRPL's bound enforcement: which optimizer its regression steps take",
+            "",
+            f"![Regression steps per update, shared and fresh optimizer]({OUT.with_suffix('.png').name})",
+            "",
+            *table(runs),
+            "",
+            *findings(runs),
+            "",
+            "After the epochs, TRPL regresses the network onto its projection until the largest per-state distance of"
+            " the update's states is within 1.05 x the bound (at most 30 steps, then a move back toward the rollout"
+            " policy). *shared*: those steps step the policy's Adam, whose moments hold the surrogate's last steps;"
+            " *fresh*: they step an Adam of the same hyperparameters with moments of its own, made anew each update"
+            " (TRPL's default since this study). Runs of the grid's settings and budgets on seeds outside the grid's"
+            " (0-4); per update, from TRPL's `train/` keys: `enforcement_steps`, `enforcement_step_fraction` (1: no"
+            " move back), `distance_max` (after the enforcement), `kl`, `explained_variance`. Seconds: wall-clock"
+            " time of a run, two runs side by side on two cores.",
+            "",
+            f"Written by `python benchmarks/studies/trpl_enforcement_optimizer.py --cells {cell_args} --seeds {seeds}`;"
+            f" runs made by sb3-kl {', '.join(sorted({r['code_version'] for r in runs}))}, from"
+            f" `benchmarks/results/{OUT.with_suffix('.json').name}`.",
+        ]
+    )
+    OUT.write_text(text + "\n")
+    return text
+
+
+def parse_cell(token: str) -> tuple[str, float]:
+    env_id, _, mult = token.partition(":")
+    return env_id, float(mult or 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", nargs="+", type=parse_cell, default=[("Pendulum-v1", 10.0), ("HalfCheetah-v5", 1.0)])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[10, 11])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--report", action="store_true")
+    args = parser.parse_args(argv)
+    path = OUT.with_suffix(".json")
+    record = json.loads(path.read_text()) if path.exists() else None
+    if not args.report:
+        if record is None:
+            record = dict(run_environment=run_records.run_environment(), runs=[])
+        done = {(r["env"], r["lr_mult"], r["seed"], r["variant"]) for r in record["runs"]}
+        jobs = [
+            (env_id, lr_mult, seed, variant)
+            for env_id, lr_mult in args.cells
+            for seed in args.seeds
+            for variant in VARIANTS
+            if (env_id, lr_mult, seed, variant) not in done
+        ]
+        with Pool(args.workers) as pool:
+            for result in pool.imap_unordered(run, jobs):
+                record["runs"].append(result)
+                path.write_text(json.dumps(record, indent=1))
+                print(f"done {result['env']} x{result['lr_mult']:g} seed {result['seed']} {result['variant']}", flush=True)
+    if record is None:
+        raise SystemExit(f"no {path}: run the study first")
+    print(write_report(record))
+
+
+if __name__ == "__main__":
+    main()
