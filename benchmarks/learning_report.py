@@ -46,6 +46,7 @@ from side_studies import (
     CARTPOLE_SOLVED,
     KLTRPO_PPO_SETTINGS_RUNS,
     MORE_SEEDS_RUNS,
+    SETTINGS_SWAPS,
     PAIRED_HEADER,
     after_the_budget,
     paired_rows,
@@ -973,7 +974,16 @@ def goal_trpl(groups: dict[tuple[str, str, float], list[dict[str, Any]]]) -> lis
         ok = float(np.mean(ours)) >= float(np.mean(stock)) - float(np.std(stock)) and len(ours) >= 5
         met = met and ok if met is not None else met
         cells.append(f"{env} {np.mean(ours):.1f} vs {np.mean(stock):.1f} ± {np.std(stock):.1f}{'' if ok else ' (short)'}")
-    out.append(f"- TRPL's return ≥ the better of PPO and TRPO minus one std, six tasks: {status(met)} ({'; '.join(cells)})")
+    swap = next(swap for swap in SETTINGS_SWAPS if swap.algo == "trpl")
+    tier = trpl[0]["tier"]
+    see = (
+        f"; where it trails, see *TRPL on {' and '.join(swap.envs)} with TRPO's {swap.swapped}*"
+        if any(load_folder(f"{swap.folder}/runs/{tier}").values())
+        else ""
+    )
+    out.append(
+        f"- TRPL's return ≥ the better of PPO and TRPO minus one std, six tasks: {status(met)} ({'; '.join(cells)}{see})"
+    )
     updates = [(u["max"], trpl_bound(r)) for r in trpl for u in r.get("kl_reverse_updates", [])]
     share = float(np.mean([kl <= 1.05 * bound for kl, bound in updates])) if updates else None
     worst = max(kl / bound for kl, bound in updates) if updates else float("nan")

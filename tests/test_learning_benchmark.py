@@ -417,6 +417,22 @@ def test_collapse_rates_pool_the_grid_and_the_extra_seeds(tmp_path, monkeypatch)
     assert side_studies.collapse_rates(run_records.group_records(grid), "tiny", "CartPole-v1") == ""
 
 
+def test_settings_swap_sets_each_environment_of_the_study_beside_the_grid(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    swap = next(swap for swap in side_studies.SETTINGS_SWAPS if swap.algo == "trpl")
+    grid = [_record(a, env, s, 100.0, [0.01], 0.02) for a in ("trpl", "trpo") for env in swap.envs for s in range(3)]
+    assert side_studies.settings_swap_comparison(run_records.group_records(grid), "tiny", swap) == ""
+    folder = tmp_path / swap.folder / "runs" / "tiny"
+    for seed in (0, 1):  # one environment only so far: its section alone
+        _write(folder, {**_record("trpl", swap.envs[0], seed, 300.0, [0.01], 0.02), "overrides": {"gamma": 0.99}})
+    text = side_studies.settings_swap_comparison(run_records.group_records(grid), "tiny", swap)
+    assert text.startswith(f"## TRPL on {' and '.join(swap.envs)} with TRPO's")
+    assert f"--envs {swap.envs[0]} " in text and f"--envs {swap.envs[1]} " not in text
+    assert "--override gamma=0.99" in text
+    assert _row(text, "| trpl with TRPO's settings |").startswith("| trpl with TRPO's settings | 0..1 | 0 |")
+    assert _row(text, "| trpl (grid) |").startswith("| trpl (grid) | 0..1 |")  # the grid's runs of the same seeds
+
+
 def test_budget_trains_a_side_experiment_past_the_grid_and_refuses_the_grid_folder(tmp_path, monkeypatch, capsys):
     # the grid's own folder keeps the tier's budgets
     with pytest.raises(SystemExit):
