@@ -115,6 +115,71 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+#: The commit that made "fresh" TRPL's default: grid records of its ancestors were made with "shared"
+CHANGE = "dd16564"
+
+
+def made_before_the_change(commit: str) -> bool | None:
+    """Whether a record's commit precedes :data:`CHANGE` (None: a commit this repository does not know)."""
+    import subprocess
+
+    commit = commit.removesuffix("+modified")
+    try:
+        known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=HERE, capture_output=True)
+        if known.returncode != 0:
+            return None
+        before = subprocess.run(["git", "merge-base", "--is-ancestor", commit, f"{CHANGE}~1"], cwd=HERE, capture_output=True)
+    except OSError:
+        return None
+    return before.returncode == 0
+
+
+def grid_before_and_after(tier: str = "full") -> list[str]:
+    """
+    The grid's TRPL cells (seeds 0-4) made before the change (``shared``, the records the grid's file still holds
+    under the newer ones) and re-made after it (``fresh``): evaluation return per cell, Welch's test.
+    """
+    from significance import verdict
+
+    path = run_records.runs_folder(tier) / run_records.RECORDS_FILE
+    if not path.exists():
+        return []
+    latest: dict[tuple[str, float, int, str], dict[str, Any]] = {}
+    commits: dict[str, bool | None] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("algo") != "trpl" or record.get("overrides"):
+            continue
+        commit = record.get("code_version", "unknown")
+        if commit not in commits:
+            commits[commit] = made_before_the_change(commit)
+        if commits[commit] is None:
+            continue
+        variant = "shared" if commits[commit] else "fresh"
+        latest[(record["env"], record["lr_mult"], record["seed"], variant)] = record
+    lines = [
+        "| task | lr | shared (before) | fresh (re-made) | fresh against shared |",
+        "|---|---|---|---|---|",
+    ]
+    from grid import cell_order
+
+    cells_seen = sorted({(env, mult) for env, mult, _, _ in latest}, key=lambda c: cell_order((c[0], "trpl", c[1])))
+    for env_id, lr_mult in cells_seen:
+        evals = {
+            v: [r["eval_mean"] for (e, m, _, var), r in sorted(latest.items()) if (e, m, var) == (env_id, lr_mult, v)]
+            for v in VARIANTS
+        }
+        if not evals["shared"] or not evals["fresh"]:
+            continue
+        text, result = verdict(evals["fresh"], evals["shared"])
+        lines.append(
+            f"| {env_id} | x{lr_mult:g} | {np.mean(evals['shared']):.1f} ± {np.std(evals['shared']):.1f}"
+            f" ({len(evals['shared'])}) | {np.mean(evals['fresh']):.1f} ± {np.std(evals['fresh']):.1f}"
+            f" ({len(evals['fresh'])}) | {text}, {result} |"
+        )
+    return lines if len(lines) > 2 else []
+
+
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -162,6 +227,21 @@ def write_report(record: dict[str, Any]) -> str:
             " move back), `distance_max` (after the enforcement), `kl`, `explained_variance`. Seconds: wall-clock"
             " time of a run, two runs side by side on two cores.",
             "",
+            *(
+                [
+                    "## The grid's cells, before and after",
+                    "",
+                    "The learning grid's TRPL runs (its seeds, settings and budgets) made before the change (`shared`)"
+                    " and re-made after it (`fresh`), from `benchmarks/results/runs/full/records.jsonl`, which keeps the"
+                    " superseded records; mean ± std over seeds (runs), and the difference with Welch's p-value (p ≥"
+                    " 0.05: a tie):",
+                    "",
+                    *grid,
+                    "",
+                ]
+                if (grid := grid_before_and_after())
+                else []
+            ),
             f"Written by `python benchmarks/studies/trpl_enforcement_optimizer.py --cells {cell_args} --seeds {seeds}`;"
             f" runs made by sb3-kl {', '.join(sorted({r['code_version'] for r in runs}))}, from"
             f" `benchmarks/results/{OUT.with_suffix('.json').name}`.",
