@@ -329,28 +329,63 @@ def gaussian_distances(
     return _mean_distance(mean, old_mean, old_std, projection), _cov_distance(std, old_std, projection)
 
 
+class _Interpolation(th.autograd.Function):
+    """
+    ``x~ = x_old + (x - x_old) s`` with ``s = sqrt(target / d)`` on the states outside the bound (``x`` elsewhere),
+    for a distance ``d = sum(weight (x - x_old)^2)``: the closed forms' step, with its gradient written out (a few
+    operations, where autograd would record a dozen). ``x_old``, ``d`` and the target are constants.
+    """
+
+    @staticmethod
+    def forward(ctx, values, old, dist, weight, active, target):  # type: ignore[no-untyped-def,override]
+        scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
+        delta = values - old
+        ctx.save_for_backward(delta, scale, th.where(active, dist, th.ones_like(dist)), active)
+        ctx.weight, ctx.shape = weight, values.shape
+        return th.where(active.unsqueeze(-1), old + delta * scale, values)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def,override]
+        delta, scale, dist, active = ctx.saved_tensors
+        # d s / d x = -s weight (x - x_old) / d
+        along = (grad * delta).sum(-1, keepdim=True) / dist.unsqueeze(-1)
+        projected = scale * (grad - along * ctx.weight * delta)
+        values_grad = th.where(active.unsqueeze(-1), projected, grad).sum_to_size(ctx.shape)
+        return values_grad, None, None, None, None, None
+
+
 def _project_closed(
-    values: th.Tensor, old: th.Tensor, dist: th.Tensor, active: th.Tensor, target: float | th.Tensor
+    values: th.Tensor,
+    old: th.Tensor,
+    dist: th.Tensor,
+    active: th.Tensor,
+    target: float | th.Tensor,
+    weight: float | th.Tensor = 1.0,
 ) -> th.Tensor:
     """
-    Closed-form projection of a distance that scales with the square of ``values - old`` (the means; the stds in
-    W2), float64 in and out.
+    Closed-form projection of a distance ``d = sum(weight (values - old)^2)`` (the means; the stds in W2; the
+    variances in Frobenius), float64 in and out.
 
-    :param dist: the distance of ``values`` per state (differentiable)
+    :param dist: the distance of ``values`` per state (a constant: the gradient is :class:`_Interpolation`'s)
     :param active: the states outside the bound
+    :param weight: the distance's weight per dimension
     """
     # mu~ = (mu + omega mu_old) / (1 + omega) = mu_old + (mu - mu_old) / (1 + omega), with 1 + omega = sqrt(d / target)
-    scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
-    return th.where(active.unsqueeze(-1), old + (values - old) * scale, values)
+    return _Interpolation.apply(values, old, dist.detach(), weight, active, target)
+
+
+def _mean_weight(old_std: th.Tensor, projection: str) -> float | th.Tensor:
+    """The weight per dimension of the mean part of the distance (:func:`_mean_distance`)."""
+    if projection == "w2":
+        return 1.0
+    return (0.5 if projection == "kl" else 1.0) / old_std**2
 
 
 def _project_frobenius_cov(
     std: th.Tensor, old_std: th.Tensor, dist: th.Tensor, active: th.Tensor, target: float | th.Tensor
 ) -> th.Tensor:
     """Closed-form Frobenius covariance projection (variance interpolation), float64 in and out."""
-    scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
-    projected = th.sqrt(old_std**2 + (std**2 - old_std**2) * scale)
-    return th.where(active.unsqueeze(-1), projected, std)
+    return th.sqrt(_project_closed(std**2, old_std**2, dist, active, target))
 
 
 def _kl_cov_constraint(t: th.Tensor, ratio_m1: th.Tensor, target: float | th.Tensor) -> tuple[th.Tensor, th.Tensor]:
@@ -410,15 +445,41 @@ def _project_kl_cov(
         narrower_factor, wider_factor = old_std.new_tensor(narrower**-0.5), old_std.new_tensor(wider**-0.5)
         projected = old_std * th.where(std < old_std, narrower_factor, wider_factor)
         return th.where(active.unsqueeze(-1), projected, std)
-    log_ratio = 2.0 * (th.log(old_std) - th.log(std))  # log r, with r = precision / old precision
-    ratio_m1 = th.expm1(log_ratio)
     with th.no_grad():
-        fixed = ratio_m1.detach()
+        ratio_m1 = th.expm1(2.0 * (th.log(old_std) - th.log(std)))  # r - 1, with r = precision / old precision
         t0 = th.sqrt(target / th.where(active, cov_part, th.ones_like(cov_part))).clamp(max=1.0)
-        t_root = _solve_increasing(lambda t: _kl_cov_constraint(t, fixed, target), t0, target, bound, active)
-    t = _implicit_t(t_root, lambda t: _kl_cov_constraint(t, ratio_m1, target), active)
-    projected = old_std * th.rsqrt(1.0 + t.unsqueeze(-1) * ratio_m1)  # std~ = old_std / sqrt(x)
-    return th.where(active.unsqueeze(-1), projected, std)
+        t_root = _solve_increasing(lambda t: _kl_cov_constraint(t, ratio_m1, target), t0, target, bound, active)
+    return _PrecisionInterpolation.apply(std, old_std, ratio_m1, t_root, active)
+
+
+class _PrecisionInterpolation(th.autograd.Function):
+    """
+    ``std~ = old_std / sqrt(1 + t (r - 1))`` on the states outside the bound (``std`` elsewhere), ``r`` the precision
+    ratio and ``t`` the root of the KL covariance constraint, with the implicit gradient of ``t`` written out:
+    ``dt/dr = -g_r / g_t`` at the root. ``old_std`` and the target are constants.
+    """
+
+    @staticmethod
+    def forward(ctx, std, old_std, ratio_m1, t, active):  # type: ignore[no-untyped-def,override]
+        x = 1.0 + t.unsqueeze(-1) * ratio_m1
+        projected = old_std * th.rsqrt(x)  # std~ = old_std / sqrt(x)
+        ctx.save_for_backward(std, ratio_m1, x, projected, t, active)
+        ctx.shape = std.shape
+        return th.where(active.unsqueeze(-1), projected, std)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def,override]
+        std, ratio_m1, x, projected, t, active = ctx.saved_tensors
+        t_ = t.unsqueeze(-1)
+        along_x = -0.5 * grad * projected / x  # d std~ / d x = -std~ / (2 x)
+        # the constraint g = 0.5 sum(log x - (x - 1) / x) - target, x = 1 + t (r - 1): g_t and g_(r-1) per dimension
+        slope = (t_ * ratio_m1) / x**2
+        g_t = 0.5 * (ratio_m1 * slope).sum(-1, keepdim=True)
+        g_t = th.where(active.unsqueeze(-1) & (g_t > 0), g_t, th.ones_like(g_t))
+        # d x_i / d (r_j - 1) = t delta_ij + (r_i - 1) dt/d(r_j - 1), with dt/d(r_j - 1) = -0.5 t slope_j / g_t
+        ratio_grad = along_x * t_ - (along_x * ratio_m1).sum(-1, keepdim=True) * 0.5 * t_ * slope / g_t
+        std_grad = ratio_grad * (-2.0 * (ratio_m1 + 1.0) / std)  # r = (old_std / std)^2
+        return th.where(active.unsqueeze(-1), std_grad, grad).sum_to_size(ctx.shape), None, None, None, None
 
 
 def project_gaussian(
@@ -481,15 +542,19 @@ def project_gaussian_with_distances(
     mean64, std64 = mean.to(th.float64), std.to(th.float64)
     old_mean64, old_std64 = old_mean.detach().to(th.float64), old_std.detach().to(th.float64)
     # Each distance is evaluated once: the activity test, the closed forms' scale and the root search's start share it
-    mean_dist = _mean_distance(mean64, old_mean64, old_std64, projection)
-    cov_dist = _cov_distance(std64, old_std64, projection)
-    mean_active, cov_active = mean_dist.detach() > mean_bound, cov_dist.detach() > cov_bound
+    # (constants: the projections' gradients are written out, :class:`_Interpolation`, :class:`_PrecisionInterpolation`)
+    with th.no_grad():
+        mean_dist = _mean_distance(mean64, old_mean64, old_std64, projection)
+        cov_dist = _cov_distance(std64, old_std64, projection)
+    mean_active, cov_active = mean_dist > mean_bound, cov_dist > cov_bound
     # One host read for both parts; a part with no state outside is the identity and skips its projection entirely
     move_mean, move_cov = th.stack((mean_active.any(), cov_active.any())).tolist()
 
     if move_mean:
         new_mean, mean_after = _round_inside(
-            lambda target: _project_closed(mean64, old_mean64, mean_dist, mean_active, target),
+            lambda target: _project_closed(
+                mean64, old_mean64, mean_dist, mean_active, target, _mean_weight(old_std64, projection)
+            ),
             lambda x: _mean_distance(x, old_mean64, old_std64, projection),
             old_mean64,
             mean_bound,
