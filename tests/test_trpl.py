@@ -449,7 +449,7 @@ def test_logged_update_kl_is_the_measured_one(projection):
     assert logs.updates[-1]["train/kl_max"] == float(np.max(per_state))
 
 
-@pytest.mark.parametrize("variant", ["fresh", "shared"])
+@pytest.mark.parametrize("variant", ["fresh", "shared", "scaled"])
 def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant):
     """
     The regression steps of the bound enforcement step an optimizer of their own (the policy optimizer's class and
@@ -478,10 +478,13 @@ def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant
         return
     assert policy_steps == minibatch_steps
     policy_group = model.policy.optimizer.param_groups[0]
+    keys = ("lr", "eps", "fused")
     for optimizer in made:
         assert type(optimizer) is type(model.policy.optimizer) and optimizer is not model.policy.optimizer
         group = optimizer.param_groups[0]
-        assert {k: group[k] for k in ("lr", "eps", "betas", "fused")} == {k: policy_group[k] for k in ("lr", "eps", "betas", "fused")}
-        actor = {id(p) for p in model._actor_parameters()}
-        assert {id(p) for p in group["params"]} == actor
-    assert sum(max(int(s["step"]) for s in optimizer.state.values()) for optimizer in made) == regression_steps
+        assert {k: group[k] for k in keys} == {k: policy_group[k] for k in keys}
+        # "scaled" steps without momentum on the policy's second moments (copied, so their step count goes on)
+        assert group["betas"] == ((0.0, policy_group["betas"][1]) if variant == "scaled" else policy_group["betas"])
+        assert {id(p) for p in group["params"]} == {id(p) for p in model._actor_parameters()}
+    if variant == "fresh":
+        assert sum(max(int(s["step"]) for s in optimizer.state.values()) for optimizer in made) == regression_steps

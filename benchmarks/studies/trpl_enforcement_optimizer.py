@@ -27,8 +27,8 @@ import run_records  # noqa: E402
 import trpl_high_learning_rate  # noqa: E402
 
 OUT = HERE / "results" / "trpl_enforcement_optimizer.md"
-VARIANTS = ("shared", "fresh")
-COLORS = {"shared": "tab:red", "fresh": "tab:blue"}
+VARIANTS = ("shared", "fresh", "scaled")
+COLORS = {"shared": "tab:red", "fresh": "tab:blue", "scaled": "tab:green"}
 
 
 def code_version() -> str:
@@ -95,23 +95,25 @@ def cells(runs: list[dict[str, Any]]) -> list[tuple[str, float]]:
 
 
 def findings(runs: list[dict[str, Any]]) -> list[str]:
-    """Per cell, fresh against shared, computed from the runs (returns: Welch's test, a tie unless p < 0.05)."""
+    """Per cell, each variant against shared, computed from the runs (returns: Welch's test, a tie unless p < 0.05)."""
     from significance import verdict
 
     out = []
     for env_id, lr_mult in cells(runs):
-        shared, fresh = (cell_runs(runs, env_id, lr_mult, v) for v in VARIANTS)
-        if not shared or not fresh:
-            continue
-        s, f = figures(shared, env_id), figures(fresh, env_id)
-        text, result = verdict([r["eval_mean"] for r in fresh], [r["eval_mean"] for r in shared])
-        out.append(
-            f"- {env_id} x{lr_mult:g}: a fresh optimizer takes {f['steps']:.1f} regression steps per update against"
-            f" {s['steps']:.1f}, reaches the cap in {f['capped']:.0%} of updates against {s['capped']:.0%}, and moves"
-            f" the actor back in {f['moved_back']:.0%} against {s['moved_back']:.0%}; the bound holds in both (worst"
-            f" {f['worst']:.3f} and {s['worst']:.3f} x the bound); return {text} ({result}); a run takes"
-            f" {f['seconds']:.0f} s against {s['seconds']:.0f} s."
-        )
+        shared = cell_runs(runs, env_id, lr_mult, "shared")
+        for variant in VARIANTS[1:]:
+            other = cell_runs(runs, env_id, lr_mult, variant)
+            if not shared or not other:
+                continue
+            s, f = figures(shared, env_id), figures(other, env_id)
+            text, result = verdict([r["eval_mean"] for r in other], [r["eval_mean"] for r in shared])
+            out.append(
+                f"- {env_id} x{lr_mult:g}, {variant} against shared: {f['steps']:.1f} regression steps per update"
+                f" against {s['steps']:.1f}, at the cap in {f['capped']:.0%} of updates against {s['capped']:.0%},"
+                f" the actor moved back in {f['moved_back']:.0%} against {s['moved_back']:.0%}; the bound holds in"
+                f" both (worst {f['worst']:.3f} and {s['worst']:.3f} x the bound); return {text} ({result}); a run"
+                f" takes {f['seconds']:.0f} s against {s['seconds']:.0f} s."
+            )
     return out
 
 
@@ -222,7 +224,8 @@ def write_report(record: dict[str, Any]) -> str:
             " the update's states is within 1.05 x the bound (at most 30 steps, then a move back toward the rollout"
             " policy). *shared*: those steps step the policy's Adam, whose moments hold the surrogate's last steps;"
             " *fresh*: they step an Adam of the same hyperparameters with moments of its own, made anew each update"
-            " (TRPL's default since this study). Runs of the grid's settings and budgets on seeds outside the grid's"
+            " (TRPL's default since this study); *scaled*: a copy of the policy's Adam without momentum that keeps its"
+            " second moments. Runs of the grid's settings and budgets on seeds outside the grid's"
             " (0-4); per update, from TRPL's `train/` keys: `enforcement_steps`, `enforcement_step_fraction` (1: no"
             " move back), `distance_max` (after the enforcement), `kl`, `explained_variance`. Seconds: wall-clock"
             " time of a run, two runs side by side on two cores.",

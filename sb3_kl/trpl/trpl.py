@@ -132,9 +132,11 @@ class TRPL(KLOnPolicyAlgorithm):
     }
     has_kl_coef: ClassVar[bool] = False  # a projection, no penalty coefficient
     #: The optimizer of the bound enforcement's regression steps: ``"fresh"``, one of the policy optimizer's class and
-    #: hyperparameters with moments of its own, made anew each update; or ``"shared"``, the policy's optimizer itself,
+    #: hyperparameters with moments of its own, made anew each update; ``"shared"``, the policy's optimizer itself,
     #: whose moments carry the surrogate's last steps into the regression's first ones and the regression's into the
-    #: next update (kept to compare the two, see ``benchmarks/studies/trpl_enforcement_optimizer.py``)
+    #: next update; or ``"scaled"`` (Adam only, else ``"fresh"``), a copy of the policy's Adam without momentum
+    #: (``beta1 = 0``) that keeps its second moments, so that each parameter steps on the policy's own scale (kept to
+    #: compare, see ``benchmarks/studies/trpl_enforcement_optimizer.py``)
     _enforcement_optimizer: ClassVar[str] = "fresh"
 
     def __init__(
@@ -543,7 +545,19 @@ class TRPL(KLOnPolicyAlgorithm):
         if self._enforcement_optimizer == "shared":
             return optimizer
         group = optimizer.param_groups[0]
-        return type(optimizer)(actor_params, **{name: group[name] for name in optimizer.defaults if name in group})
+        hyperparameters = {name: group[name] for name in optimizer.defaults if name in group}
+        if self._enforcement_optimizer != "scaled" or not isinstance(optimizer, th.optim.Adam):
+            return type(optimizer)(actor_params, **hyperparameters)
+        scaled = type(optimizer)(actor_params, **{**hyperparameters, "betas": (0.0, group["betas"][1])})
+        for param in actor_params:
+            state = optimizer.state.get(param)
+            if state and "exp_avg_sq" in state:
+                scaled.state[param] = {
+                    "step": state["step"].clone(),
+                    "exp_avg": th.zeros_like(state["exp_avg"]),
+                    "exp_avg_sq": state["exp_avg_sq"].clone(),
+                }
+        return scaled
 
     def _enforce_bound(
         self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
