@@ -748,9 +748,9 @@ def settings_swap_comparison(
     the settings of another zoo entry (``--override``, :data:`SETTINGS_SWAPS`) beside the grid's runs of the same
     seeds: collapses (Fisher's exact test), evaluation and AUC (Welch); empty without records.
     """
-    tables = []
+    tables, study = [], load_folder(f"{swap.folder}/runs/{tier}")
     for env in swap.envs:
-        swapped = load_folder(f"{swap.folder}/runs/{tier}").get((env, swap.algo, 1.0), [])
+        swapped = study.get((env, swap.algo, 1.0), [])
         if swapped:
             tables.append(_settings_swap_table(groups, tier, swap, env, swapped))
     if not tables:

@@ -45,6 +45,7 @@ in float64 and the few states still outside are solved again; a state whose proj
 the bound in float32 (a move below float32 resolution) gets the old distribution.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -216,13 +217,18 @@ def _solve_increasing(
     """
     tol = rtol * bound
     sqrt_target = math.sqrt(target) if isinstance(target, float) else th.sqrt(target)
+
+    def newton_step(t: th.Tensor, g: th.Tensor, dg: th.Tensor) -> th.Tensor:
+        # Newton on sqrt(D): t - (sqrt(D) - sqrt(target)) 2 sqrt(D) / g', the difference of roots without cancellation
+        sqrt_d = th.sqrt((g + target).clamp(min=0.0))
+        return t - 2.0 * g * sqrt_d / (dg * (sqrt_d + sqrt_target))
+
     t = t0.clamp(1e-300, 1.0)
     # The usual case first, with no bracket to keep: plain Newton steps while every one stays in (0, 1]
     for _ in range(_FAST_NEWTON_STEPS):
         g, dg = fn(t)
         done = (g.abs() <= tol) | ~active
-        sqrt_d = th.sqrt((g + target).clamp(min=0.0))
-        newton = t - 2.0 * g * sqrt_d / (dg * (sqrt_d + sqrt_target))
+        newton = newton_step(t, g, dg)
         # one host read for both: whether to stop, and whether every step still searching stays in (0, 1]
         all_done, all_inside = th.stack((done.all(), (done | ((newton > 0) & (newton <= 1))).all())).tolist()
         if all_done:
@@ -249,10 +255,7 @@ def _solve_increasing(
         # A Newton step that leaves the bracket falls back to the secant of the bracket; when |g| did not halve in
         # the last step, to a bisection instead (geometric while the bracket spans decades, or a tenfold
         # step down while no feasible point is known)
-        # Newton on sqrt(D): t - (sqrt(D) - sqrt(target)) 2 sqrt(D) / g', with the difference of roots written
-        # without cancellation
-        sqrt_d = th.sqrt((g + target).clamp(min=0.0))
-        newton = t - 2.0 * g * sqrt_d / (dg * (sqrt_d + sqrt_target))
+        newton = newton_step(t, g, dg)
         slow = g_abs > 0.5 * g_previous
         g_previous = g_abs
         take_newton = (newton > lo) & (newton < hi) & ~slow
@@ -338,9 +341,10 @@ class _Interpolation(th.autograd.Function):
 
     @staticmethod
     def forward(ctx, values, old, dist, weight, active, target):  # type: ignore[no-untyped-def,override]
-        scale = th.sqrt(target / th.where(active, dist, th.ones_like(dist))).unsqueeze(-1)
+        dist = th.where(active, dist, th.ones_like(dist))  # the states inside keep x: any positive d will do
+        scale = th.sqrt(target / dist).unsqueeze(-1)
         delta = values - old
-        ctx.save_for_backward(delta, scale, th.where(active, dist, th.ones_like(dist)), active)
+        ctx.save_for_backward(delta, scale, dist, active)
         ctx.weight, ctx.shape = weight, values.shape
         return th.where(active.unsqueeze(-1), old + delta * scale, values)
 
@@ -401,13 +405,15 @@ def _kl_cov_constraint(t: th.Tensor, ratio_m1: th.Tensor, target: float | th.Ten
     return value, slope
 
 
+@functools.lru_cache(maxsize=64)
 def _one_dim_precision_ratios(target: float) -> tuple[float, float]:
     """
     The two precision ratios ``x`` (projected over old) at which a one-dimensional Gaussian's KL covariance part,
     ``0.5 (1/x - 1 + log x)``, equals ``target``: one below 1 (a wider projection), one above (a narrower one).
 
     Newton in ``u = x - 1`` on the square root of the part, which is close to linear in ``u``, from its quadratic
-    approximation ``u = +-2 sqrt(target)``; a step that would leave ``x > 0`` is halved instead.
+    approximation ``u = +-2 sqrt(target)``; a step that would leave ``x > 0`` is halved instead. Cached: every
+    minibatch of a run asks for the same target.
     """
     roots = []
     for sign in (-1.0, 1.0):
@@ -551,10 +557,9 @@ def project_gaussian_with_distances(
     move_mean, move_cov = th.stack((mean_active.any(), cov_active.any())).tolist()
 
     if move_mean:
+        mean_weight = _mean_weight(old_std64, projection)
         new_mean, mean_after = _round_inside(
-            lambda target: _project_closed(
-                mean64, old_mean64, mean_dist, mean_active, target, _mean_weight(old_std64, projection)
-            ),
+            lambda target: _project_closed(mean64, old_mean64, mean_dist, mean_active, target, mean_weight),
             lambda x: _mean_distance(x, old_mean64, old_std64, projection),
             old_mean64,
             mean_bound,
