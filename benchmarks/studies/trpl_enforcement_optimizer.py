@@ -27,8 +27,8 @@ import run_records  # noqa: E402
 import trpl_high_learning_rate  # noqa: E402
 
 OUT = HERE / "results" / "trpl_enforcement_optimizer.md"
-VARIANTS = ("shared", "fresh", "scaled")
-COLORS = {"shared": "tab:red", "fresh": "tab:blue", "scaled": "tab:green"}
+VARIANTS = ("shared", "fresh", "scaled", "line_search")
+COLORS = {"shared": "tab:red", "fresh": "tab:blue", "scaled": "tab:green", "line_search": "tab:purple"}
 
 
 def code_version() -> str:
@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", nargs="+", type=parse_cell, default=[("Pendulum-v1", 10.0), ("HalfCheetah-v5", 1.0)])
     parser.add_argument("--seeds", nargs="+", type=int, default=[10, 11])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args(argv)
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             (env_id, lr_mult, seed, variant)
             for env_id, lr_mult in args.cells
             for seed in args.seeds
-            for variant in VARIANTS
+            for variant in args.variants
             if (env_id, lr_mult, seed, variant) not in done
         ]
         with Pool(args.workers) as pool:

@@ -136,7 +136,9 @@ class TRPL(KLOnPolicyAlgorithm):
     #: whose moments carry the surrogate's last steps into the regression's first ones and the regression's into the
     #: next update; or ``"scaled"`` (Adam only, else ``"fresh"``), a copy of the policy's Adam without momentum
     #: (``beta1 = 0``) that keeps its second moments, so that each parameter steps on the policy's own scale (kept to
-    #: compare, see ``benchmarks/studies/trpl_enforcement_optimizer.py``)
+    #: compare, see ``benchmarks/studies/trpl_enforcement_optimizer.py``); or ``"line_search"``, steps along the
+    #: regression's gradient scaled by the policy Adam's second moments, each step's size found by a search on the
+    #: states' summed excess over the bound (:meth:`_line_search_regression`)
     _enforcement_optimizer: ClassVar[str] = "fresh"
 
     def __init__(
@@ -559,6 +561,70 @@ class TRPL(KLOnPolicyAlgorithm):
                 }
         return scaled
 
+    def _preconditioner(self, actor_params: list[nn.Parameter]) -> list[th.Tensor | float]:
+        """
+        Per parameter, the policy Adam's inverse scale ``1 / (sqrt(v_hat) + eps)`` (its bias-corrected second moment),
+        so that a regression step moves each parameter on the scale the policy's own steps use; 1 where there is none.
+        """
+        optimizer = self.policy.optimizer
+        group = optimizer.param_groups[0]
+        scales: list[th.Tensor | float] = []
+        for param in actor_params:
+            state = optimizer.state.get(param)
+            if isinstance(optimizer, th.optim.Adam) and state and "exp_avg_sq" in state and float(state["step"]) > 0:
+                bias_correction = 1 - group["betas"][1] ** float(state["step"])
+                scales.append(1 / ((state["exp_avg_sq"] / bias_correction).sqrt() + group["eps"]))
+            else:
+                scales.append(1.0)
+        return scales
+
+    def _line_search_regression(
+        self, actor_params: list[nn.Parameter], distances: th.Tensor, params: th.Tensor, min_entropy: float | None
+    ) -> tuple[th.Tensor, th.Tensor, int]:
+        """
+        The regression steps of ``_enforcement_optimizer = "line_search"``: from the gradient of the regression onto
+        the projection on the states above the bound, scaled by :meth:`_preconditioner`, a step of size ``t`` is
+        kept if it lowers the summed excess of the per-state distances over the bound (``t`` then doubles for the
+        next step), else undone (``t`` halves). ``t`` starts at the current learning rate each update; every try is a
+        pass over the buffer and counts as one of ``max_enforce_steps``.
+
+        :return: the distances and distribution parameters of the acting policy it ends with, and the tries taken
+        """
+        limit = self.bound_tolerance * self.joint_bound
+        scales = self._preconditioner(actor_params)
+        size = self.policy.optimizer.param_groups[0]["lr"]
+
+        def excess(d: th.Tensor) -> float:
+            return (d - self.joint_bound).clamp(min=0).sum().item()
+
+        merit, tries, direction = excess(distances), 0, None
+        start = nn.utils.parameters_to_vector(actor_params).detach().clone()
+        while distances.max().item() > limit and tries < self.max_enforce_steps:
+            if direction is None:
+                outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
+                data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
+                _, distribution = self._forward_samples(data)
+                loss = self._project(distribution, data.old_dist_params, min_entropy)["trust_region"].mean()
+                grads = th.autograd.grad(loss, actor_params, allow_unused=True)
+                direction = nn.utils.parameters_to_vector(
+                    [-(th.zeros_like(p) if g is None else g * s) for p, g, s in zip(actor_params, grads, scales, strict=True)]
+                )
+                start = nn.utils.parameters_to_vector(actor_params).detach().clone()
+            tries += 1
+            with th.no_grad():
+                _copy_flat_to_parameters(start + size * direction, actor_params)
+                self._apply_variance_floor()
+            new_distances, new_params = self._network_distances()
+            new_merit = excess(new_distances)
+            if np.isfinite(new_merit) and new_merit < merit:
+                distances, params, merit, direction = new_distances, new_params, new_merit, None
+                size *= 2.0
+            else:
+                with th.no_grad():
+                    _copy_flat_to_parameters(start, actor_params)
+                size *= 0.5
+        return distances, params, tries
+
     def _enforce_bound(
         self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
     ) -> dict[str, Any]:
@@ -581,6 +647,8 @@ class TRPL(KLOnPolicyAlgorithm):
         distances, params = self._network_distances()
         before = distances.max().item()
         steps, optimizer = 0, None
+        if self._enforcement_optimizer == "line_search":
+            distances, params, steps = self._line_search_regression(actor_params, distances, params, min_entropy)
         while distances.max().item() > limit and steps < self.max_enforce_steps:
             outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
             data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
