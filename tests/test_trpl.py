@@ -449,11 +449,12 @@ def test_logged_update_kl_is_the_measured_one(projection):
     assert logs.updates[-1]["train/kl_max"] == float(np.max(per_state))
 
 
-@pytest.mark.parametrize("variant", ["fresh", "shared", "scaled"])
+@pytest.mark.parametrize("variant", ["line_search", "fresh", "shared", "scaled"])
 def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant):
     """
-    The regression steps of the bound enforcement step an optimizer of their own (the policy optimizer's class and
-    hyperparameters, this update's learning rate, new moments): the policy optimizer counts only the minibatch steps.
+    The regression steps of the bound enforcement leave the policy optimizer alone: the line search (the default)
+    steps the parameters itself; "fresh" and "scaled" step an optimizer of their own (the policy optimizer's class and
+    hyperparameters, this update's learning rate, new moments). The policy optimizer counts only the minibatch steps.
     With ``_enforcement_optimizer = "shared"`` (kept to compare) it counts the regression steps too.
     """
     monkeypatch.setattr(TRPL, "_enforcement_optimizer", variant)
@@ -477,6 +478,9 @@ def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant
         assert all(optimizer is model.policy.optimizer for optimizer in made)
         return
     assert policy_steps == minibatch_steps
+    if variant == "line_search":
+        assert not made
+        return
     policy_group = model.policy.optimizer.param_groups[0]
     keys = ("lr", "eps", "fused")
     for optimizer in made:
@@ -488,3 +492,33 @@ def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant
         assert {id(p) for p in group["params"]} == {id(p) for p in model._actor_parameters()}
     if variant == "fresh":
         assert sum(max(int(s["step"]) for s in optimizer.state.values()) for optimizer in made) == regression_steps
+
+
+@pytest.mark.parametrize("env_id, kwargs", [("CartPole-v1", {}), ("Pendulum-v1", {}), ("Pendulum-v1", dict(use_sde=True))])
+def test_line_search_keeps_only_steps_that_lower_the_excess(env_id, kwargs):
+    """
+    The line search's regression (from the network after the epochs of a large-learning-rate update, pushed outside
+    the bound) ends with a lower summed excess over the bound than it started from, within ``max_enforce_steps``
+    tries, and the distances it returns are those of the parameters it leaves in the network.
+    """
+    model = TRPL("MlpPolicy", env_id, learning_rate=3e-2, max_enforce_steps=0, n_steps=256, seed=0, **kwargs, **TINY)
+    model.learn(256)  # one update, then collect the next rollout and run the epochs only
+    callback = model._init_callback(None)
+    callback.on_training_start(locals(), globals())
+    model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=model.n_steps)
+    model._prepare_rollout_distribution()
+    for data in [d for _ in range(5) for d in model.rollout_buffer.get(TINY["batch_size"])]:
+        _, distribution = model._forward_samples(data)
+        log_prob = distribution.log_prob(model._actions_for_log_prob(data.actions))
+        model._optimizer_step(-(data.advantages * log_prob).mean())  # the policy gradient, unprojected
+    distances, params = model._network_distances()
+    bound = model.joint_bound
+    assert distances.max() > bound  # the test is not vacuous
+    model.max_enforce_steps = 30
+    actor = model._actor_parameters()
+    new_distances, new_params, tries = model._line_search_regression(actor, distances, params, None)
+    assert 0 < tries <= 30
+    excess = lambda d: float((d - bound).clamp(min=0).sum())  # noqa: E731
+    assert excess(new_distances) < excess(distances)
+    measured, measured_params = model._network_distances()
+    assert th.equal(measured, new_distances) and th.equal(measured_params, new_params)

@@ -65,9 +65,9 @@ class TRPL(KLOnPolicyAlgorithm):
 
     As in SB3, the policy that acts (``predict``, ``policy.get_distribution``) is the network itself, not its
     projection. After the epochs the bound is enforced on it over the update's rollout states: while the largest
-    per-state distance exceeds ``bound_tolerance * bound``, up to ``max_enforce_steps`` optimizer steps regress the
-    network onto its projection on the states above the bound (an optimizer like the policy's, with moments of its
-    own each update); if that is not enough, the actor's parameters are
+    per-state distance exceeds ``bound_tolerance * bound``, up to ``max_enforce_steps`` regression steps move the
+    network toward its projection on the states above the bound (along the regression's gradient scaled by the policy
+    Adam's second moments, each step's size found by a line search); if that is not enough, the actor's parameters are
     moved back along the straight line to the rollout policy's (where the distance is 0) until the bound holds.
 
     Paper: Otto et al., "Differentiable Trust Region Layers for Deep Reinforcement Learning", ICLR 2021,
@@ -109,8 +109,9 @@ class TRPL(KLOnPolicyAlgorithm):
         of the rollout policy's covariance, so it reaches the floor only where that is within the bound, and a floor
         far above the rollout policy's entropy is approached over several updates (the regression onto the
         projection pulls the network's std up). None (default): no entropy control
-    :param max_enforce_steps: Largest number of regression steps of the bound enforcement after the epochs (0: go
-        straight to the move back toward the rollout policy when the bound is exceeded)
+    :param max_enforce_steps: Largest number of regression steps (line-search tries, each a pass over the buffer) of
+        the bound enforcement after the epochs (0: go straight to the move back toward the rollout policy when the
+        bound is exceeded)
     :param bound_tolerance: The acting policy's largest per-state distance over the update's states must end at most
         ``bound_tolerance * (mean_bound + cov_bound)`` (``mean_bound`` for categorical policies)
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
@@ -131,15 +132,14 @@ class TRPL(KLOnPolicyAlgorithm):
         "MultiInputPolicy": MultiInputPolicy,
     }
     has_kl_coef: ClassVar[bool] = False  # a projection, no penalty coefficient
-    #: The optimizer of the bound enforcement's regression steps: ``"fresh"``, one of the policy optimizer's class and
-    #: hyperparameters with moments of its own, made anew each update; ``"shared"``, the policy's optimizer itself,
-    #: whose moments carry the surrogate's last steps into the regression's first ones and the regression's into the
-    #: next update; or ``"scaled"`` (Adam only, else ``"fresh"``), a copy of the policy's Adam without momentum
-    #: (``beta1 = 0``) that keeps its second moments, so that each parameter steps on the policy's own scale (kept to
-    #: compare, see ``benchmarks/studies/trpl_enforcement_optimizer.py``); or ``"line_search"``, steps along the
+    #: How the bound enforcement's regression steps are taken: ``"line_search"`` (the default), steps along the
     #: regression's gradient scaled by the policy Adam's second moments, each step's size found by a search on the
-    #: states' summed excess over the bound (:meth:`_line_search_regression`)
-    _enforcement_optimizer: ClassVar[str] = "fresh"
+    #: states' summed excess over the bound (:meth:`_line_search_regression`). Kept to compare
+    #: (``benchmarks/studies/trpl_enforcement_optimizer.py``): ``"fresh"``, an optimizer of the policy optimizer's
+    #: class and hyperparameters with moments of its own, made anew each update; ``"shared"``, the policy's optimizer
+    #: itself; ``"scaled"`` (Adam only, else ``"fresh"``), a copy of the policy's Adam without momentum that keeps its
+    #: second moments.
+    _enforcement_optimizer: ClassVar[str] = "line_search"
 
     def __init__(
         self,
