@@ -1,12 +1,13 @@
 """
-Which optimizer TRPL's bound enforcement should step: the policy's own Adam (``"shared"``: its moments carry the
-surrogate's last steps into the regression's first ones, and the regression's into the next update) or one like it
-with moments of its own, made anew each update (``"fresh"``). Grid runs (``grid_runs.train_and_evaluate``: the
-grid's settings and budget) on seeds outside the grid's, with a probe that keeps TRPL's ``train/`` figures of every
-update. Writes ``benchmarks/results/trpl_enforcement_optimizer.{json,md,png}``, each run appended to the JSON as it
-finishes (a stopped study resumes); ``--report`` rewrites the page from the JSON.
+How TRPL's bound enforcement should take its regression steps: with the policy's own Adam (``"shared"``), an Adam
+with moments of its own made anew each update (``"fresh"``), a copy of the policy's Adam without momentum
+(``"scaled"``), or a line search along the Adam-scaled regression gradient (``"line_search"``, the default). Grid runs
+(``grid_runs.train_and_evaluate``: the grid's settings and budget) on seeds outside the grid's, with a probe that keeps
+TRPL's ``train/`` figures of every update. Writes ``benchmarks/results/trpl_enforcement_optimizer.{json,md,png}``, each
+run appended to the JSON as it finishes (a stopped study resumes); ``--report`` rewrites the page from the JSON.
 
     python benchmarks/studies/trpl_enforcement_optimizer.py [--cells Pendulum-v1:10 HalfCheetah-v5:1] [--seeds 10 11]
+        [--variants line_search fresh]
     python benchmarks/studies/trpl_enforcement_optimizer.py --report
 """
 
@@ -94,21 +95,24 @@ def cells(runs: list[dict[str, Any]]) -> list[tuple[str, float]]:
     return sorted({(r["env"], r["lr_mult"]) for r in runs})
 
 
+#: The comparisons the page states: each variant against the default it would replace
+PAIRS = (("fresh", "shared"), ("scaled", "shared"), ("line_search", "fresh"))
+
+
 def findings(runs: list[dict[str, Any]]) -> list[str]:
-    """Per cell, each variant against shared, computed from the runs (returns: Welch's test, a tie unless p < 0.05)."""
+    """Per cell, each pair of :data:`PAIRS` (returns: Welch's test, a tie unless p < 0.05), computed from the runs."""
     from significance import verdict
 
     out = []
     for env_id, lr_mult in cells(runs):
-        shared = cell_runs(runs, env_id, lr_mult, "shared")
-        for variant in VARIANTS[1:]:
-            other = cell_runs(runs, env_id, lr_mult, variant)
-            if not shared or not other:
+        for variant, baseline in PAIRS:
+            base, other = cell_runs(runs, env_id, lr_mult, baseline), cell_runs(runs, env_id, lr_mult, variant)
+            if not base or not other:
                 continue
-            s, f = figures(shared, env_id), figures(other, env_id)
-            text, result = verdict([r["eval_mean"] for r in other], [r["eval_mean"] for r in shared])
+            s, f = figures(base, env_id), figures(other, env_id)
+            text, result = verdict([r["eval_mean"] for r in other], [r["eval_mean"] for r in base])
             out.append(
-                f"- {env_id} x{lr_mult:g}, {variant} against shared: {f['steps']:.1f} regression steps per update"
+                f"- {env_id} x{lr_mult:g}, {variant} against {baseline}: {f['steps']:.1f} regression steps per update"
                 f" against {s['steps']:.1f}, at the cap in {f['capped']:.0%} of updates against {s['capped']:.0%},"
                 f" the actor moved back in {f['moved_back']:.0%} against {s['moved_back']:.0%}; the bound holds in"
                 f" both (worst {f['worst']:.3f} and {s['worst']:.3f} x the bound); return {text} ({result}); a run"
@@ -117,12 +121,14 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-#: The commit that made "fresh" TRPL's default: grid records of its ancestors were made with "shared"
-CHANGE = "dd16564"
+#: The commits that changed TRPL's default (``"shared"`` before the first), each with the variant it made the default
+CHANGES = (("dd16564", "fresh"), ("26f9a9e", "line_search"))
+#: The grid's variants in the order they were the default
+ERAS = ("shared", *(variant for _, variant in CHANGES))
 
 
-def made_before_the_change(commit: str) -> bool | None:
-    """Whether a record's commit precedes :data:`CHANGE` (None: a commit this repository does not know)."""
+def default_at(commit: str) -> str | None:
+    """The enforcement TRPL ran by default at ``commit`` (None: a commit this repository does not know)."""
     import subprocess
 
     commit = commit.removesuffix("+modified")
@@ -130,16 +136,20 @@ def made_before_the_change(commit: str) -> bool | None:
         known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=HERE, capture_output=True)
         if known.returncode != 0:
             return None
-        before = subprocess.run(["git", "merge-base", "--is-ancestor", commit, f"{CHANGE}~1"], cwd=HERE, capture_output=True)
+        variant = "shared"
+        for change, name in CHANGES:
+            after = subprocess.run(["git", "merge-base", "--is-ancestor", change, commit], cwd=HERE, capture_output=True)
+            if after.returncode == 0:
+                variant = name
     except OSError:
         return None
-    return before.returncode == 0
+    return variant
 
 
 def grid_before_and_after(tier: str = "full") -> list[str]:
     """
-    The grid's TRPL cells (seeds 0-4) made before the change (``shared``, the records the grid's file still holds
-    under the newer ones) and re-made after it (``fresh``): evaluation return per cell, Welch's test.
+    The grid's TRPL cells (seeds 0-4) under each default the grid's file holds records of (:data:`ERAS`; it keeps the
+    superseded records): evaluation return per cell, and the newest default against the one before (Welch's test).
     """
     from significance import verdict
 
@@ -147,21 +157,24 @@ def grid_before_and_after(tier: str = "full") -> list[str]:
     if not path.exists():
         return []
     latest: dict[tuple[str, float, int, str], dict[str, Any]] = {}
-    commits: dict[str, bool | None] = {}
+    commits: dict[str, str | None] = {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
         if record.get("algo") != "trpl" or record.get("overrides"):
             continue
         commit = record.get("code_version", "unknown")
         if commit not in commits:
-            commits[commit] = made_before_the_change(commit)
+            commits[commit] = default_at(commit)
         if commits[commit] is None:
             continue
-        variant = "shared" if commits[commit] else "fresh"
-        latest[(record["env"], record["lr_mult"], record["seed"], variant)] = record
+        latest[(record["env"], record["lr_mult"], record["seed"], commits[commit])] = record
+    eras = [era for era in ERAS if any(key[3] == era for key in latest)]
+    if len(eras) < 2:
+        return []
+    new, old = eras[-1], eras[-2]
     lines = [
-        "| task | lr | shared (before) | fresh (re-made) | fresh against shared |",
-        "|---|---|---|---|---|",
+        "| task | lr | " + " | ".join(f"{era}" for era in eras) + f" | {new} against {old} |",
+        "|---|---|" + "---|" * len(eras) + "---|",
     ]
     from grid import cell_order
 
@@ -169,16 +182,15 @@ def grid_before_and_after(tier: str = "full") -> list[str]:
     for env_id, lr_mult in cells_seen:
         evals = {
             v: [r["eval_mean"] for (e, m, _, var), r in sorted(latest.items()) if (e, m, var) == (env_id, lr_mult, v)]
-            for v in VARIANTS
+            for v in eras
         }
-        if not evals["shared"] or not evals["fresh"]:
+        if not evals[new] or not evals[old]:
             continue
-        text, result = verdict(evals["fresh"], evals["shared"])
-        lines.append(
-            f"| {env_id} | x{lr_mult:g} | {np.mean(evals['shared']):.1f} ± {np.std(evals['shared']):.1f}"
-            f" ({len(evals['shared'])}) | {np.mean(evals['fresh']):.1f} ± {np.std(evals['fresh']):.1f}"
-            f" ({len(evals['fresh'])}) | {text}, {result} |"
+        text, result = verdict(evals[new], evals[old])
+        shown = " | ".join(
+            f"{np.mean(evals[v]):.1f} ± {np.std(evals[v]):.1f} ({len(evals[v])})" if evals[v] else "" for v in eras
         )
+        lines.append(f"| {env_id} | x{lr_mult:g} | {shown} | {text}, {result} |")
     return lines if len(lines) > 2 else []
 
 
@@ -214,7 +226,7 @@ def write_report(record: dict[str, Any]) -> str:
         [
             "# TRPL's bound enforcement: which optimizer its regression steps take",
             "",
-            f"![Regression steps per update, shared and fresh optimizer]({OUT.with_suffix('.png').name})",
+            f"![Regression steps per update, by variant]({OUT.with_suffix('.png').name})",
             "",
             *table(runs),
             "",
@@ -223,21 +235,23 @@ def write_report(record: dict[str, Any]) -> str:
             "After the epochs, TRPL regresses the network onto its projection until the largest per-state distance of"
             " the update's states is within 1.05 x the bound (at most 30 steps, then a move back toward the rollout"
             " policy). *shared*: those steps step the policy's Adam, whose moments hold the surrogate's last steps;"
-            " *fresh*: they step an Adam of the same hyperparameters with moments of its own, made anew each update"
-            " (TRPL's default since this study); *scaled*: a copy of the policy's Adam without momentum that keeps its"
-            " second moments. Runs of the grid's settings and budgets on seeds outside the grid's"
-            " (0-4); per update, from TRPL's `train/` keys: `enforcement_steps`, `enforcement_step_fraction` (1: no"
-            " move back), `distance_max` (after the enforcement), `kl`, `explained_variance`. Seconds: wall-clock"
-            " time of a run, two runs side by side on two cores.",
+            " *fresh*: they step an Adam of the same hyperparameters with moments of its own, made anew each update;"
+            " *scaled*: a copy of the policy's Adam without momentum that keeps its second moments; *line_search*"
+            " (TRPL's default since this study): steps along the regression's gradient scaled by the policy Adam's"
+            " second moments, each step's size searched (kept and doubled if it lowers the states' summed excess over"
+            " the bound, else undone and halved; every try counts as a step). Runs of the grid's settings and budgets"
+            " on seeds outside the grid's (0-4); per update, from TRPL's `train/` keys: `enforcement_steps`,"
+            " `enforcement_step_fraction` (1: no move back), `distance_max` (after the enforcement), `kl`,"
+            " `explained_variance`. Seconds: wall-clock time of a run, two runs side by side on two cores.",
             "",
             *(
                 [
-                    "## The grid's cells, before and after",
+                    "## The grid's cells under each default",
                     "",
-                    "The learning grid's TRPL runs (its seeds, settings and budgets) made before the change (`shared`)"
-                    " and re-made after it (`fresh`), from `benchmarks/results/runs/full/records.jsonl`, which keeps the"
-                    " superseded records; mean ± std over seeds (runs), and the difference with Welch's p-value (p ≥"
-                    " 0.05: a tie):",
+                    "The learning grid's TRPL runs (its seeds, settings and budgets) under each default they were made"
+                    " with, from `benchmarks/results/runs/full/records.jsonl`, which keeps the superseded records;"
+                    " mean ± std over seeds (runs, in brackets), and the newest default against the one before it,"
+                    " with Welch's p-value (p ≥ 0.05: a tie):",
                     "",
                     *grid,
                     "",
@@ -245,7 +259,8 @@ def write_report(record: dict[str, Any]) -> str:
                 if (grid := grid_before_and_after())
                 else []
             ),
-            f"Written by `python benchmarks/studies/trpl_enforcement_optimizer.py --cells {cell_args} --seeds {seeds}`;"
+            f"Written by `python benchmarks/studies/trpl_enforcement_optimizer.py --cells {cell_args} --seeds {seeds}`"
+            f" (variants as `--variants` chose them per cell);"
             f" runs made by sb3-kl {', '.join(sorted({r['code_version'] for r in runs}))}, from"
             f" `benchmarks/results/{OUT.with_suffix('.json').name}`.",
         ]
