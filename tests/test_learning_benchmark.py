@@ -1010,3 +1010,18 @@ def test_aggregates_pool_the_normalized_tasks_and_give_the_probability_of_improv
     tie = [{**r, "algo": "klppo"} for r in records if r["algo"] == "ppo"] + [r for r in records if r["algo"] == "ppo"]
     assert "| 0.50 [0.50, 0.50] |" in learning_report.aggregate_comparison(run_records.group_records(tie), grid.MAIN_ENVS)
     assert learning_report.aggregate_comparison(run_records.group_records(records[:4]), grid.MAIN_ENVS) == ""
+
+
+def test_speed_goal_is_judged_on_the_unrounded_ratio(tmp_path, monkeypatch):
+    """A median ratio shown as 0.800 but below 0.8 (overhead.py's "met" column says NO) does not meet a 0.8 goal."""
+    monkeypatch.setattr(run_records, "RESULTS", tmp_path)
+    header = "| ours | stock | env | steps | ours/s | stock/s | ratio median | min-max | CPU | goal | met (wall) | pairs | commit |"
+    rows = [
+        "| TRPL | PPO | HalfCheetah-v5 | 8,192 | 559 | 712 | 0.800 | 0.75-0.85 | 0.800 | ≥ 0.8 | NO | 7 | abc1234 |",
+        "| TRPL | PPO | CartPole-v1 | 16,384 | 2900 | 3300 | 0.873 | 0.82-0.88 | 0.876 | ≥ 0.8 | yes | 7 | abc1234 |",
+    ]
+    (tmp_path / "overhead_trpl.md").write_text("\n".join([header, "|---|" * 13, *rows]) + "\n")
+    met, detail = learning_report.speed_judgement("TRPL", "PPO", "overhead_trpl.md")
+    assert met is False
+    assert detail == "HalfCheetah-v5 0.800, CartPole-v1 0.873"
+    assert learning_report.speed_judgement("KLTRPO", "TRPO", "overhead_trpl.md") == (None, "no overhead_trpl.md rows")
