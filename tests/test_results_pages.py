@@ -16,6 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 sys.path.insert(0, str(BENCHMARKS / "studies"))
 
 import distributed_throughput  # noqa: E402
+import kl_term_floor  # noqa: E402
 import kltrpo_budget_use  # noqa: E402
 import torch_threads_small_mlp  # noqa: E402
 import trpo_joint_kl  # noqa: E402
@@ -32,13 +33,14 @@ def _opens_with_its_figure(page: Path) -> None:
     "module, name",
     [
         (kltrpo_budget_use, "kltrpo_budget_use"),
+        (kl_term_floor, "kl_term_floor"),
         (torch_threads_small_mlp, "torch_threads_small_mlp"),
         (torch_threads_small_mlp, "torch_threads_small_mlp_idle"),
     ],
 )
 def test_report_rewrites_the_committed_page_from_its_json(tmp_path, module, name):
     shutil.copy(RESULTS / f"{name}.json", tmp_path / f"{name}.json")
-    out = tmp_path / (f"{name}.md" if module is kltrpo_budget_use else name)
+    out = tmp_path / (f"{name}.md" if module in (kltrpo_budget_use, kl_term_floor) else name)
     module.main(["--report", "--out", str(out)])
     page = tmp_path / f"{name}.md"
     assert page.read_text() == (RESULTS / f"{name}.md").read_text()
