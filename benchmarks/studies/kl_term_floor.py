@@ -158,8 +158,9 @@ def write_report(record: dict[str, Any], out: Path = OUT) -> str:
         " with `t` its aten ops times one small aten op (the dispatch floor of eager PyTorch, with no Python around"
         " it); and with `t` the aten ops of the forward and of its backward as far as the Gaussian's mean or the"
         " categorical's logits (`torch.autograd.grad`) times that op. The rest of the backward (the std's path, the"
-        " network), the gSDE features' std and the rest of KLPPO's loop come on top. One torch"
-        " thread; stock time: median of the runs, from `learn()` to its end; the KL term and the aten op: the fastest of five timed batches.",
+        " network), the gSDE features' std and the rest of KLPPO's loop come on top. One torch thread; stock time:"
+        " median of the runs, from `learn()`'s call to its end (its setup included, which only raises the best"
+        " ratios); the KL term and the aten op: the fastest of five timed batches.",
         "",
         f"Written by `python benchmarks/studies/kl_term_floor.py`; sb3-kl {record['code_version']}, machine:"
         f" {run_records.describe_run_environment(record['run_environment'])}.",
