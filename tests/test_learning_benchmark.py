@@ -1015,7 +1015,9 @@ def test_aggregates_pool_the_normalized_tasks_and_give_the_probability_of_improv
 def test_speed_goal_is_judged_on_the_unrounded_ratio(tmp_path, monkeypatch):
     """A median ratio shown as 0.800 but below 0.8 (overhead.py's "met" column says NO) does not meet a 0.8 goal."""
     monkeypatch.setattr(run_records, "RESULTS", tmp_path)
-    header = "| ours | stock | env | steps | ours/s | stock/s | ratio median | min-max | CPU | goal | met (wall) | pairs | commit |"
+    header = (
+        "| ours | stock | env | steps | ours/s | stock/s | ratio median | min-max | CPU | goal | met (wall) | pairs | commit |"
+    )
     rows = [
         "| TRPL | PPO | HalfCheetah-v5 | 8,192 | 559 | 712 | 0.800 | 0.75-0.85 | 0.800 | ≥ 0.8 | NO | 7 | abc1234 |",
         "| TRPL | PPO | CartPole-v1 | 16,384 | 2900 | 3300 | 0.873 | 0.82-0.88 | 0.876 | ≥ 0.8 | yes | 7 | abc1234 |",

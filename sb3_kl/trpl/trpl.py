@@ -452,7 +452,9 @@ class TRPL(KLOnPolicyAlgorithm):
                 logs.add("trust_region_loss", trust_region_loss)
                 logs.add("projected_fraction", projection["moved"].float().mean())
                 projected_max, parts = projection["projected"].max(), projection["parts"]
-                minibatch_maxima = th.stack([projected_max, *(part.max() for part in parts)]) if parts else projected_max.expand(3)
+                minibatch_maxima = (
+                    th.stack([projected_max, *(part.max() for part in parts)]) if parts else projected_max.expand(3)
+                )
                 maxima = th.maximum(maxima, minibatch_maxima)
 
                 # a boolean tensor, False for a non-finite loss or gradient (the step is skipped)
@@ -561,6 +563,16 @@ class TRPL(KLOnPolicyAlgorithm):
                 }
         return scaled
 
+    def _regression_loss(self, distances: th.Tensor, min_entropy: float | None) -> th.Tensor:
+        """
+        The regression of the network onto its projection (the trust-region term), averaged over the buffer's states
+        whose distance ``distances`` exceeds the bound: what every regression step of the enforcement descends.
+        """
+        outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
+        data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
+        _, distribution = self._forward_samples(data)
+        return self._project(distribution, data.old_dist_params, min_entropy)["trust_region"].mean()
+
     def _preconditioner(self, actor_params: list[nn.Parameter]) -> list[th.Tensor | float]:
         """
         Per parameter, the policy Adam's inverse scale ``1 / (sqrt(v_hat) + eps)`` (its bias-corrected second moment),
@@ -598,14 +610,9 @@ class TRPL(KLOnPolicyAlgorithm):
             return (d - self.joint_bound).clamp(min=0).sum().item()
 
         merit, tries, direction = excess(distances), 0, None
-        start = nn.utils.parameters_to_vector(actor_params).detach().clone()
         while distances.max().item() > limit and tries < self.max_enforce_steps:
             if direction is None:
-                outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
-                data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
-                _, distribution = self._forward_samples(data)
-                loss = self._project(distribution, data.old_dist_params, min_entropy)["trust_region"].mean()
-                grads = th.autograd.grad(loss, actor_params, allow_unused=True)
+                grads = th.autograd.grad(self._regression_loss(distances, min_entropy), actor_params, allow_unused=True)
                 direction = nn.utils.parameters_to_vector(
                     [-(th.zeros_like(p) if g is None else g * s) for p, g, s in zip(actor_params, grads, scales, strict=True)]
                 )
@@ -646,19 +653,16 @@ class TRPL(KLOnPolicyAlgorithm):
         limit = self.bound_tolerance * self.joint_bound
         distances, params = self._network_distances()
         before = distances.max().item()
-        steps, optimizer = 0, None
         if self._enforcement_optimizer == "line_search":
             distances, params, steps = self._line_search_regression(actor_params, distances, params, min_entropy)
-        while distances.max().item() > limit and steps < self.max_enforce_steps:
-            outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
-            data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
-            _, distribution = self._forward_samples(data)
-            trust_region = self._project(distribution, data.old_dist_params, min_entropy)["trust_region"]
-            if optimizer is None:
-                optimizer = self._make_enforcement_optimizer(actor_params)
-            self._optimizer_step(trust_region.mean(), optimizer)
-            steps += 1
-            distances, params = self._network_distances()
+        else:
+            steps, optimizer = 0, None
+            while distances.max().item() > limit and steps < self.max_enforce_steps:
+                if optimizer is None:
+                    optimizer = self._make_enforcement_optimizer(actor_params)
+                self._optimizer_step(self._regression_loss(distances, min_entropy), optimizer)
+                steps += 1
+                distances, params = self._network_distances()
         step_fraction = 1.0
         if distances.max().item() > limit:
             with th.no_grad():
