@@ -28,8 +28,8 @@ import run_records  # noqa: E402
 import trpl_high_learning_rate  # noqa: E402
 
 OUT = HERE / "results" / "trpl_enforcement_optimizer.md"
-VARIANTS = ("shared", "fresh", "scaled", "line_search")
-COLORS = {"shared": "tab:red", "fresh": "tab:blue", "scaled": "tab:green", "line_search": "tab:purple"}
+VARIANTS = ("shared", "fresh", "scaled", "line_search", "line_search_unit")
+COLORS = {"shared": "tab:red", "fresh": "tab:blue", "scaled": "tab:green", "line_search": "tab:purple", "line_search_unit": "tab:orange"}
 
 
 def code_version() -> str:
@@ -96,7 +96,7 @@ def cells(runs: list[dict[str, Any]]) -> list[tuple[str, float]]:
 
 
 #: The comparisons the page states: each variant against the default it would replace
-PAIRS = (("fresh", "shared"), ("scaled", "shared"), ("line_search", "fresh"))
+PAIRS = (("fresh", "shared"), ("scaled", "shared"), ("line_search", "fresh"), ("line_search_unit", "line_search"))
 
 
 def findings(runs: list[dict[str, Any]]) -> list[str]:

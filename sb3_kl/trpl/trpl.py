@@ -616,6 +616,8 @@ class TRPL(KLOnPolicyAlgorithm):
                 direction = nn.utils.parameters_to_vector(
                     [-(th.zeros_like(p) if g is None else g * s) for p, g, s in zip(actor_params, grads, scales, strict=True)]
                 )
+                if self._enforcement_optimizer == "line_search_unit":
+                    direction /= direction.pow(2).mean().sqrt().clamp(min=1e-12)
                 start = nn.utils.parameters_to_vector(actor_params).detach().clone()
             tries += 1
             with th.no_grad():
@@ -653,7 +655,7 @@ class TRPL(KLOnPolicyAlgorithm):
         limit = self.bound_tolerance * self.joint_bound
         distances, params = self._network_distances()
         before = distances.max().item()
-        if self._enforcement_optimizer == "line_search":
+        if self._enforcement_optimizer in ("line_search", "line_search_unit"):
             distances, params, steps = self._line_search_regression(actor_params, distances, params, min_entropy)
         else:
             steps, optimizer = 0, None
