@@ -132,14 +132,15 @@ class TRPL(KLOnPolicyAlgorithm):
         "MultiInputPolicy": MultiInputPolicy,
     }
     has_kl_coef: ClassVar[bool] = False  # a projection, no penalty coefficient
-    #: How the bound enforcement's regression steps are taken: ``"line_search"`` (the default), steps along the
-    #: regression's gradient scaled by the policy Adam's second moments, each step's size found by a search on the
-    #: states' summed excess over the bound (:meth:`_line_search_regression`). Kept to compare
-    #: (``benchmarks/studies/trpl_enforcement_optimizer.py``): ``"fresh"``, an optimizer of the policy optimizer's
-    #: class and hyperparameters with moments of its own, made anew each update; ``"shared"``, the policy's optimizer
-    #: itself; ``"scaled"`` (Adam only, else ``"fresh"``), a copy of the policy's Adam without momentum that keeps its
-    #: second moments.
-    _enforcement_optimizer: ClassVar[str] = "line_search"
+    #: How the bound enforcement's regression steps are taken: ``"line_search_unit"`` (the default), steps along the
+    #: regression's gradient scaled by the policy Adam's second moments and rescaled to unit root mean square, so that a
+    #: step of size ``t`` moves the parameters by ``t`` in RMS, each step's size found by a search on the states' summed
+    #: excess over the bound (:meth:`_line_search_regression`). Kept to compare
+    #: (``benchmarks/studies/trpl_enforcement_optimizer.py``): ``"line_search"``, the same without the rescaling;
+    #: ``"fresh"``, an optimizer of the policy optimizer's class and hyperparameters with moments of its own, made anew
+    #: each update; ``"shared"``, the policy's optimizer itself; ``"scaled"`` (Adam only, else ``"fresh"``), a copy of
+    #: the policy's Adam without momentum that keeps its second moments.
+    _enforcement_optimizer: ClassVar[str] = "line_search_unit"
 
     def __init__(
         self,
@@ -594,8 +595,9 @@ class TRPL(KLOnPolicyAlgorithm):
         self, actor_params: list[nn.Parameter], distances: th.Tensor, params: th.Tensor, min_entropy: float | None
     ) -> tuple[th.Tensor, th.Tensor, int]:
         """
-        The regression steps of ``_enforcement_optimizer = "line_search"``: from the gradient of the regression onto
-        the projection on the states above the bound, scaled by :meth:`_preconditioner`, a step of size ``t`` is
+        The regression steps of ``_enforcement_optimizer = "line_search_unit"`` and ``"line_search"``: from the
+        gradient of the regression onto the projection on the states above the bound, scaled by
+        :meth:`_preconditioner` (and, for ``"line_search_unit"``, rescaled to unit RMS), a step of size ``t`` is
         kept if it lowers the summed excess of the per-state distances over the bound (``t`` then doubles for the
         next step), else undone (``t`` halves). ``t`` starts at the current learning rate each update; every try is a
         pass over the buffer and counts as one of ``max_enforce_steps``.
