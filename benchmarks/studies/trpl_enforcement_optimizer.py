@@ -122,7 +122,7 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
 
 
 #: The commits that changed TRPL's default (``"shared"`` before the first), each with the variant it made the default
-CHANGES = (("dd16564", "fresh"), ("26f9a9e", "line_search"))
+CHANGES = (("dd16564", "fresh"), ("26f9a9e", "line_search"), ("88a1a09", "line_search_unit"))
 #: The grid's variants in the order they were the default
 ERAS = ("shared", *(variant for _, variant in CHANGES))
 
