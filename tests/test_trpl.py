@@ -449,7 +449,7 @@ def test_logged_update_kl_is_the_measured_one(projection):
     assert logs.updates[-1]["train/kl_max"] == float(np.max(per_state))
 
 
-@pytest.mark.parametrize("variant", ["line_search", "line_search_unit", "fresh", "shared", "scaled"])
+@pytest.mark.parametrize("variant", ["line_search_capped", "line_search", "line_search_unit", "fresh", "shared", "scaled"])
 def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant):
     """
     The regression steps of the bound enforcement leave the policy optimizer alone: the line search (the default)
@@ -494,14 +494,14 @@ def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant
         assert sum(max(int(s["step"]) for s in optimizer.state.values()) for optimizer in made) == regression_steps
 
 
-@pytest.mark.parametrize("variant", ["line_search", "line_search_unit"])
+@pytest.mark.parametrize("variant", ["line_search_capped", "line_search", "line_search_unit"])
 @pytest.mark.parametrize("env_id, kwargs", [("CartPole-v1", {}), ("Pendulum-v1", {}), ("Pendulum-v1", dict(use_sde=True))])
 def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id, kwargs, variant):
     """
     The line search's regression (from the network after the epochs of a large-learning-rate update, pushed outside
     the bound) ends with a lower summed excess over the bound than it started from, within ``max_enforce_steps``
-    tries, and the distances it returns are those of the parameters it leaves in the network. With
-    ``line_search_unit`` its first try moves the parameters by the learning rate in root mean square.
+    tries, and the distances it returns are those of the parameters it leaves in the network. Its first try moves the
+    parameters by the learning rate in root mean square with ``line_search_unit``, by at most that with the default.
     """
     monkeypatch.setattr(TRPL, "_enforcement_optimizer", variant)
     model = TRPL("MlpPolicy", env_id, learning_rate=3e-2, max_enforce_steps=0, n_steps=256, seed=0, **kwargs, **TINY)
@@ -531,9 +531,12 @@ def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id,
     new_distances, new_params, tries = model._line_search_regression(actor, distances, params, None)
     model._network_distances = measure
     assert 0 < tries <= 30 and len(tried) == tries
+    first_step_rms = float((tried[0] - start).pow(2).mean().sqrt())
+    lr = model.policy.optimizer.param_groups[0]["lr"]
     if variant == "line_search_unit":
-        first_step_rms = float((tried[0] - start).pow(2).mean().sqrt())
-        assert first_step_rms == pytest.approx(model.policy.optimizer.param_groups[0]["lr"], rel=1e-4)
+        assert first_step_rms == pytest.approx(lr, rel=1e-4)
+    if variant == "line_search_capped":
+        assert first_step_rms <= lr * (1 + 1e-4)
     excess = lambda d: float((d - bound).clamp(min=0).sum())  # noqa: E731
     assert excess(new_distances) < excess(distances)
     measured, measured_params = model._network_distances()

@@ -132,15 +132,16 @@ class TRPL(KLOnPolicyAlgorithm):
         "MultiInputPolicy": MultiInputPolicy,
     }
     has_kl_coef: ClassVar[bool] = False  # a projection, no penalty coefficient
-    #: How the bound enforcement's regression steps are taken: ``"line_search_unit"`` (the default), steps along the
-    #: regression's gradient scaled by the policy Adam's second moments and rescaled to unit root mean square, so that a
-    #: step of size ``t`` moves the parameters by ``t`` in RMS, each step's size found by a search on the states' summed
-    #: excess over the bound (:meth:`_line_search_regression`). Kept to compare
-    #: (``benchmarks/studies/trpl_enforcement_optimizer.py``): ``"line_search"``, the same without the rescaling;
-    #: ``"fresh"``, an optimizer of the policy optimizer's class and hyperparameters with moments of its own, made anew
-    #: each update; ``"shared"``, the policy's optimizer itself; ``"scaled"`` (Adam only, else ``"fresh"``), a copy of
-    #: the policy's Adam without momentum that keeps its second moments.
-    _enforcement_optimizer: ClassVar[str] = "line_search_unit"
+    #: How the bound enforcement's regression steps are taken: ``"line_search_capped"`` (the default), steps along the
+    #: regression's gradient scaled by the policy Adam's second moments, scaled down where their root mean square
+    #: exceeds 1 (a step of size ``t`` then moves the parameters by at most ``t`` in RMS), each step's size found by a
+    #: search on the states' summed excess over the bound (:meth:`_line_search_regression`). Kept to compare
+    #: (``benchmarks/studies/trpl_enforcement_optimizer.py``): ``"line_search"``, without the cap;
+    #: ``"line_search_unit"``, rescaled to RMS 1 always; ``"fresh"``, an optimizer of the policy optimizer's class and
+    #: hyperparameters with moments of its own, made anew each update; ``"shared"``, the policy's optimizer itself;
+    #: ``"scaled"`` (Adam only, else ``"fresh"``), a copy of the policy's Adam without momentum that keeps its second
+    #: moments.
+    _enforcement_optimizer: ClassVar[str] = "line_search_capped"
 
     def __init__(
         self,
@@ -595,9 +596,9 @@ class TRPL(KLOnPolicyAlgorithm):
         self, actor_params: list[nn.Parameter], distances: th.Tensor, params: th.Tensor, min_entropy: float | None
     ) -> tuple[th.Tensor, th.Tensor, int]:
         """
-        The regression steps of ``_enforcement_optimizer = "line_search_unit"`` and ``"line_search"``: from the
-        gradient of the regression onto the projection on the states above the bound, scaled by
-        :meth:`_preconditioner` (and, for ``"line_search_unit"``, rescaled to unit RMS), a step of size ``t`` is
+        The regression steps of ``_enforcement_optimizer = "line_search_capped"`` (and of ``"line_search"`` and
+        ``"line_search_unit"``): from the gradient of the regression onto the projection on the states above the
+        bound, scaled by :meth:`_preconditioner`, its RMS capped at 1 (none; set to 1), a step of size ``t`` is
         kept if it lowers the summed excess of the per-state distances over the bound (``t`` then doubles for the
         next step), else undone (``t`` halves). ``t`` starts at the current learning rate each update; every try is a
         pass over the buffer and counts as one of ``max_enforce_steps``.
@@ -618,8 +619,11 @@ class TRPL(KLOnPolicyAlgorithm):
                 direction = nn.utils.parameters_to_vector(
                     [-(th.zeros_like(p) if g is None else g * s) for p, g, s in zip(actor_params, grads, scales, strict=True)]
                 )
+                rms = direction.pow(2).mean().sqrt()
                 if self._enforcement_optimizer == "line_search_unit":
-                    direction /= direction.pow(2).mean().sqrt().clamp(min=1e-12)
+                    direction /= rms.clamp(min=1e-12)
+                elif self._enforcement_optimizer == "line_search_capped":
+                    direction /= rms.clamp(min=1.0)
                 start = nn.utils.parameters_to_vector(actor_params).detach().clone()
             tries += 1
             with th.no_grad():
@@ -657,7 +661,7 @@ class TRPL(KLOnPolicyAlgorithm):
         limit = self.bound_tolerance * self.joint_bound
         distances, params = self._network_distances()
         before = distances.max().item()
-        if self._enforcement_optimizer in ("line_search", "line_search_unit"):
+        if self._enforcement_optimizer in ("line_search", "line_search_unit", "line_search_capped"):
             distances, params, steps = self._line_search_regression(actor_params, distances, params, min_entropy)
         else:
             steps, optimizer = 0, None
