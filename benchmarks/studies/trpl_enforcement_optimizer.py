@@ -1,7 +1,8 @@
 """
 How TRPL's bound enforcement should take its regression steps: with the policy's own Adam (``"shared"``), an Adam
 with moments of its own made anew each update (``"fresh"``), a copy of the policy's Adam without momentum
-(``"scaled"``), or a line search along the Adam-scaled regression gradient (``"line_search"``, the default). Grid runs
+(``"scaled"``), or a line search along the Adam-scaled regression gradient: as it is (``"line_search"``), rescaled to
+unit RMS (``"line_search_unit"``), or scaled down where its RMS exceeds 1 (``"line_search_capped"``, the default). Grid runs
 (``grid_runs.train_and_evaluate``: the grid's settings and budget) on seeds outside the grid's, with a probe that keeps
 TRPL's ``train/`` figures of every update. Writes ``benchmarks/results/trpl_enforcement_optimizer.{json,md,png}``, each
 run appended to the JSON as it finishes (a stopped study resumes); ``--report`` rewrites the page from the JSON.
@@ -28,8 +29,15 @@ import run_records  # noqa: E402
 import trpl_high_learning_rate  # noqa: E402
 
 OUT = HERE / "results" / "trpl_enforcement_optimizer.md"
-VARIANTS = ("shared", "fresh", "scaled", "line_search", "line_search_unit")
-COLORS = {"shared": "tab:red", "fresh": "tab:blue", "scaled": "tab:green", "line_search": "tab:purple", "line_search_unit": "tab:orange"}
+VARIANTS = ("shared", "fresh", "scaled", "line_search", "line_search_unit", "line_search_capped")
+COLORS = {
+    "shared": "tab:red",
+    "fresh": "tab:blue",
+    "scaled": "tab:green",
+    "line_search": "tab:purple",
+    "line_search_unit": "tab:orange",
+    "line_search_capped": "tab:brown",
+}
 
 
 def code_version() -> str:
@@ -96,7 +104,14 @@ def cells(runs: list[dict[str, Any]]) -> list[tuple[str, float]]:
 
 
 #: The comparisons the page states: each variant against the default it would replace
-PAIRS = (("fresh", "shared"), ("scaled", "shared"), ("line_search", "fresh"), ("line_search_unit", "line_search"))
+PAIRS = (
+    ("fresh", "shared"),
+    ("scaled", "shared"),
+    ("line_search", "fresh"),
+    ("line_search_unit", "line_search"),
+    ("line_search_capped", "line_search"),
+    ("line_search_capped", "fresh"),
+)
 
 
 def findings(runs: list[dict[str, Any]]) -> list[str]:
@@ -122,7 +137,12 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
 
 
 #: The commits that changed TRPL's default (``"shared"`` before the first), each with the variant it made the default
-CHANGES = (("dd16564", "fresh"), ("26f9a9e", "line_search"), ("88a1a09", "line_search_unit"))
+CHANGES = (
+    ("dd16564", "fresh"),
+    ("26f9a9e", "line_search"),
+    ("88a1a09", "line_search_unit"),
+    ("80b3cd1", "line_search_capped"),
+)
 #: The grid's variants in the order they were the default
 ERAS = ("shared", *(variant for _, variant in CHANGES))
 
@@ -149,7 +169,8 @@ def default_at(commit: str) -> str | None:
 def grid_before_and_after(tier: str = "full") -> list[str]:
     """
     The grid's TRPL cells (seeds 0-4) under each default the grid's file holds records of (:data:`ERAS`; it keeps the
-    superseded records): evaluation return per cell, and the newest default against the one before (Welch's test).
+    superseded records): evaluation return per cell, and the newest default against the one before it with runs of the cell
+    (Welch's test).
     """
     from significance import verdict
 
@@ -171,9 +192,9 @@ def grid_before_and_after(tier: str = "full") -> list[str]:
     eras = [era for era in ERAS if any(key[3] == era for key in latest)]
     if len(eras) < 2:
         return []
-    new, old = eras[-1], eras[-2]
+    new = eras[-1]
     lines = [
-        "| task | lr | " + " | ".join(f"{era}" for era in eras) + f" | {new} against {old} |",
+        "| task | lr | " + " | ".join(f"{era}" for era in eras) + f" | {new} against the default before it |",
         "|---|---|" + "---|" * len(eras) + "---|",
     ]
     from grid import cell_order
@@ -184,9 +205,12 @@ def grid_before_and_after(tier: str = "full") -> list[str]:
             v: [r["eval_mean"] for (e, m, _, var), r in sorted(latest.items()) if (e, m, var) == (env_id, lr_mult, v)]
             for v in eras
         }
-        if not evals[new] or not evals[old]:
+        # the default before the newest that has runs of this cell
+        old = next((era for era in reversed(eras[:-1]) if evals[era]), None)
+        if not evals[new] or old is None:
             continue
         text, result = verdict(evals[new], evals[old])
+        text = f"{text} (against {old})"
         shown = " | ".join(
             f"{np.mean(evals[v]):.1f} ± {np.std(evals[v]):.1f} ({len(evals[v])})" if evals[v] else "" for v in eras
         )
@@ -236,10 +260,12 @@ def write_report(record: dict[str, Any]) -> str:
             " the update's states is within 1.05 x the bound (at most 30 steps, then a move back toward the rollout"
             " policy). *shared*: those steps step the policy's Adam, whose moments hold the surrogate's last steps;"
             " *fresh*: they step an Adam of the same hyperparameters with moments of its own, made anew each update;"
-            " *scaled*: a copy of the policy's Adam without momentum that keeps its second moments; *line_search*"
-            " (TRPL's default since this study): steps along the regression's gradient scaled by the policy Adam's"
-            " second moments, each step's size searched (kept and doubled if it lowers the states' summed excess over"
-            " the bound, else undone and halved; every try counts as a step). Runs of the grid's settings and budgets"
+            " *scaled*: a copy of the policy's Adam without momentum that keeps its second moments; *line_search*:"
+            " steps along the regression's gradient scaled by the policy Adam's second moments, each step's size"
+            " searched from the learning rate (kept and doubled if it lowers the states' summed excess over the bound,"
+            " else undone and halved; every try counts as a step); *line_search_unit*: that direction rescaled to RMS 1;"
+            " *line_search_capped* (TRPL's default): scaled down only where its RMS exceeds 1. Runs of the grid's"
+            " settings and budgets"
             " on seeds outside the grid's (0-4); per update, from TRPL's `train/` keys: `enforcement_steps`,"
             " `enforcement_step_fraction` (1: no move back), `distance_max` (after the enforcement), `kl`,"
             " `explained_variance`. Seconds: wall-clock time of a run, two runs side by side on two cores.",
@@ -250,7 +276,8 @@ def write_report(record: dict[str, Any]) -> str:
                     "",
                     "The learning grid's TRPL runs (its seeds, settings and budgets) under each default they were made"
                     " with, from `benchmarks/results/runs/full/records.jsonl`, which keeps the superseded records;"
-                    " mean ± std over seeds (runs, in brackets), and the newest default against the one before it,"
+                    " mean ± std over seeds (runs, in brackets), and the newest default against the latest default"
+                    " before it with runs of the cell,"
                     " with Welch's p-value (p ≥ 0.05: a tie):",
                     "",
                     *grid,
