@@ -565,15 +565,24 @@ class TRPL(KLOnPolicyAlgorithm):
                 }
         return scaled
 
-    def _regression_loss(self, distances: th.Tensor, min_entropy: float | None) -> th.Tensor:
+    def _regression_loss(self, distances: th.Tensor, min_entropy: float | None, toward_rollout: bool = False) -> th.Tensor:
         """
         The regression of the network onto its projection (the trust-region term), averaged over the buffer's states
-        whose distance ``distances`` exceeds the bound: what every regression step of the enforcement descends.
+        whose distance ``distances`` exceeds the bound: what every regression step of the enforcement descends. With
+        ``toward_rollout``, their distance to the rollout policy instead: the summed excess's own gradient.
         """
         outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
         data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
         _, distribution = self._forward_samples(data)
-        return self._project(distribution, data.old_dist_params, min_entropy)["trust_region"].mean()
+        if not toward_rollout:
+            return self._project(distribution, data.old_dist_params, min_entropy)["trust_region"].mean()
+        if self._is_gaussian:
+            mean, std = self._gaussian_parts(distribution)
+            old_mean, old_std = self._old_gaussian(data.old_dist_params)
+            mean_dist, cov_dist = gaussian_distances(mean, std, old_mean, old_std, self.projection)
+            return (mean_dist + cov_dist).mean()
+        logits = self.dist_params.extract(distribution)
+        return self.dist_params.kl_per_dim(logits, data.old_dist_params).sum(dim=-1).mean()
 
     def _preconditioner(self, actor_params: list[nn.Parameter]) -> list[th.Tensor | float]:
         """
@@ -601,7 +610,9 @@ class TRPL(KLOnPolicyAlgorithm):
         bound, scaled by :meth:`_preconditioner`, its RMS capped at 1 (none; set to 1), a step of size ``t`` is
         kept if it lowers the summed excess of the per-state distances over the bound (``t`` then doubles for the
         next step), else undone (``t`` halves). ``t`` starts at the current learning rate each update; every try is a
-        pass over the buffer and counts as one of ``max_enforce_steps``.
+        pass over the buffer and counts as one of ``max_enforce_steps``. The regression's gradient need not lower the
+        excess: after three tries in a row fail, the rest of the update steps along the excess's own gradient (the
+        outside states' distance to the rollout policy), ``t`` back at the learning rate.
 
         :return: the distances and distribution parameters of the acting policy it ends with, and the tries taken
         """
@@ -612,10 +623,14 @@ class TRPL(KLOnPolicyAlgorithm):
         def excess(d: th.Tensor) -> float:
             return (d - self.joint_bound).clamp(min=0).sum().item()
 
-        merit, tries, direction = excess(distances), 0, None
+        merit, tries, direction, failures, toward_rollout = excess(distances), 0, None, 0, False
         while distances.max().item() > limit and tries < self.max_enforce_steps:
+            if failures == 3 and not toward_rollout and self._enforcement_optimizer == "line_search_capped":
+                # stalled: the regression's direction does not lower the excess here
+                direction, toward_rollout, size = None, True, self.policy.optimizer.param_groups[0]["lr"]
             if direction is None:
-                grads = th.autograd.grad(self._regression_loss(distances, min_entropy), actor_params, allow_unused=True)
+                loss = self._regression_loss(distances, min_entropy, toward_rollout)
+                grads = th.autograd.grad(loss, actor_params, allow_unused=True)
                 direction = nn.utils.parameters_to_vector(
                     [-(th.zeros_like(p) if g is None else g * s) for p, g, s in zip(actor_params, grads, scales, strict=True)]
                 )
@@ -632,12 +647,13 @@ class TRPL(KLOnPolicyAlgorithm):
             new_distances, new_params = self._network_distances()
             new_merit = excess(new_distances)
             if np.isfinite(new_merit) and new_merit < merit:
-                distances, params, merit, direction = new_distances, new_params, new_merit, None
+                distances, params, merit, direction, failures = new_distances, new_params, new_merit, None, 0
                 size *= 2.0
             else:
                 with th.no_grad():
                     _copy_flat_to_parameters(start, actor_params)
                 size *= 0.5
+                failures += 1
         return distances, params, tries
 
     def _enforce_bound(
