@@ -494,16 +494,8 @@ def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant
         assert sum(max(int(s["step"]) for s in optimizer.state.values()) for optimizer in made) == regression_steps
 
 
-@pytest.mark.parametrize("variant", ["line_search_capped", "line_search", "line_search_unit"])
-@pytest.mark.parametrize("env_id, kwargs", [("CartPole-v1", {}), ("Pendulum-v1", {}), ("Pendulum-v1", dict(use_sde=True))])
-def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id, kwargs, variant):
-    """
-    The line search's regression (from the network after the epochs of a large-learning-rate update, pushed outside
-    the bound) ends with a lower summed excess over the bound than it started from, within ``max_enforce_steps``
-    tries, and the distances it returns are those of the parameters it leaves in the network. Its first try moves the
-    parameters by the learning rate in root mean square with ``line_search_unit``, by at most that with the default.
-    """
-    monkeypatch.setattr(TRPL, "_enforcement_optimizer", variant)
+def pushed_outside_the_bound(env_id: str, kwargs: dict) -> tuple[TRPL, th.Tensor, th.Tensor]:
+    """A TRPL model after the epochs of a large-learning-rate update, before the enforcement: outside the bound."""
     model = TRPL("MlpPolicy", env_id, learning_rate=3e-2, max_enforce_steps=0, n_steps=256, seed=0, **kwargs, **TINY)
     model.learn(256)  # one update, then collect the next rollout and run the epochs only
     callback = model._init_callback(None)
@@ -515,9 +507,23 @@ def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id,
         log_prob = distribution.log_prob(model._actions_for_log_prob(data.actions))
         model._optimizer_step(-(data.advantages * log_prob).mean())  # the policy gradient, unprojected
     distances, params = model._network_distances()
-    bound = model.joint_bound
-    assert distances.max() > bound  # the test is not vacuous
+    assert distances.max() > model.joint_bound  # the tests are not vacuous
     model.max_enforce_steps = 30
+    return model, distances, params
+
+
+@pytest.mark.parametrize("variant", ["line_search_capped", "line_search", "line_search_unit"])
+@pytest.mark.parametrize("env_id, kwargs", [("CartPole-v1", {}), ("Pendulum-v1", {}), ("Pendulum-v1", dict(use_sde=True))])
+def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id, kwargs, variant):
+    """
+    The line search's regression (from the network after the epochs of a large-learning-rate update, pushed outside
+    the bound) ends with a lower summed excess over the bound than it started from, within ``max_enforce_steps``
+    tries, and the distances it returns are those of the parameters it leaves in the network. Its first try moves the
+    parameters by the learning rate in root mean square with ``line_search_unit``, by at most that with the default.
+    """
+    monkeypatch.setattr(TRPL, "_enforcement_optimizer", variant)
+    model, distances, params = pushed_outside_the_bound(env_id, kwargs)
+    bound = model.joint_bound
     actor = model._actor_parameters()
     start = th.nn.utils.parameters_to_vector(actor).detach().clone()
     tried = []
@@ -541,3 +547,24 @@ def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id,
     assert excess(new_distances) < excess(distances)
     measured, measured_params = model._network_distances()
     assert th.equal(measured, new_distances) and th.equal(measured_params, new_params)
+
+
+@pytest.mark.parametrize("env_id, kwargs", [("CartPole-v1", {}), ("Pendulum-v1", dict(use_sde=True))])
+def test_capped_line_search_leaves_a_direction_that_does_not_lower_the_excess(env_id, kwargs):
+    """
+    Given a regression whose gradient raises the summed excess (its sign flipped), the default line search fails three
+    tries in a row, then steps along the excess's own gradient and ends with a lower excess than it started from.
+    """
+    model, distances, params = pushed_outside_the_bound(env_id, kwargs)
+    regression, asked = model._regression_loss, []
+
+    def flipped(distances, min_entropy, toward_rollout=False):
+        asked.append(toward_rollout)
+        loss = regression(distances, min_entropy, toward_rollout=True)
+        return loss if toward_rollout else -loss
+
+    model._regression_loss = flipped
+    new_distances, _, tries = model._line_search_regression(model._actor_parameters(), distances, params, None)
+    assert asked[0] is False and asked[1] is True and tries > 3
+    excess = lambda d: float((d - model.joint_bound).clamp(min=0).sum())  # noqa: E731
+    assert excess(new_distances) < excess(distances)
