@@ -618,7 +618,8 @@ class TRPL(KLOnPolicyAlgorithm):
         """
         limit = self.bound_tolerance * self.joint_bound
         scales = self._preconditioner(actor_params)
-        size = self.policy.optimizer.param_groups[0]["lr"]
+        first_size = self.policy.optimizer.param_groups[0]["lr"]
+        size = first_size
 
         def excess(d: th.Tensor) -> float:
             return (d - self.joint_bound).clamp(min=0).sum().item()
@@ -627,7 +628,7 @@ class TRPL(KLOnPolicyAlgorithm):
         while distances.max().item() > limit and tries < self.max_enforce_steps:
             if failures == 3 and not toward_rollout and self._enforcement_optimizer == "line_search_capped":
                 # stalled: the regression's direction does not lower the excess here
-                direction, toward_rollout, size = None, True, self.policy.optimizer.param_groups[0]["lr"]
+                direction, toward_rollout, size = None, True, first_size
             if direction is None:
                 loss = self._regression_loss(distances, min_entropy, toward_rollout)
                 grads = th.autograd.grad(loss, actor_params, allow_unused=True)
@@ -661,9 +662,10 @@ class TRPL(KLOnPolicyAlgorithm):
     ) -> dict[str, Any]:
         """
         Bring the acting policy's largest per-state distance to the rollout policy, over the update's states, within
-        ``bound_tolerance * joint_bound``: first up to ``max_enforce_steps`` optimizer steps on the regression of the
-        network onto its projection, on the states above the bound (with moments of their own,
-        :meth:`_make_enforcement_optimizer`); then, if still needed, the actor's parameters
+        ``bound_tolerance * joint_bound``: first up to ``max_enforce_steps`` regression steps of the network onto its
+        projection, on the states above the bound (by default the line search of :meth:`_line_search_regression`;
+        with ``"fresh"``, ``"shared"`` or ``"scaled"``, optimizer steps, :meth:`_make_enforcement_optimizer`); then,
+        if still needed, the actor's parameters
         are moved back toward the rollout policy's, ``theta = theta_old + t (theta - theta_old)``, with the largest
         ``t`` of ``1, 0.8, 0.8^2, ...`` (20 tries, then ``t = 0``: the rollout policy, distance 0) meeting the bound.
 
