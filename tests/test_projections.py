@@ -20,6 +20,7 @@ from sb3_kl.common.projections import (
     PROJECTIONS,
     bernoulli_kl,
     categorical_kl,
+    gaussian_distance_to_fixed,
     gaussian_distances,
     gaussian_entropy_projection,
     project_bernoulli,
@@ -266,6 +267,26 @@ def test_mixed_batch_changes_only_outside_states():
         assert th.equal(new_mean[inside], mean[inside]) and not th.equal(new_mean[~inside], mean[~inside])
         new_part, _ = _independent_distances(new_mean, new_std, old_mean, old_std, projection)
         assert th.allclose(new_part[~inside], th.full_like(new_part[~inside], bound), rtol=1e-6)
+
+
+@pytest.mark.parametrize("per_state", [False, True])
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_distance_to_a_fixed_gaussian_has_autograd_values_and_gradients_bit_for_bit(projection, per_state):
+    # TRPL's trust-region term: the fused KL gradient must be the one autograd computes from gaussian_distances
+    mean, std, fixed_mean, fixed_std = _gaussian_batch(64, 3, 1.0, 1.3, per_state, th.float32)
+    weights = th.rand(64, generator=th.Generator().manual_seed(1))
+    results = []
+    for fused in (True, False):
+        leaf_mean, leaf_std = mean.clone().requires_grad_(), std.clone().requires_grad_()
+        if fused:
+            distance = gaussian_distance_to_fixed(leaf_mean, leaf_std, fixed_mean, fixed_std, projection)
+        else:
+            mean_part, cov_part = gaussian_distances(leaf_mean, leaf_std, fixed_mean, fixed_std, projection)
+            distance = mean_part + cov_part
+        (weights * distance).mean().backward()
+        results.append((distance.detach(), leaf_mean.grad, leaf_std.grad))
+    for fused_value, autograd_value in zip(*results):
+        assert th.equal(fused_value, autograd_value)
 
 
 def test_distance_functions_match_torch_distributions():

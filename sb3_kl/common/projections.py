@@ -121,17 +121,27 @@ def _check_same_shape(new: th.Tensor, old: th.Tensor, name: str) -> None:
         )
 
 
-def _round_toward(values: th.Tensor, old: th.Tensor, dtype: th.dtype) -> th.Tensor:
+class _RoundToward(th.autograd.Function):
     """
     Cast float64 ``values`` to ``dtype``, rounding each entry toward ``old`` (float64, representable in ``dtype``)
     instead of to the nearest, so that no entry ends farther from its old value than before. The gradient is the
-    cast's.
+    cast's (one node, where the cast and its correction would record four).
     """
-    nearest = values.to(dtype)
-    with th.no_grad():
+
+    @staticmethod
+    def forward(ctx, values, old, dtype):  # type: ignore[no-untyped-def,override]
+        nearest = values.to(dtype)
         farther = (nearest.to(th.float64) - old).abs() > (values - old).abs()
-        directed = th.where(farther, th.nextafter(nearest, old.to(dtype)), nearest)
-    return nearest + (directed - nearest.detach())
+        return th.where(farther, th.nextafter(nearest, old.to(dtype)), nearest)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def,override]
+        return grad.to(th.float64), None, None
+
+
+def _round_toward(values: th.Tensor, old: th.Tensor, dtype: th.dtype) -> th.Tensor:
+    """:class:`_RoundToward`: ``values`` (float64) in ``dtype``, each entry rounded toward ``old``."""
+    return _RoundToward.apply(values, old, dtype)
 
 
 def _round_inside(
@@ -330,6 +340,50 @@ def gaussian_distances(
     """
     _check_projection(projection)
     return _mean_distance(mean, old_mean, old_std, projection), _cov_distance(std, old_std, projection)
+
+
+class _KLToFixed(th.autograd.Function):
+    """
+    The KL distance of :func:`gaussian_distances` (mean part plus covariance part) to a Gaussian held fixed, with the
+    gradient autograd computes for it written out, the same operations in the same order (one node where autograd
+    records about fifteen: TRPL's trust-region term, once per minibatch).
+    """
+
+    @staticmethod
+    def forward(ctx, mean, std, fixed_mean, fixed_std):  # type: ignore[no-untyped-def,override]
+        scaled = (mean - fixed_mean) / fixed_std
+        log_ratio = 2.0 * (th.log(std) - th.log(fixed_std))
+        expm1 = th.expm1(log_ratio)
+        cov_part = 0.5 * (expm1 - log_ratio).sum(-1)
+        ctx.save_for_backward(scaled, std, fixed_std, expm1)
+        ctx.cov_shape = cov_part.shape
+        return 0.5 * (scaled**2).sum(-1) + cov_part
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def,override]
+        scaled, std, fixed_std, expm1 = ctx.saved_tensors
+        mean_grad = (grad * 0.5).unsqueeze(-1) * (2.0 * scaled) / fixed_std
+        cov_grad = (grad.sum_to_size(ctx.cov_shape) * 0.5).unsqueeze(-1)
+        log_ratio_grad = cov_grad * (expm1 + 1) + -cov_grad
+        std_grad = (log_ratio_grad * 2.0).sum_to_size(std.shape) / std
+        return mean_grad, std_grad, None, None
+
+
+def gaussian_distance_to_fixed(
+    mean: th.Tensor, std: th.Tensor, fixed_mean: th.Tensor, fixed_std: th.Tensor, projection: str = "kl"
+) -> th.Tensor:
+    """
+    The joint distance (mean part plus covariance part, :func:`gaussian_distances`) from ``(mean, std)`` to a Gaussian
+    held fixed (no gradient), per state: TRPL's trust-region term ``d(pi_net, stopgrad(pi_proj))``. The KL distance
+    takes a fused gradient (:class:`_KLToFixed`, the same values as autograd's).
+
+    :return: ``(batch,)``
+    """
+    fixed_mean, fixed_std = fixed_mean.detach(), fixed_std.detach()
+    if projection == "kl" and mean.shape == fixed_mean.shape:
+        return _KLToFixed.apply(mean, std, fixed_mean, fixed_std)
+    mean_part, cov_part = gaussian_distances(mean, std, fixed_mean, fixed_std, projection)
+    return mean_part + cov_part
 
 
 class _Interpolation(th.autograd.Function):

@@ -23,6 +23,7 @@ from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.projections import (
     PROJECTIONS,
+    gaussian_distance_to_fixed,
     gaussian_distances,
     gaussian_entropy_projection,
     project_bernoulli_with_distances,
@@ -344,8 +345,7 @@ class TRPL(KLOnPolicyAlgorithm):
                 # The projection is the identity: d(pi_net, pi_proj) is 0 with a zero gradient, exactly
                 trust_region = mean.new_zeros(mean.shape[:-1])
             else:
-                mean_dist, cov_dist = gaussian_distances(mean, net_std, proj_mean.detach(), proj_std.detach(), self.projection)
-                trust_region = mean_dist + cov_dist
+                trust_region = gaussian_distance_to_fixed(mean, net_std, proj_mean, proj_std, self.projection)
             # the distances to the rollout policy come from the projection, which measured them (in float64)
             moved = (result.mean_before > self.mean_bound) | (result.cov_before > self.cov_bound)
             after_mean, after_cov = result.mean_after, result.cov_after.expand_as(result.mean_after)
