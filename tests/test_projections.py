@@ -285,7 +285,7 @@ def test_distance_to_a_fixed_gaussian_has_autograd_values_and_gradients_bit_for_
             distance = mean_part + cov_part
         (weights * distance).mean().backward()
         results.append((distance.detach(), leaf_mean.grad, leaf_std.grad))
-    for fused_value, autograd_value in zip(*results):
+    for fused_value, autograd_value in zip(*results, strict=True):
         assert th.equal(fused_value, autograd_value)
 
 
