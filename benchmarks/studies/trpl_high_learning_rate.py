@@ -219,15 +219,18 @@ def main(argv: list[str] | None = None) -> None:
         version = code_version()
         if record is None:
             record = dict(command=command, code_version=version, run_environment=run_records.run_environment(), runs=[])
-        # runs made earlier are kept (each names its commit): the grid's runs they re-make do not change with it
+        # runs made earlier are kept (each names its commit) unless this command asks for them again, when one made by
+        # other code is made again: the grid's run it re-makes changes with the code
         for made in record["runs"]:
             made.setdefault("code_version", record["code_version"])
         record["command"], record["code_version"] = command, version
         for env_id in args.envs:
             for seed in args.seeds:
                 for lr_mult in LR_MULTS:
-                    if any(r["env"] == env_id and r["seed"] == seed and r["lr_mult"] == lr_mult for r in record["runs"]):
+                    same = [r for r in record["runs"] if (r["env"], r["seed"], r["lr_mult"]) == (env_id, seed, lr_mult)]
+                    if any(r["code_version"] == version for r in same):
                         continue
+                    record["runs"] = [r for r in record["runs"] if r not in same]
                     record["runs"].append({**run(env_id, seed, lr_mult), "code_version": version})
                     path.write_text(json.dumps(record, indent=1))
                     print(f"done {env_id} seed {seed} x{lr_mult:g}: eval {record['runs'][-1]['eval_mean']:.1f}", flush=True)
