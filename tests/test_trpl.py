@@ -362,6 +362,22 @@ def test_gaussian_options_refused_for_discrete_actions(kwargs, match):
         model._setup_model()
 
 
+@pytest.mark.parametrize("std_kwargs", [{}, dict(full_std=False, use_expln=True)])
+def test_gsde_forward_builds_sb3s_distribution_with_its_std_differentiable_in_the_features(std_kwargs):
+    # TRPL builds gSDE's Normal once, on the features with their gradient: SB3's values, bit for bit
+    policy_kwargs = dict(TINY["policy_kwargs"], **std_kwargs)
+    model = TRPL("MlpPolicy", "Pendulum-v1", use_sde=True, n_steps=64, **{**TINY, "policy_kwargs": policy_kwargs})
+    obs = th.as_tensor(np.stack([model.observation_space.sample() for _ in range(8)]))
+    stock = model.policy.get_distribution(obs).distribution
+    stock_loc, stock_scale = stock.loc.detach().clone(), stock.scale.detach().clone()
+    _, distribution = model._forward(obs)
+    assert th.equal(distribution.distribution.loc, stock_loc) and th.equal(distribution.distribution.scale, stock_scale)
+    assert distribution.get_actions().shape == (8, 1)  # sampling works on the distribution as SB3 keeps it
+    distribution.distribution.scale.sum().backward()
+    first_layer = model.policy.mlp_extractor.policy_net[0].weight
+    assert first_layer.grad is not None and first_layer.grad.abs().sum() > 0
+
+
 def test_squashed_gsde_refused():
     with pytest.raises(ValueError, match="squash_output"):
         TRPL("MlpPolicy", "Pendulum-v1", use_sde=True, policy_kwargs=dict(squash_output=True), n_steps=64)

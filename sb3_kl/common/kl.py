@@ -154,14 +154,35 @@ def attach_sde_features(distribution: Distribution, latent_sde: th.Tensor, log_s
     """
     if not isinstance(distribution, StateDependentNoiseDistribution) or distribution.learn_features or log_std is None:
         return
-    variance = th.mm(latent_sde**2, distribution.get_std(log_std) ** 2)
     # the same values as the distribution's own Normal, which SB3 has validated already
-    normal = th.distributions.Normal(
-        distribution.distribution.loc, th.sqrt(variance + distribution.epsilon), validate_args=False
-    )
+    normal = _sde_normal(distribution, distribution.distribution.loc, latent_sde, log_std)
     # Keyed by the distribution's current Normal: a policy reuses its distribution object, and the next
     # proba_distribution() call replaces the Normal, which makes this one stale
     setattr(distribution, _KL_NORMAL_ATTRIBUTE, (distribution.distribution, normal))
+
+
+def _sde_normal(
+    distribution: StateDependentNoiseDistribution, mean_actions: th.Tensor, latent_sde: th.Tensor, log_std: th.Tensor
+) -> th.distributions.Normal:
+    """gSDE's Normal as SB3 builds it (``std^2 = latent^2 @ sigma^2 + epsilon``), on the features as given."""
+    variance = th.mm(latent_sde**2, distribution.get_std(log_std) ** 2)
+    return th.distributions.Normal(mean_actions, th.sqrt(variance + distribution.epsilon), validate_args=False)
+
+
+def sde_distribution_with_features(
+    distribution: StateDependentNoiseDistribution, mean_actions: th.Tensor, latent_sde: th.Tensor, log_std: th.Tensor
+) -> StateDependentNoiseDistribution:
+    """
+    ``distribution.proba_distribution(mean_actions, log_std, latent_sde)`` for an algorithm that uses only the
+    feature-differentiable Normal of :func:`attach_sde_features` (TRPL): that Normal is built once and is the
+    distribution's own too, instead of beside a second one on detached features (the same values).
+
+    :return: ``distribution``, its Normal replaced
+    """
+    distribution._latent_sde = latent_sde if distribution.learn_features else latent_sde.detach()
+    distribution.distribution = _sde_normal(distribution, mean_actions, latent_sde, log_std)
+    setattr(distribution, _KL_NORMAL_ATTRIBUTE, (distribution.distribution, distribution.distribution))
+    return distribution
 
 
 def kl_log_prob(distribution: Distribution, actions: th.Tensor, log_prob: th.Tensor) -> th.Tensor:

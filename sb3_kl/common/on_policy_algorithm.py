@@ -971,10 +971,16 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             latent_pi = self.policy.mlp_extractor.forward_actor(pi_features)
             latent_vf = self.policy.mlp_extractor.forward_critic(vf_features)
         values = self.policy.value_net(latent_vf).flatten()
+        return values, self._distribution_from_latent(latent_pi)
+
+    def _distribution_from_latent(self, latent_pi: th.Tensor) -> Distribution:
+        """
+        The policy's action distribution on its actor latent; with gSDE the KL terms of the loss are differentiated
+        through the features its std is built from (:func:`~sb3_kl.common.kl.attach_sde_features`).
+        """
         distribution = self.policy._get_action_dist_from_latent(latent_pi)
-        # gSDE: the KL terms of the loss are differentiated through the features its std is built from
         attach_sde_features(distribution, latent_pi, getattr(self.policy, "log_std", None))
-        return values, distribution
+        return distribution
 
     @staticmethod
     def _sample_masks(data: Any) -> th.Tensor | None:

@@ -18,7 +18,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from sb3_kl.common.host_sync import DeviceLog, without_distribution_validation
-from sb3_kl.common.kl import GaussianParams, MultiCategoricalParams, as_float64, kl_normal, per_state_kl
+from sb3_kl.common.kl import (
+    GaussianParams,
+    MultiCategoricalParams,
+    as_float64,
+    kl_normal,
+    per_state_kl,
+    sde_distribution_with_features,
+)
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
 from sb3_kl.common.projections import (
@@ -302,6 +309,16 @@ class TRPL(KLOnPolicyAlgorithm):
 
     # ----------------------------------------------------------------------------------------------------------
     # The projection
+
+    def _distribution_from_latent(self, latent_pi: th.Tensor) -> Distribution:
+        """
+        As the other algorithms', but with gSDE only the Normal differentiable in the features is built: the
+        projection, the losses and the enforcement use no other.
+        """
+        if not self._per_state_std:
+            return super()._distribution_from_latent(latent_pi)
+        mean_actions = self.policy.action_net(latent_pi)
+        return sde_distribution_with_features(self.policy.action_dist, mean_actions, latent_pi, self.policy.log_std)
 
     def _gaussian_parts(self, distribution: Distribution) -> tuple[th.Tensor, th.Tensor]:
         """
