@@ -7,7 +7,10 @@ bound before the enforcement, how many enforcement steps and how much move-back 
 and the policy's spread. Writes ``benchmarks/results/trpl_high_learning_rate.{json,md,png}``, each run appended to the
 JSON as it finishes (a stopped study resumes); ``--report`` rewrites the page from the JSON.
 
-    python benchmarks/studies/trpl_high_learning_rate.py [--envs Pendulum-v1] [--seeds 0 1]
+    python benchmarks/studies/trpl_high_learning_rate.py [--envs Pendulum-v1] [--seeds 0 1] [--n-epochs 2]
+
+``--n-epochs`` runs the same cells with fewer epochs per update than the zoo entry's (not grid runs): whether the
+loss at x10 comes from the step's size, which the bound holds, or from many epochs of large steps inside it.
     python benchmarks/studies/trpl_high_learning_rate.py --report
 """
 
@@ -48,8 +51,12 @@ def code_version() -> str:
     return run_records.code_version("settings.py", "grid_runs.py", f"studies/{Path(__file__).name}")
 
 
-def run(env_id: str, seed: int, lr_mult: float) -> dict[str, Any]:
-    """One grid run of TRPL with the probe; :return: its eval returns and TRPL's figures of every update"""
+def run(env_id: str, seed: int, lr_mult: float, n_epochs: int | None = None) -> dict[str, Any]:
+    """
+    One grid run of TRPL with the probe (with ``n_epochs``, the same cell with that many epochs per update)
+
+    :return: its eval returns and TRPL's figures of every update
+    """
     from stable_baselines3.common.callbacks import BaseCallback
 
     from grid_runs import train_and_evaluate
@@ -67,9 +74,22 @@ def run(env_id: str, seed: int, lr_mult: float) -> dict[str, Any]:
             if "train/distance_max" in values:
                 updates.append({key: float(values[f"train/{key}"]) for key in KEYS if f"train/{key}" in values})
 
-    spec = dict(algo="trpl", env=env_id, seed=seed, lr_mult=lr_mult, tier="full")
+    overrides = {} if n_epochs is None else {"n_epochs": n_epochs}
+    spec = dict(algo="trpl", env=env_id, seed=seed, lr_mult=lr_mult, tier="full", overrides=overrides)
     record = train_and_evaluate(spec, probes=[Probe()])
-    return dict(env=env_id, seed=seed, lr_mult=lr_mult, eval_mean=record["eval_mean"], updates=updates)
+    return dict(env=env_id, seed=seed, lr_mult=lr_mult, n_epochs=n_epochs, eval_mean=record["eval_mean"], updates=updates)
+
+
+def grid_epochs(env_id: str) -> int:
+    """The epochs per update of TRPL's grid settings on ``env_id`` (PPO's zoo entry, else SB3's default 10)."""
+    from settings import settings_for
+
+    return int(settings_for("trpl", env_id)["kwargs"].get("n_epochs", 10))
+
+
+def variants(runs: list[dict[str, Any]], env_id: str) -> list[int | None]:
+    """The epoch settings run on ``env_id``: None (the grid's) first, then the fewer-epoch variants."""
+    return sorted({r.get("n_epochs") for r in runs if r["env"] == env_id}, key=lambda n: -1 if n is None else n)
 
 
 def bound(env_id: str) -> float:
@@ -83,23 +103,23 @@ def bound(env_id: str) -> float:
 def summary(runs: list[dict[str, Any]]) -> list[str]:
     """The page's table: per task and learning rate, the medians over the updates of every seed."""
     lines = [
-        "| task | lr | runs | eval return | projected states | raw max / bound | enforcement steps | kept step "
+        "| task | lr | epochs | runs | eval return | projected states | raw max / bound | enforcement steps | kept step "
         "| explained variance | action std |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for env_id in sorted({r["env"] for r in runs}):
-        for lr_mult in LR_MULTS:
-            cell = [r for r in runs if r["env"] == env_id and r["lr_mult"] == lr_mult]
-            if not cell:
-                continue
+    cells = [(env, n, m) for env in sorted({r["env"] for r in runs}) for n in variants(runs, env) for m in LR_MULTS]
+    for env_id, n_epochs, lr_mult in cells:
+        cell = [r for r in runs if r["env"] == env_id and r["lr_mult"] == lr_mult and r.get("n_epochs") == n_epochs]
+        if cell:
             ups = [u for r in cell for u in r["updates"]]
 
             def med(key: str, ups: list[dict[str, float]] = ups) -> float:
                 return float(np.median([u[key] for u in ups if key in u]))
 
             raw = float(np.median([u["distance_max_before_enforcement"] for u in ups])) / bound(env_id)
+            epochs = f"{grid_epochs(env_id)} (grid)" if n_epochs is None else str(n_epochs)
             lines.append(
-                f"| {env_id} | x{lr_mult:g} | {len(cell)} | {np.mean([r['eval_mean'] for r in cell]):.1f} | "
+                f"| {env_id} | x{lr_mult:g} | {epochs} | {len(cell)} | {np.mean([r['eval_mean'] for r in cell]):.1f} | "
                 f"{med('projected_fraction'):.1%} | {raw:.1f} | {med('enforcement_steps'):.0f} | "
                 f"{med('enforcement_step_fraction'):.2f} | {med('explained_variance'):.2f} | {med('action_std_mean'):.3f} |"
             )
@@ -110,7 +130,9 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
     """What the figures say, per task, computed from the runs (x10 against x1)."""
     out = []
     for env_id in sorted({r["env"] for r in runs}):
-        cells = {m: [r for r in runs if r["env"] == env_id and r["lr_mult"] == m] for m in LR_MULTS}
+        out.extend(fewer_epochs(runs, env_id))
+        grid_runs = [r for r in runs if r["env"] == env_id and r.get("n_epochs") is None]
+        cells = {m: [r for r in grid_runs if r["lr_mult"] == m] for m in LR_MULTS}
         if not all(cells.values()):
             continue
 
@@ -139,6 +161,25 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def fewer_epochs(runs: list[dict[str, Any]], env_id: str) -> list[str]:
+    """Per fewer-epoch variant on ``env_id``: its return at x1 and x10 beside the grid's, on the seeds both have."""
+    out = []
+    for n_epochs in variants(runs, env_id)[1:]:
+        seeds = sorted({r["seed"] for r in runs if r["env"] == env_id and r.get("n_epochs") == n_epochs})
+
+        def ret(lr_mult: float, epochs: int | None, seeds: list[int] = seeds) -> str:
+            cell = [r for r in runs if (r["env"], r["lr_mult"], r.get("n_epochs")) == (env_id, lr_mult, epochs)]
+            values = [r["eval_mean"] for r in cell if r["seed"] in seeds]
+            return f"{np.mean(values):.1f}" if len(values) == len(seeds) else "not run"
+
+        out.append(
+            f"- {env_id}, {n_epochs} epochs per update instead of {grid_epochs(env_id)} (seeds"
+            f" {', '.join(map(str, seeds))}): eval return {ret(10.0, n_epochs)} at x10 and {ret(1.0, n_epochs)} at x1,"
+            f" against the grid's {ret(10.0, None)} and {ret(1.0, None)}."
+        )
+    return out
+
+
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -153,7 +194,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (key, title) in zip(axes, panels, strict=True):
-        for r in runs:
+        for r in [r for r in runs if r.get("n_epochs") is None]:
             scale = bound(r["env"]) if key.startswith("distance") else 1.0
             values = [u[key] / scale for u in r["updates"]]
             ax.plot(values, color="tab:blue" if r["lr_mult"] == 1.0 else "tab:red", lw=0.8, alpha=0.8)
@@ -185,16 +226,19 @@ def write_report(record: dict[str, Any]) -> str:
             " averaged over the update's minibatches; the largest per-state distance of the network's raw output to the"
             " rollout policy before the enforcement, over the bound; the enforcement's regression steps and the share of"
             " the update's actor step kept by its move-back (1: none needed); the critic's explained variance; the"
-            " action std). Eval return: the grid's evaluation of the same runs, which these re-make bit for bit.",
+            " action std). Eval return: the grid's evaluation of the same runs, which the grid's rows re-make bit for bit;"
+            " rows with other epochs are not grid runs. The figure shows the grid's runs.",
             "",
             *findings(runs),
             "",
             "Written by "
             + ", ".join(
                 f"`python benchmarks/studies/trpl_high_learning_rate.py --envs {env_id} --seeds "
-                + " ".join(str(seed) for seed in sorted({r["seed"] for r in runs if r["env"] == env_id}))
+                + " ".join(map(str, sorted({r["seed"] for r in runs if (r["env"], r.get("n_epochs")) == (env_id, n)})))
+                + ("" if n is None else f" --n-epochs {n}")
                 + "`"
                 for env_id in sorted({r["env"] for r in runs})
+                for n in variants(runs, env_id)
             )
             + "; runs made by sb3-kl"
             f" {', '.join(sorted({r.get('code_version', record['code_version']) for r in runs}))}, from"
@@ -209,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=["Pendulum-v1"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--n-epochs", type=int, default=None, help="epochs per update instead of the zoo entry's")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args(argv)
     path = OUT.with_suffix(".json")
@@ -216,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report:
         seeds = " ".join(map(str, args.seeds))
         command = f"python benchmarks/studies/trpl_high_learning_rate.py --envs {' '.join(args.envs)} --seeds {seeds}"
+        command += "" if args.n_epochs is None else f" --n-epochs {args.n_epochs}"
         version = code_version()
         if record is None:
             record = dict(command=command, code_version=version, run_environment=run_records.run_environment(), runs=[])
@@ -227,13 +273,16 @@ def main(argv: list[str] | None = None) -> None:
         for env_id in args.envs:
             for seed in args.seeds:
                 for lr_mult in LR_MULTS:
-                    same = [r for r in record["runs"] if (r["env"], r["seed"], r["lr_mult"]) == (env_id, seed, lr_mult)]
+                    key = (env_id, seed, lr_mult, args.n_epochs)
+                    same = [r for r in record["runs"] if (r["env"], r["seed"], r["lr_mult"], r.get("n_epochs")) == key]
                     if any(r["code_version"] == version for r in same):
                         continue
                     record["runs"] = [r for r in record["runs"] if r not in same]
-                    record["runs"].append({**run(env_id, seed, lr_mult), "code_version": version})
+                    record["runs"].append({**run(env_id, seed, lr_mult, args.n_epochs), "code_version": version})
                     path.write_text(json.dumps(record, indent=1))
-                    print(f"done {env_id} seed {seed} x{lr_mult:g}: eval {record['runs'][-1]['eval_mean']:.1f}", flush=True)
+                    made = record["runs"][-1]
+                    epochs = grid_epochs(env_id) if args.n_epochs is None else args.n_epochs
+                    print(f"done {env_id} seed {seed} x{lr_mult:g}, {epochs} epochs: eval {made['eval_mean']:.1f}", flush=True)
     if record is None:
         raise SystemExit(f"no {path}: run the study first")
     print(write_report(record))
