@@ -249,6 +249,29 @@ def write_report(record: dict[str, Any]) -> str:
     return text
 
 
+def save_run(path: Path, record: dict[str, Any], made: dict[str, Any]) -> dict[str, Any]:
+    """
+    Write a finished run into the study's JSON, in place of an earlier one of its cell, under an exclusive lock and
+    on the file's current runs: two studies run side by side (other cells) keep each other's runs.
+
+    :return: the record as written
+    """
+    import fcntl
+
+    key = (made["env"], made["seed"], made["lr_mult"], made.get("n_epochs"))
+    with open(path, "a+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        file.seek(0)
+        text = file.read()
+        runs = json.loads(text)["runs"] if text else record["runs"]
+        runs = [r for r in runs if (r["env"], r["seed"], r["lr_mult"], r.get("n_epochs")) != key]
+        record = {**record, "runs": [*runs, made]}
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps(record, indent=1))
+    return record
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=["Pendulum-v1"])
@@ -277,10 +300,8 @@ def main(argv: list[str] | None = None) -> None:
                     same = [r for r in record["runs"] if (r["env"], r["seed"], r["lr_mult"], r.get("n_epochs")) == key]
                     if any(r["code_version"] == version for r in same):
                         continue
-                    record["runs"] = [r for r in record["runs"] if r not in same]
-                    record["runs"].append({**run(env_id, seed, lr_mult, args.n_epochs), "code_version": version})
-                    path.write_text(json.dumps(record, indent=1))
-                    made = record["runs"][-1]
+                    made = {**run(env_id, seed, lr_mult, args.n_epochs), "code_version": version}
+                    record = save_run(path, record, made)
                     epochs = grid_epochs(env_id) if args.n_epochs is None else args.n_epochs
                     print(f"done {env_id} seed {seed} x{lr_mult:g}, {epochs} epochs: eval {made['eval_mean']:.1f}", flush=True)
     if record is None:
