@@ -150,12 +150,17 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
         std = {m: last_std(m) for m in LR_MULTS}
         steps_alike = "alike" if kl[10.0] <= 1.25 * kl[1.0] else "larger at x10"
         critic = "alike" if abs(fit[10.0] - fit[1.0]) <= 0.1 else ("worse at x10" if fit[10.0] < fit[1.0] else "better at x10")
+        kept_text = (
+            f"{kept[10.0]:.2f} of the actor's step at both rates"
+            if round(kept[10.0], 2) == round(kept[1.0], 2)
+            else f"{kept[10.0]:.2f} of the actor's step instead of {kept[1.0]:.2f}"
+        )
         out.append(
             f"- {env_id}: median per-update `train/kl` {kl[1.0]:.4f} at x1, {kl[10.0]:.4f} at x10 ({steps_alike});"
             f" the critic's explained variance {fit[1.0]:.2f} and {fit[10.0]:.2f} ({critic}). The network's raw output"
             f" leaves the bound farther ({raw[10.0]:.1f} against {raw[1.0]:.1f} x the bound); the enforcement takes"
             f" {steps[10.0]:.0f} regression steps per update instead of {steps[1.0]:.0f} (each an Adam step at the"
-            f" run's rate) and keeps {kept[10.0]:.2f} of the actor's step instead of {kept[1.0]:.2f}; the action std"
+            f" run's rate) and keeps {kept_text}; the action std"
             f" ends at {std[10.0]:.2f} against {std[1.0]:.2f} ({'broader' if std[10.0] > std[1.0] else 'narrower'} at x10)."
         )
     return out
