@@ -596,8 +596,7 @@ class TRPL(KLOnPolicyAlgorithm):
         if self._is_gaussian:
             mean, std = self._gaussian_parts(distribution)
             old_mean, old_std = self._old_gaussian(data.old_dist_params)
-            mean_dist, cov_dist = gaussian_distances(mean, std, old_mean, old_std, self.projection)
-            return (mean_dist + cov_dist).mean()
+            return gaussian_distance_to_fixed(mean, std, old_mean, old_std, self.projection).mean()
         logits = self.dist_params.extract(distribution)
         return self.dist_params.kl_per_dim(logits, data.old_dist_params).sum(dim=-1).mean()
 
