@@ -254,6 +254,11 @@ def write_report(record: dict[str, Any]) -> str:
     return text
 
 
+def run_key(made: dict[str, Any]) -> tuple[str, int, float, int | None]:
+    """What identifies a run: task, seed, learning-rate multiple and epochs (None: the grid's)."""
+    return made["env"], made["seed"], made["lr_mult"], made.get("n_epochs")
+
+
 def save_run(path: Path, record: dict[str, Any], made: dict[str, Any]) -> dict[str, Any]:
     """
     Write a finished run into the study's JSON, in place of an earlier one of its cell, under an exclusive lock and
@@ -263,13 +268,12 @@ def save_run(path: Path, record: dict[str, Any], made: dict[str, Any]) -> dict[s
     """
     import fcntl
 
-    key = (made["env"], made["seed"], made["lr_mult"], made.get("n_epochs"))
     with open(path, "a+") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
         file.seek(0)
         text = file.read()
         runs = json.loads(text)["runs"] if text else record["runs"]
-        runs = [r for r in runs if (r["env"], r["seed"], r["lr_mult"], r.get("n_epochs")) != key]
+        runs = [r for r in runs if run_key(r) != run_key(made)]
         record = {**record, "runs": [*runs, made]}
         file.seek(0)
         file.truncate()
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             for seed in args.seeds:
                 for lr_mult in LR_MULTS:
                     key = (env_id, seed, lr_mult, args.n_epochs)
-                    same = [r for r in record["runs"] if (r["env"], r["seed"], r["lr_mult"], r.get("n_epochs")) == key]
+                    same = [r for r in record["runs"] if run_key(r) == key]
                     if any(r["code_version"] == version for r in same):
                         continue
                     made = {**run(env_id, seed, lr_mult, args.n_epochs), "code_version": version}
