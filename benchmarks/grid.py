@@ -19,6 +19,14 @@ STRESS_ENVS = ["Pendulum-v1", "HalfCheetah-v5"]
 STRESS_ALGOS = ["ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo", "trpl"]
 # the goals judge the controller at 10x the zoo learning rate
 STRESS_LR_MULTS = [10.0]
+# The learning-rate sweep (``lr_sweep.py``): multiples of the zoo rate, on three tasks. ``ppo_adaptive_lr`` is stock PPO
+# (its clip kept) with ``KLAdaptiveLRCallback`` at the family's target, the field's practice; ``klppo_auto`` is KLPPO
+# with ``learning_rate="auto_<the multiplied zoo rate>"``
+SWEEP_ENVS = ["Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5"]
+SWEEP_ALGOS = ["ppo", "ppo_adaptive_lr", "klppo", "klppo_auto"]
+SWEEP_LR_MULTS = [0.1, 0.3, 1.0, 3.0, 10.0]
+#: the target of ``ppo_adaptive_lr``'s callback (KLPPO's default for ``Box`` actions)
+ADAPTIVE_LR_TARGET = 0.03
 # Budget (environment steps) per tier: "full" is what the results report; MuJoCo runs below rl-zoo's 1M steps to fit
 # 2 CPU cores; "quick" runs the whole grid in minutes; "tiny" is for the test suite.
 BUDGETS = {

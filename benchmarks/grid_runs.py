@@ -5,13 +5,13 @@ from typing import Any
 
 import numpy as np
 
-from grid import BUDGETS, MATCHED_SEEDS, N_EVAL_EPISODES
+from grid import ADAPTIVE_LR_TARGET, BUDGETS, MATCHED_SEEDS, N_EVAL_EPISODES
 from run_records import code_version, load_records, run_environment, save_record
 
 
 def algorithm_class(algo: str) -> type:
     """:return: the class behind a benchmark name"""
-    if algo in ("ppo", "ppo_target_kl"):
+    if algo in ("ppo", "ppo_target_kl", "ppo_adaptive_lr"):
         from stable_baselines3 import PPO
 
         return PPO
@@ -23,6 +23,7 @@ def algorithm_class(algo: str) -> type:
 
     names = {
         "klppo": "KLPPO",
+        "klppo_auto": "KLPPO",
         "klppo_noclip": "KLPPO",
         "clip_klppo": "ClipKLPPO",
         "kltrpo": "KLTRPO",
@@ -41,6 +42,15 @@ def scale_learning_rate(kwargs: dict[str, Any], lr_mult: float) -> None:
         kwargs["learning_rate"] = LinearSchedule(default.start * lr_mult, default.end * lr_mult, default.end_fraction)
     else:
         kwargs["learning_rate"] = float(default) * lr_mult
+
+
+def auto_learning_rate(kwargs: dict[str, Any]) -> None:
+    """
+    Replace the learning rate in place by ``"auto_<its starting value>"`` (``klppo_auto``): a schedule's start, since
+    the adapted rate follows the KL, not the schedule.
+    """
+    rate = kwargs.get("learning_rate", 3e-4)
+    kwargs["learning_rate"] = f"auto_{rate.start if hasattr(rate, 'start') else float(rate):.6g}"
 
 
 def describe(value: Any) -> Any:
@@ -140,6 +150,8 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
     kwargs = dict(setting["kwargs"])
     if lr_mult != 1.0:
         scale_learning_rate(kwargs, lr_mult)
+    if algo == "klppo_auto":
+        auto_learning_rate(kwargs)
     if algo == "kltrpo_matched":
         kwargs["target_kl"] = matched_target_kl(tier, env_id, lr_mult)
     overrides = spec.get("overrides") or {}
@@ -169,6 +181,10 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
         # normalization shift are the first monitor's)
         reverse = KLMonitorCallback(direction="reverse", quantiles=(0.99,), normalization_shift=False, drift_lag=None)
         callbacks += [monitor, reverse]
+        if algo == "ppo_adaptive_lr":
+            from sb3_kl.callbacks import KLAdaptiveLRCallback
+
+            callbacks.append(KLAdaptiveLRCallback(target_kl=ADAPTIVE_LR_TARGET, monitor=monitor))
     except ImportError:
         pass
 

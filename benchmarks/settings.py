@@ -134,7 +134,7 @@ TRPO_SETTINGS: dict[str, dict[str, Any]] = {
     "Hopper-v5": _TRPO_MUJOCO,
 }
 
-PPO_FAMILY = ("ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo")
+PPO_FAMILY = ("ppo", "ppo_target_kl", "ppo_adaptive_lr", "klppo", "klppo_auto", "klppo_noclip", "clip_klppo")
 TRPO_FAMILY = ("trpo", "kltrpo", "kltrpo_matched")
 # ``klppo`` is the drop-in swap: PPO's zoo entry unchanged, so where the zoo sets ``clip_range`` KLPPO clips *and*
 # penalizes. ``klppo_noclip`` drops these arguments, i.e. KLPPO with its own default of no ratio clipping.
