@@ -10,7 +10,6 @@ at worst at the smallest bound, 1e-6.
 """
 
 import math
-import time
 
 import pytest
 import torch as th
@@ -488,31 +487,6 @@ def test_shapes(batch):
     (shared_mean, shared_std), (mean, std), categorical, bernoulli = _project_all(gaussians, logits, old_logits)
     assert shared_mean.shape == mean.shape == (batch, 6) and shared_std.shape == (6,) and std.shape == (batch, 6)
     assert categorical.shape == bernoulli.shape == (batch, 10)
-
-
-def test_large_batch_speed_against_an_mlp_forward():
-    """
-    The four projections of a 4096-state batch cost at most 150 forward passes of a 64-64 MLP (6 inputs, 12 outputs)
-    on the same batch, both timed here as the best of 5 (measured: 23 to 47, three runs on a shared 2-core machine).
-    """
-    batch = 4096
-    gaussians = [_gaussian_batch(batch, 6, 10.0, 3.0, per_state, th.float32) for per_state in (False, True)]
-    logits, old_logits = _logits_batch(batch, 10, 3.0, th.float32)
-    mlp = th.nn.Sequential(th.nn.Linear(6, 64), th.nn.Tanh(), th.nn.Linear(64, 64), th.nn.Tanh(), th.nn.Linear(64, 12))
-    inputs = gaussians[0][0]
-
-    def best_of_5(run):
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    with th.no_grad():
-        forward = best_of_5(lambda: mlp(inputs))
-        projections = best_of_5(lambda: _project_all(gaussians, logits, old_logits))
-    assert projections / forward < 150
 
 
 def test_state_independent_std_is_projected_once():

@@ -1,14 +1,13 @@
 """
-The update is pinned bit for bit: short KLPPO, ClipKLPPO, MaskableKLPPO and RecurrentKLPPO runs must end with
-exactly the parameters recorded in ``tests/fixtures/update_pins.npz``, which were written by the training loop as it
-stood before its host synchronisations were taken out of the minibatch loop (speed work must not change an update).
-
-The pins hold on the machine kind they were written on (same torch build and CPU capability, one torch thread);
-elsewhere a different kernel choice may round differently, so the check falls back to a relative tolerance of 1e-5.
+The update is pinned: short KLPPO, ClipKLPPO, MaskableKLPPO and RecurrentKLPPO runs must end with the parameters
+recorded in ``tests/fixtures/update_pins.npz`` (written by the training loop as it stood before its host
+synchronisations were taken out of the minibatch loop: speed work must not change an update), to a relative tolerance
+of 1e-5. Not bit for bit: another CPU or torch build may pick other kernels and round differently (measured: 2.6e-7
+relative on one parameter between two machines with the same torch build and CPU capability). Bit-for-bit claims
+compare two runs made in the same process (``tests/test_determinism.py``).
 Rewrite the pins only for a change that is meant to change updates: ``python tests/test_update_pinned.py --write``.
 """
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,11 +38,6 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def environment() -> dict[str, str]:
-    """What decides which kernels (and so which rounding) a CPU run uses."""
-    return {"torch": th.__version__, "cpu_capability": th.backends.cpu.get_cpu_capability()}
-
-
 def short_run(name: str) -> dict[str, np.ndarray]:
     """:return: the policy's parameters after the case's two updates"""
     import sb3_kl
@@ -64,23 +58,17 @@ def short_run(name: str) -> dict[str, np.ndarray]:
 
 def write_pins() -> None:
     th.set_num_threads(1)
-    arrays = {f"{name}/{key}": value for name in CASES for key, value in short_run(name).items()}
-    arrays["environment"] = np.array(json.dumps(environment()))
-    np.savez(PINS, **arrays)
+    np.savez(PINS, **{f"{name}/{key}": value for name in CASES for key, value in short_run(name).items()})
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_update_matches_pinned_parameters(name: str) -> None:
     pins = np.load(PINS)
-    same_machine_kind = json.loads(str(pins["environment"])) == environment()
     params = short_run(name)
     pinned = {key.split("/", 1)[1]: pins[key] for key in pins.files if key.startswith(name + "/")}
     assert pinned.keys() == params.keys()
     for key, value in params.items():
-        if same_machine_kind:
-            np.testing.assert_array_equal(value, pinned[key], err_msg=f"{name}: {key} moved")
-        else:
-            np.testing.assert_allclose(value, pinned[key], rtol=1e-5, atol=1e-7, err_msg=f"{name}: {key} moved")
+        np.testing.assert_allclose(value, pinned[key], rtol=1e-5, atol=1e-7, err_msg=f"{name}: {key} moved")
 
 
 if __name__ == "__main__":
