@@ -5,6 +5,7 @@ from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 
 from sb3_kl.clip_klppo.policies import MlpPolicy
+from sb3_kl.common.learning_rate import DEFAULT_LR_BOUNDS
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.reference import ReferenceSource
 from sb3_kl.klppo.klppo import KLPPO
@@ -35,8 +36,10 @@ class ClipKLPPO(KLPPO):
 
     :param policy: The policy model to use (MlpPolicy, CnnPolicy, ...)
     :param env: The environment to learn from (if registered in Gym, can be str)
-    :param learning_rate: The learning rate, it can be a function
-        of the current progress remaining (from 1 to 0)
+    :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0).
+        ``"auto"`` (or ``"auto_<start>"``, e.g. ``"auto_1e-3"``; ``"auto"`` starts at 3e-4) adapts it from the exact
+        KL so that each update's KL is ``target_kl``: the update's step is scaled onto the target and the next rate
+        follows the scale (docs: "learning_rate='auto'"). The adapted rate is saved with the model
     :param n_steps: The number of steps to run for each environment per update
         (i.e. rollout buffer size is n_steps * n_envs where n_envs is number of environment copies running in parallel)
     :param batch_size: Minibatch size
@@ -103,6 +106,7 @@ class ClipKLPPO(KLPPO):
     :param ref_kl_estimator: ``"analytic"`` (exact, default), ``"k1"`` or ``"k3"`` (from the stored actions, drawn by
         the rollout policy, importance-weighted to it: unbiased in value and gradient, see docs/guide/reference_kl.md)
         With a reference, ``beta_ref * KL_ref`` is added to the loss as in :class:`~sb3_kl.KLPPO`
+    :param lr_bounds: ``(min, max)`` of the learning rate with ``learning_rate="auto"``, default ``(1e-6, 0.1)``
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
     :param tensorboard_log: the log location for tensorboard (if None, no logging)
@@ -119,7 +123,7 @@ class ClipKLPPO(KLPPO):
         self,
         policy: str | type[MlpPolicy],
         env: GymEnv | str,
-        learning_rate: float | Schedule = 3e-4,
+        learning_rate: float | Schedule | str = 3e-4,
         n_steps: int = 2048,
         batch_size: int = 64,
         n_epochs: int = 10,
@@ -160,6 +164,7 @@ class ClipKLPPO(KLPPO):
         ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         ref_kl_direction: str = "reverse",
         ref_kl_estimator: str = "analytic",
+        lr_bounds: tuple[float, float] = DEFAULT_LR_BOUNDS,
         stats_window_size: int = 100,
         tensorboard_log: str | None = None,
         policy_kwargs: dict[str, Any] | None = None,
@@ -215,6 +220,7 @@ class ClipKLPPO(KLPPO):
             ref_kl_coef_bounds=ref_kl_coef_bounds,
             ref_kl_direction=ref_kl_direction,
             ref_kl_estimator=ref_kl_estimator,
+            lr_bounds=lr_bounds,
             stats_window_size=stats_window_size,
             tensorboard_log=tensorboard_log,
             policy_kwargs=policy_kwargs,

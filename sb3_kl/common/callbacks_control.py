@@ -15,6 +15,7 @@ from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import update_learning_rate
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
+from sb3_kl.common.learning_rate import AdaptiveLRSchedule
 from sb3_kl.common.validation import (
     MIN_TARGET_KL,
     as_schedule,
@@ -25,24 +26,6 @@ from sb3_kl.common.validation import (
     target_kl_value,
 )
 from sb3_kl.common.variance import min_log_std_parameter
-
-
-class AdaptiveLRSchedule:
-    """
-    A learning-rate "schedule" returning the value set by :class:`KLAdaptiveLRCallback`, whatever the progress.
-    A class (not a lambda) so that a model saved while the callback is attached can be pickled.
-
-    :param learning_rate: The current learning rate
-    """
-
-    def __init__(self, learning_rate: float):
-        self.learning_rate = float(learning_rate)
-
-    def __call__(self, progress_remaining: float) -> float:
-        return self.learning_rate
-
-    def __repr__(self) -> str:
-        return f"AdaptiveLRSchedule({self.learning_rate:.6g})"
 
 
 class KLAdaptiveLRCallback(MonitorUser):
@@ -104,6 +87,11 @@ class KLAdaptiveLRCallback(MonitorUser):
         return min(max(learning_rate, self.lr_bounds[0]), self.lr_bounds[1])
 
     def _on_training_start(self) -> None:
+        if getattr(self.model, "adapts_learning_rate", False):
+            raise ValueError(
+                f"{type(self).__name__}: {type(self.model).__name__} already adapts its learning rate "
+                f"(learning_rate={self.model.learning_rate!r}); remove the callback, or give the model a number."
+            )
         super()._on_training_start()
         if self.learning_rate is None:
             # SB3 updates the progress remaining only after the first rollout: until then it holds the end of the

@@ -33,6 +33,13 @@ from stable_baselines3.common.vec_env import VecEnv
 from sb3_kl.common.buffers import KLBufferMixin, KLDictRolloutBuffer, KLRolloutBuffer
 from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
+from sb3_kl.common.learning_rate import (
+    DEFAULT_LR_BOUNDS,
+    STEP_SCALE_BAND,
+    AdaptiveLRSchedule,
+    find_step_scale,
+    parse_auto_learning_rate,
+)
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
 from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
@@ -42,6 +49,7 @@ from sb3_kl.common.validation import (  # MIN_TARGET_KL: kept importable from he
     as_schedule,
     check_bool,
     check_int,
+    check_pair,
     check_path,
     check_probability,
     check_quantiles,
@@ -340,6 +348,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
     :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default) or ``"forward"`` = KL(pi_ref || pi)
     :param ref_kl_estimator: ``"analytic"`` (default), ``"k1"`` or ``"k3"``
+    :param lr_bounds: ``(min, max)`` of the adapted learning rate with ``learning_rate="auto"`` (algorithms with
+        :attr:`supports_auto_learning_rate`; see :mod:`sb3_kl.common.learning_rate`)
     """
 
     rollout_buffer: KLRolloutBuffer | KLDictRolloutBuffer  # type: ignore[assignment]
@@ -349,6 +359,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     #: Whether the loss carries a KL penalty whose coefficient beta ``kl_controller`` adapts (``train/kl_coef``);
     #: False for a hard constraint (KLTRPO), whose controller is never used: ``kl/coef`` and the beta-bound alarms skip it
     has_kl_coef: ClassVar[bool] = True
+    #: Whether ``learning_rate="auto"`` is accepted (the KLPPO family: the step it scales is the optimizer's)
+    supports_auto_learning_rate: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -374,11 +386,21 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         ref_kl_direction: str = "reverse",
         ref_kl_estimator: str = "analytic",
+        lr_bounds: tuple[float, float] = DEFAULT_LR_BOUNDS,
         **kwargs: Any,
     ):
+        learning_rate = kwargs.get("learning_rate")
+        auto_start = self._check_auto_learning_rate(learning_rate, lr_bounds)
+        if auto_start is not None:
+            kwargs["learning_rate"] = auto_start  # SB3 builds the optimizer at the starting rate
         check_on_policy_arguments(kwargs)
         register_zoo_envs_if_unknown(kwargs["env"] if "env" in kwargs else args[1] if len(args) > 1 else None)
         super().__init__(*args, **kwargs)
+        if auto_start is not None:
+            self.learning_rate = learning_rate
+        # the rate the next update uses with learning_rate="auto" (saved with the model), None otherwise
+        self.adapted_learning_rate = auto_start
+        self.lr_bounds = check_pair("lr_bounds", lr_bounds)
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
         self.kl_controller = make_kl_controller(
@@ -447,12 +469,48 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self._target_kl_is_schedule = True  # from now on, an assigned target_kl is converted (``__setattr__``)
         if self.min_std is not None and not isinstance(self.dist_params, GaussianParams):
             raise ValueError("`min_std` is set but the policy's action distribution is not Gaussian: pass min_std=None.")
-        # Saved as a JSON list: ``load`` gives back the tuple the constructor stores
+        # Saved as JSON lists: ``load`` gives back the tuples the constructor stores
         self.kl_quantiles = tuple(self.kl_quantiles)
+        self.lr_bounds = tuple(self.lr_bounds)  # type: ignore[assignment]
         # ``Algo.load(path, kl_coef=x)`` puts ``kl_coef`` in ``__dict__`` before calling ``_setup_model``: apply it
         if "kl_coef" in self.__dict__:
             self.kl_coef = self.__dict__.pop("kl_coef")
         self._setup_reference()
+
+    @classmethod
+    def _check_auto_learning_rate(cls, learning_rate: Any, lr_bounds: Any) -> float | None:
+        """
+        :return: the starting rate of ``learning_rate="auto"``/``"auto_<start>"``, None for a number or a schedule
+        :raises ValueError: naming the argument, for a malformed ``"auto..."`` string, an algorithm without it, a
+            ``lr_bounds`` that is no increasing pair of positive numbers, or a start outside ``lr_bounds``
+        """
+        bounds = check_pair("lr_bounds", lr_bounds)
+        start = parse_auto_learning_rate(learning_rate)
+        if start is None:
+            return None
+        if not cls.supports_auto_learning_rate:
+            raise ValueError(
+                f"`learning_rate`={learning_rate!r}: {cls.__name__} does not adapt its learning rate (its step is not the "
+                "optimizer's); give a number or a schedule."
+            )
+        if not bounds[0] <= start <= bounds[1]:
+            raise ValueError(
+                f"`learning_rate`={learning_rate!r} starts outside `lr_bounds`={bounds}: start inside them, or widen them."
+            )
+        return start
+
+    @property
+    def adapts_learning_rate(self) -> bool:
+        """Whether the learning rate is adapted from the KL (``learning_rate="auto"``)."""
+        return isinstance(self.learning_rate, str)
+
+    def _setup_lr_schedule(self) -> None:
+        if not self.adapts_learning_rate:
+            super()._setup_lr_schedule()
+            return
+        if getattr(self, "adapted_learning_rate", None) is None:  # loaded from a model that had a fixed rate
+            self.adapted_learning_rate = parse_auto_learning_rate(self.learning_rate)
+        self.lr_schedule = AdaptiveLRSchedule(self.adapted_learning_rate)  # type: ignore[arg-type]
 
     @property
     def kl_coef(self) -> float:
@@ -492,7 +550,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         # rebuilt from the policy by _setup_model; the reference's weights go to ref_policy.pth (below)
         excluded = ["dist_params", "ref_policy", "ref_dist_params"]
         # flags of set-up and set_parameters, not state
-        flags = ["_reference_awaits_weights", "_reference_in_parameters", "_target_kl_is_schedule"]
+        flags = ["_reference_awaits_weights", "_reference_in_parameters", "_target_kl_is_schedule", "_step_start"]
         return [*super()._excluded_save_params(), *excluded, *flags]
 
     def _get_torch_save_params(self) -> tuple[list[str], list[str]]:
@@ -627,6 +685,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         else:
             model._check_fixed_kl_options(fixed_options)
         model._apply_loaded_reference_options(reference_options)
+        if "learning_rate" in kwargs:  # a rate given to load() replaces the saved adapted one
+            model.adapted_learning_rate = parse_auto_learning_rate(kwargs["learning_rate"])
+            model._setup_lr_schedule()
         if stock:
             model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
         return model
@@ -882,6 +943,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         self.rollout_buffer.check_policy_version(self.policy_version)
         if not self.rollout_buffer.old_distribution_ready:
             self.rollout_buffer.compute_old_distribution(self.policy)
+        # learning_rate="auto": where the update's step starts (the rollout policy's parameters)
+        self._step_start = [p.detach().clone() for p in self.policy.parameters()] if self.adapts_learning_rate else None
 
     def _finish_update(self) -> None:
         """Mark the policy as changed: the buffer just used is now stale."""
@@ -1074,6 +1137,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         return as_schedule(target_kl)
 
     def _update_learning_rate(self, optimizers: list[th.optim.Optimizer] | th.optim.Optimizer) -> None:
+        if self.adapts_learning_rate and isinstance(self.lr_schedule, AdaptiveLRSchedule):
+            self.lr_schedule.learning_rate = self.adapted_learning_rate  # type: ignore[assignment]
         # the schedule's value is checked where it is used (a negative one would ascend the loss)
         scheduled_value("learning_rate", self.lr_schedule, self._current_progress_remaining, allow_zero=True)
         super()._update_learning_rate(optimizers)
@@ -1125,6 +1190,44 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 kls.append(per_state_kl(self.kl_settings, self.dist_params, *inputs))
                 params.append(new_params)
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
+
+    @th.no_grad()
+    def _measure_final_update_kl(
+        self, target_kl: float, measured: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """
+        The update's KL as :meth:`_measure_update_kl` gives it (or ``measured``, already taken on the final policy).
+        With ``learning_rate="auto"``, the update's whole parameter change is first scaled so that its KL lands in
+        the band around ``target_kl`` (:func:`~sb3_kl.common.learning_rate.find_step_scale`, logged as
+        ``train/step_scale``), and the next update's learning rate is this one times the scale, within ``lr_bounds``.
+
+        :return: the per-state KL and the distribution parameters of the policy the update leaves
+        """
+        per_state, new_params = measured or self._measure_update_kl()
+        start, self._step_start = getattr(self, "_step_start", None), None
+        if not self.adapts_learning_rate or start is None:
+            return per_state, new_params
+        params = list(self.policy.parameters())
+        end = [p.detach().clone() for p in params]
+        measurements = {1.0: (per_state, new_params)}
+
+        def move_to(scale: float) -> None:
+            for param, first, last in zip(params, start, end, strict=True):
+                param.copy_(last if scale == 1.0 else th.lerp(first, last, scale))
+            self._apply_variance_floor()
+
+        def kl_at(scale: float) -> float:
+            move_to(scale)
+            measurements[scale] = self._measure_update_kl()
+            return float(np.mean(measurements[scale][0]))
+
+        band = getattr(self.kl_controller, "kl_band", None) or STEP_SCALE_BAND
+        scale, _ = find_step_scale(kl_at, float(np.mean(per_state)), target_kl, band)
+        move_to(scale)
+        low, high = self.lr_bounds
+        self.adapted_learning_rate = min(max(self.adapted_learning_rate * scale, low), high)  # type: ignore[operator]
+        self.logger.record("train/step_scale", scale)
+        return measurements[scale]
 
     def _record_update_kl(
         self,

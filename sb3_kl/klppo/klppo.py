@@ -12,6 +12,7 @@ from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedul
 from stable_baselines3.common.utils import explained_variance
 from torch.nn import functional as F
 
+from sb3_kl.common.learning_rate import DEFAULT_LR_BOUNDS
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.host_sync import DeviceLog, without_distribution_validation
 from sb3_kl.common.kl import per_state_kl_to
@@ -55,8 +56,10 @@ class KLPPO(KLOnPolicyAlgorithm):
 
     :param policy: The policy model to use (MlpPolicy, CnnPolicy, ...)
     :param env: The environment to learn from (if registered in Gym, can be str)
-    :param learning_rate: The learning rate, it can be a function
-        of the current progress remaining (from 1 to 0)
+    :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0).
+        ``"auto"`` (or ``"auto_<start>"``, e.g. ``"auto_1e-3"``; ``"auto"`` starts at 3e-4) adapts it from the exact
+        KL so that each update's KL is ``target_kl``: the update's step is scaled onto the target and the next rate
+        follows the scale (docs: "learning_rate='auto'"). The adapted rate is saved with the model
     :param n_steps: The number of steps to run for each environment per update
         (i.e. rollout buffer size is n_steps * n_envs where n_envs is number of environment copies running in parallel)
     :param batch_size: Minibatch size
@@ -140,6 +143,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         With a reference, ``beta_ref * KL_ref`` (mean over the minibatch's states) is added to the loss, next to
         ``beta * KL``: the update KL limits each step, the reference KL limits the drift accumulated over all
         updates. The reference is evaluated per minibatch under ``no_grad``
+    :param lr_bounds: ``(min, max)`` of the learning rate with ``learning_rate="auto"``, default ``(1e-6, 0.1)``
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
     :param tensorboard_log: the log location for tensorboard (if None, no logging)
@@ -161,6 +165,7 @@ class KLPPO(KLOnPolicyAlgorithm):
     #: taken before that minibatch's step) or ``"epoch_end"`` (the KL of the policy the epoch leaves, over the whole
     #: buffer; kept to compare the rules, see ``_kl_ran_away`` and ``benchmarks/studies/epoch_kl_stop.py``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
+    supports_auto_learning_rate: ClassVar[bool] = True
     #: Action spaces accepted at construction (SB3's check)
     _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
         spaces.Box,
@@ -173,7 +178,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         self,
         policy: str | type[MlpPolicy],
         env: GymEnv | str,
-        learning_rate: float | Schedule = 3e-4,
+        learning_rate: float | Schedule | str = 3e-4,
         n_steps: int = 2048,
         batch_size: int = 64,
         n_epochs: int = 10,
@@ -214,6 +219,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         ref_kl_direction: str = "reverse",
         ref_kl_estimator: str = "analytic",
+        lr_bounds: tuple[float, float] = DEFAULT_LR_BOUNDS,
         stats_window_size: int = 100,
         tensorboard_log: str | None = None,
         policy_kwargs: dict[str, Any] | None = None,
@@ -265,6 +271,7 @@ class KLPPO(KLOnPolicyAlgorithm):
             ref_kl_coef_bounds=ref_kl_coef_bounds,
             ref_kl_direction=ref_kl_direction,
             ref_kl_estimator=ref_kl_estimator,
+            lr_bounds=lr_bounds,
         )
 
         # Checks SB3's PPO does not make; the ones it makes follow, with the same AssertionErrors as PPO
@@ -442,7 +449,7 @@ class KLPPO(KLOnPolicyAlgorithm):
 
         # The early stop's last pass measured the final policy already: reuse it (not after a stop at beta's bound,
         # which may come after steps of an epoch that "epoch_end" judging has not measured)
-        per_state, new_params = (None if stopped_at_bound else self._epoch_end_kl) or self._measure_update_kl()
+        per_state, new_params = self._measure_final_update_kl(target_kl, None if stopped_at_bound else self._epoch_end_kl)
         self._epoch_end_kl = None
         self._finish_update()
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())

@@ -11,6 +11,7 @@ from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.vec_env import VecEnv
 
+from sb3_kl.common.learning_rate import DEFAULT_LR_BOUNDS
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.maskable.buffers import MaskableKLBufferMixin, MaskableKLDictRolloutBuffer, MaskableKLRolloutBuffer
 from sb3_kl.common.reference import ReferenceSource
@@ -74,7 +75,10 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
     :param policy: The policy model to use (MlpPolicy, CnnPolicy, MultiInputPolicy: sb3-contrib's maskable policies)
     :param env: The environment to learn from (if registered in Gym, can be str); it must expose ``action_masks()``
         (e.g. through sb3-contrib's ``ActionMasker``) unless ``learn(use_masking=False)``
-    :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0)
+    :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0).
+        ``"auto"`` (or ``"auto_<start>"``, e.g. ``"auto_1e-3"``; ``"auto"`` starts at 3e-4) adapts it from the exact
+        KL so that each update's KL is ``target_kl``: the update's step is scaled onto the target and the next rate
+        follows the scale (docs: "learning_rate='auto'"). The adapted rate is saved with the model
     :param n_steps: The number of steps to run for each environment per update
     :param batch_size: Minibatch size; None: the whole rollout as one minibatch (as in MaskablePPO)
     :param n_epochs: Number of epoch when optimizing the surrogate loss
@@ -122,6 +126,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
     :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
     :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default) or ``"forward"`` = KL(pi_ref || pi)
     :param ref_kl_estimator: ``"analytic"`` (default), ``"k1"`` or ``"k3"``
+    :param lr_bounds: ``(min, max)`` of the learning rate with ``learning_rate="auto"``, default ``(1e-6, 0.1)``
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
     :param tensorboard_log: the log location for tensorboard (if None, no logging)
@@ -150,7 +155,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
         self,
         policy: str | type[MaskableActorCriticPolicy],
         env: GymEnv | str,
-        learning_rate: float | Schedule = 3e-4,
+        learning_rate: float | Schedule | str = 3e-4,
         n_steps: int = 2048,
         batch_size: int | None = 64,
         n_epochs: int = 10,
@@ -189,6 +194,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
         ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         ref_kl_direction: str = "reverse",
         ref_kl_estimator: str = "analytic",
+        lr_bounds: tuple[float, float] = DEFAULT_LR_BOUNDS,
         stats_window_size: int = 100,
         tensorboard_log: str | None = None,
         policy_kwargs: dict[str, Any] | None = None,
@@ -245,6 +251,7 @@ class MaskableKLPPO(KLPPO, _MaskableOnPolicy):
             ref_kl_coef_bounds=ref_kl_coef_bounds,
             ref_kl_direction=ref_kl_direction,
             ref_kl_estimator=ref_kl_estimator,
+            lr_bounds=lr_bounds,
             stats_window_size=stats_window_size,
             tensorboard_log=tensorboard_log,
             policy_kwargs=policy_kwargs,

@@ -14,6 +14,7 @@ from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedul
 from stable_baselines3.common.utils import explained_variance
 from stable_baselines3.common.vec_env import VecEnv
 
+from sb3_kl.common.learning_rate import DEFAULT_LR_BOUNDS
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.host_sync import DeviceLog, without_distribution_validation
 from sb3_kl.common.kl import as_float64, attach_sde_features, per_state_kl
@@ -70,7 +71,10 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
 
     :param policy: The policy model to use (MlpLstmPolicy, CnnLstmPolicy, MultiInputLstmPolicy)
     :param env: The environment to learn from (if registered in Gym, can be str)
-    :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0)
+    :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0).
+        ``"auto"`` (or ``"auto_<start>"``, e.g. ``"auto_1e-3"``; ``"auto"`` starts at 3e-4) adapts it from the exact
+        KL so that each update's KL is ``target_kl``: the update's step is scaled onto the target and the next rate
+        follows the scale (docs: "learning_rate='auto'"). The adapted rate is saved with the model
     :param n_steps: The number of steps to run for each environment per update
         (i.e. batch size is n_steps * n_env where n_env is number of environment copies running in parallel)
     :param batch_size: Minibatch size (None: the whole buffer)
@@ -124,6 +128,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     :param ref_kl_coef_bounds: Bounds (min, max) of beta_ref
     :param ref_kl_direction: ``"reverse"`` = KL(pi || pi_ref) (default) or ``"forward"`` = KL(pi_ref || pi)
     :param ref_kl_estimator: ``"analytic"`` (default), ``"k1"`` or ``"k3"``
+    :param lr_bounds: ``(min, max)`` of the learning rate with ``learning_rate="auto"``, default ``(1e-6, 0.1)``
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
     :param tensorboard_log: the log location for tensorboard (if None, no logging)
@@ -158,12 +163,13 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
     _stops_at_bound = KLPPO._stops_at_bound
     #: The early stop judges KLPPO's documented rule: the mean of the epoch's minibatch KLs (see ``KLPPO._kl_ran_away``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
+    supports_auto_learning_rate: ClassVar[bool] = True
 
     def __init__(
         self,
         policy: str | type[RecurrentActorCriticPolicy],
         env: GymEnv | str,
-        learning_rate: float | Schedule = 3e-4,
+        learning_rate: float | Schedule | str = 3e-4,
         n_steps: int = 128,
         batch_size: int | None = 128,
         n_epochs: int = 10,
@@ -202,6 +208,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
         ref_kl_coef_bounds: tuple[float, float] = (1e-4, 10.0),
         ref_kl_direction: str = "reverse",
         ref_kl_estimator: str = "analytic",
+        lr_bounds: tuple[float, float] = DEFAULT_LR_BOUNDS,
         stats_window_size: int = 100,
         tensorboard_log: str | None = None,
         policy_kwargs: dict[str, Any] | None = None,
@@ -255,6 +262,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
             ref_kl_coef_bounds=ref_kl_coef_bounds,
             ref_kl_direction=ref_kl_direction,
             ref_kl_estimator=ref_kl_estimator,
+            lr_bounds=lr_bounds,
         )
         # The checks KLPPO makes (RecurrentPPO makes none of them)
         check_int("n_steps", n_steps, 1)  # RecurrentPPO takes 0 and fails in its first rollout, naming nothing
@@ -589,7 +597,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
 
         self._count_nonfinite_steps(applied_steps, minibatch_steps)
 
-        per_state, new_params = self._measure_update_kl()
+        per_state, new_params = self._measure_final_update_kl(target_kl)
         self._finish_update()
         explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
 

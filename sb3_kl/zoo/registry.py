@@ -158,16 +158,19 @@ def parse_linear_schedule(key: str, value: str) -> LinearSchedule:
     return LinearSchedule(start=start, end=end, end_fraction=1.0)
 
 
-def schedule_value(key: str, value: str) -> float | LinearSchedule | None:
+def schedule_value(key: str, value: str) -> float | LinearSchedule | str | None:
     """
     :param key: Name of the hyperparameter, used in error messages
     :param value: A string of a zoo config for one of :data:`SCHEDULE_KEYS`
     :return: None for ``"None"`` (Python's spelling, which YAML reads as a string: its null is ``null`` or ``~``; a
         zoo config's ``clip_range: None``), the number for a number YAML read as a string (``2e-2``: YAML 1.1 needs a
-        dot, ``2.0e-2``), else the schedule of :func:`parse_linear_schedule`
+        dot, ``2.0e-2``), ``learning_rate``'s ``"auto"``/``"auto_<start>"`` as it is (the algorithm reads it), else
+        the schedule of :func:`parse_linear_schedule`
     """
     if value.strip() == "None":
         return None
+    if key == "learning_rate" and value.startswith("auto"):
+        return value
     try:
         return float(value)
     except ValueError:

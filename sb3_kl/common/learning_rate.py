@@ -1,0 +1,121 @@
+"""
+``learning_rate="auto"``: the learning rate adapted from the exact KL so that each update's KL is the target, from
+below as well as from above.
+
+After the update's epochs, the whole parameter change ``delta`` of the update is scaled by a factor ``alpha`` found
+on the exact KL over the rollout's states (:func:`find_step_scale`): ``theta_old + alpha * delta`` lands the KL in
+the band around the target, shrinking a step that went too far (``alpha < 1``) and extending one that fell short
+(``alpha > 1``, at most :data:`MAX_STEP_SCALE`). The next update's learning rate is the last one times ``alpha``, so
+the rate itself converges to the one whose update meets the target, and ``alpha`` to 1.
+"""
+
+import math
+from collections.abc import Callable
+
+#: ``learning_rate="auto"`` starts at SB3 PPO's default rate
+DEFAULT_AUTO_LEARNING_RATE = 3e-4
+#: The default ``lr_bounds``: wide, since the step scale, not the bounds, holds each update's KL
+DEFAULT_LR_BOUNDS = (1e-6, 0.1)
+#: The largest factor an update's step is extended by (a rate far too small then grows by this factor per update)
+MAX_STEP_SCALE = 4.0
+#: The smallest factor a step is shrunk to (a step whose KL stays above the band even there is kept at this scale)
+MIN_STEP_SCALE = 1.0 / 1024
+#: Where the step scale lands the KL, as multiples of the target, when the KL controller has no band of its own (the
+#: adaptive controller's band, where beta holds, is used when it has one)
+STEP_SCALE_BAND = (0.8, 1.25)
+#: KL evaluations the search may spend beyond the update's own measurement
+MAX_SCALE_EVALUATIONS = 6
+
+
+class AdaptiveLRSchedule:
+    """
+    A learning-rate "schedule" returning the value set by the adaptation (``learning_rate="auto"`` or
+    :class:`~sb3_kl.callbacks.KLAdaptiveLRCallback`), whatever the progress.
+    A class (not a lambda) so that a model saved with it can be pickled.
+
+    :param learning_rate: The current learning rate
+    """
+
+    def __init__(self, learning_rate: float):
+        self.learning_rate = float(learning_rate)
+
+    def __call__(self, progress_remaining: float) -> float:
+        return self.learning_rate
+
+    def __repr__(self) -> str:
+        return f"AdaptiveLRSchedule({self.learning_rate:.6g})"
+
+
+def parse_auto_learning_rate(value: object) -> float | None:
+    """
+    :param value: A ``learning_rate`` as given to an algorithm
+    :return: the starting rate of ``"auto"`` (:data:`DEFAULT_AUTO_LEARNING_RATE`) or ``"auto_<start>"``; None for a
+        number or a schedule
+    :raises ValueError: for any other string, or a start that is not a positive finite number
+    """
+    if not isinstance(value, str):
+        return None
+    hint = 'Use "auto" (adapted from the KL, starting at 3e-4), "auto_<start>" such as "auto_1e-3", a number or a schedule.'
+    if value == "auto":
+        return DEFAULT_AUTO_LEARNING_RATE
+    prefix, sep, text = value.partition("_")
+    try:
+        start = float(text) if prefix == "auto" and sep else float("nan")
+    except ValueError:
+        start = float("nan")
+    if not (math.isfinite(start) and start > 0):
+        raise ValueError(f"`learning_rate`={value!r} is not a learning rate. {hint}")
+    return start
+
+
+def find_step_scale(
+    kl_at: Callable[[float], float],
+    kl_full: float,
+    target: float,
+    band: tuple[float, float],
+    max_scale: float = MAX_STEP_SCALE,
+    max_evaluations: int = MAX_SCALE_EVALUATIONS,
+) -> tuple[float, float]:
+    """
+    The factor ``alpha`` that brings the update's KL into ``[band[0], band[1]] * target``.
+
+    The KL of a step scaled by ``alpha`` grows as ``alpha ** p`` near the old policy (``p = 2``: the KL is quadratic
+    in a small change), so each guess is ``alpha * (target / KL) ** (1 / p)``, with ``p`` re-estimated from the last
+    two evaluations (kept in ``[1, 4]``); a non-finite KL halves the scale. The search stops in the band, at
+    ``max_scale`` with the KL still below it, or after ``max_evaluations``; it returns the evaluated scale whose KL is
+    closest to the target (on a log scale).
+
+    :param kl_at: The KL of the step scaled by a factor (sets the policy's parameters to that point and measures)
+    :param kl_full: The KL of the whole step (``alpha = 1``), already measured
+    :param target: The target KL (> 0)
+    :param band: ``(low, high)`` multiples of the target that are accepted
+    :param max_scale: The largest factor tried
+    :param max_evaluations: The most calls of ``kl_at``
+    :return: ``(alpha, kl)``: the chosen factor and its KL (the policy's parameters are left at the last evaluated
+        point, which the caller resets when it differs from the chosen one)
+    """
+    low, high = band[0] * target, band[1] * target
+
+    def distance(kl: float) -> float:
+        return abs(math.log(kl / target)) if math.isfinite(kl) and kl > 0 else math.inf
+
+    points = [(1.0, kl_full)]
+    power = 2.0
+    for _ in range(max_evaluations):
+        alpha, kl = points[-1]
+        if math.isfinite(kl) and low <= kl <= high:
+            break
+        if not math.isfinite(kl):
+            guess = alpha / 2
+        elif kl <= 0:
+            guess = max_scale
+        else:
+            guess = alpha * (target / kl) ** (1.0 / power)
+        guess = min(max(guess, MIN_STEP_SCALE), max_scale)
+        if guess == alpha:  # at a limit of the scale: nothing left to try
+            break
+        points.append((guess, float(kl_at(guess))))
+        (a0, k0), (a1, k1) = points[-2], points[-1]
+        if all(math.isfinite(k) and k > 0 for k in (k0, k1)) and k0 != k1:
+            power = min(max(math.log(k1 / k0) / math.log(a1 / a0), 1.0), 4.0)
+    return min(points, key=lambda point: distance(point[1]))
