@@ -6,7 +6,8 @@ After the update's epochs, the whole parameter change ``delta`` of the update is
 on the exact KL over the rollout's states (:func:`find_step_scale`): ``theta_old + alpha * delta`` lands the KL in
 the band around the target, shrinking a step that went too far (``alpha < 1``) and extending one that fell short
 (``alpha > 1``, at most :data:`MAX_STEP_SCALE`). The next update's learning rate is the last one times ``alpha``, so
-the rate itself converges to the one whose update meets the target, and ``alpha`` to 1.
+the rate itself converges to the one whose update meets the target, and ``alpha`` to 1. Where the scale could not
+reach the target (at :data:`MAX_STEP_SCALE`), the rate moves by the factor that would have (:func:`rate_factor`).
 """
 
 import math
@@ -18,6 +19,8 @@ DEFAULT_AUTO_LEARNING_RATE = 3e-4
 DEFAULT_LR_BOUNDS = (1e-6, 0.1)
 #: The largest factor an update's step is extended by (a rate far too small then grows by this factor per update)
 MAX_STEP_SCALE = 4.0
+#: The largest factor the rate grows by in one update (a rate far too small)
+MAX_RATE_FACTOR = 16.0
 #: The smallest factor a step is shrunk to (a step whose KL stays above the band even there is kept at this scale)
 MIN_STEP_SCALE = 1.0 / 1024
 #: Where the step scale lands the KL, as multiples of the target, when the KL controller has no band of its own (the
@@ -79,11 +82,11 @@ def find_step_scale(
     """
     The factor ``alpha`` that brings the update's KL into ``[band[0], band[1]] * target``.
 
-    The KL of a step scaled by ``alpha`` grows as ``alpha ** p`` near the old policy (``p = 2``: the KL is quadratic
-    in a small change), so each guess is ``alpha * (target / KL) ** (1 / p)``, with ``p`` re-estimated from the last
-    two evaluations (kept in ``[1, 4]``); a non-finite KL halves the scale. The search stops in the band, at
-    ``max_scale`` with the KL still below it, or after ``max_evaluations``; it returns the evaluated scale whose KL is
-    closest to the target (on a log scale).
+    Until the target is bracketed, each guess assumes the KL quadratic in the step (``alpha * sqrt(target / KL)``; a
+    non-finite KL halves the scale); once a scale below and one above the band are known, the guess interpolates
+    between them on log-log axes, kept inside the bracket (far along a long step the KL is far from quadratic). The
+    search stops in the band, at ``max_scale`` with the KL still below it, or after ``max_evaluations``, and returns the
+    evaluated scale whose KL is closest to the target on a log scale.
 
     :param kl_at: The KL of the step scaled by a factor (sets the policy's parameters to that point and measures)
     :param kl_full: The KL of the whole step (``alpha = 1``), already measured
@@ -92,30 +95,68 @@ def find_step_scale(
     :param max_scale: The largest factor tried
     :param max_evaluations: The most calls of ``kl_at``
     :return: ``(alpha, kl)``: the chosen factor and its KL (the policy's parameters are left at the last evaluated
-        point, which the caller resets when it differs from the chosen one)
+        point, which the caller resets to the chosen one)
     """
     low, high = band[0] * target, band[1] * target
-
-    def distance(kl: float) -> float:
-        return abs(math.log(kl / target)) if math.isfinite(kl) and kl > 0 else math.inf
-
     points = [(1.0, kl_full)]
-    power = 2.0
-    for _ in range(max_evaluations):
+    below: tuple[float, float] | None = None  # the largest scale known to fall short of the band
+    above: tuple[float, float] | None = None  # the smallest scale known to overshoot it (or to overflow)
+    for _ in range(max_evaluations + 1):
         alpha, kl = points[-1]
-        if math.isfinite(kl) and low <= kl <= high:
+        finite = math.isfinite(kl)
+        if finite and low <= kl <= high:
             break
-        if not math.isfinite(kl):
-            guess = alpha / 2
-        elif kl <= 0:
-            guess = max_scale
+        if finite and kl < low:
+            below = (alpha, kl) if below is None or alpha > below[0] else below
         else:
-            guess = alpha * (target / kl) ** (1.0 / power)
-        guess = min(max(guess, MIN_STEP_SCALE), max_scale)
-        if guess == alpha:  # at a limit of the scale: nothing left to try
+            above = (alpha, kl) if above is None or alpha < above[0] else above
+        if len(points) > max_evaluations:
+            break
+        if below is not None and above is not None:
+            guess = _between(below, above, target)
+        elif below is not None:
+            guess = min(below[0] * math.sqrt(target / below[1]) if below[1] > 0 else max_scale, max_scale)
+        else:
+            assert above is not None
+            guess = above[0] * math.sqrt(target / above[1]) if math.isfinite(above[1]) else above[0] / 2
+            guess = max(guess, MIN_STEP_SCALE)
+        if any(guess == a for a, _ in points):  # at a limit of the scale: nothing left to try
             break
         points.append((guess, float(kl_at(guess))))
-        (a0, k0), (a1, k1) = points[-2], points[-1]
-        if all(math.isfinite(k) and k > 0 for k in (k0, k1)) and k0 != k1:
-            power = min(max(math.log(k1 / k0) / math.log(a1 / a0), 1.0), 4.0)
-    return min(points, key=lambda point: distance(point[1]))
+
+    def distance(point: tuple[float, float]) -> float:
+        return abs(math.log(point[1] / target)) if math.isfinite(point[1]) and point[1] > 0 else math.inf
+
+    return min(points, key=distance)
+
+
+def _between(below: tuple[float, float], above: tuple[float, float], target: float) -> float:
+    """
+    A scale between ``below`` and ``above`` (each ``(alpha, kl)``): where the line through them on log-log axes
+    meets ``target``, kept off the ends (at least a fifth of the log-interval away), else their geometric mean.
+    """
+    (a0, k0), (a1, k1) = below, above
+    l0, l1 = math.log(a0), math.log(a1)
+    middle = math.exp((l0 + l1) / 2)
+    if not (math.isfinite(k1) and k0 > 0 and k1 > k0):
+        return middle
+    fraction = (math.log(target) - math.log(k0)) / (math.log(k1) - math.log(k0))
+    return math.exp(l0 + min(max(fraction, 0.2), 0.8) * (l1 - l0))
+
+
+def rate_factor(scale: float, kl: float, target: float, band: tuple[float, float]) -> float:
+    """
+    The factor the next update's learning rate is multiplied by: the one that would have met ``target`` exactly,
+    ``scale * sqrt(target / kl)`` (the KL is quadratic in a small step), within ``[MIN_STEP_SCALE, MAX_RATE_FACTOR]``;
+    its square root when the kept KL is in the band, so that the rate does not follow the KL's noise from one rollout
+    to the next in full.
+
+    :param scale: The step scale the update kept
+    :param kl: The KL at that scale
+    :param target: The target KL
+    :param band: The band of :func:`find_step_scale`
+    """
+    if not (math.isfinite(kl) and kl > 0):
+        return MIN_STEP_SCALE if not math.isfinite(kl) else MAX_RATE_FACTOR
+    factor = min(max(scale * math.sqrt(target / kl), MIN_STEP_SCALE), MAX_RATE_FACTOR)
+    return math.sqrt(factor) if band[0] * target <= kl <= band[1] * target else factor

@@ -39,6 +39,7 @@ from sb3_kl.common.learning_rate import (
     AdaptiveLRSchedule,
     find_step_scale,
     parse_auto_learning_rate,
+    rate_factor,
 )
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
@@ -1199,7 +1200,8 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         The update's KL as :meth:`_measure_update_kl` gives it (or ``measured``, already taken on the final policy).
         With ``learning_rate="auto"``, the update's whole parameter change is first scaled so that its KL lands in
         the band around ``target_kl`` (:func:`~sb3_kl.common.learning_rate.find_step_scale`, logged as
-        ``train/step_scale``), and the next update's learning rate is this one times the scale, within ``lr_bounds``.
+        ``train/step_scale``), and the next update's learning rate is this one times the factor that would have met
+        the target (:func:`~sb3_kl.common.learning_rate.rate_factor`), within ``lr_bounds``.
 
         :return: the per-state KL and the distribution parameters of the policy the update leaves
         """
@@ -1222,10 +1224,11 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             return float(np.mean(measurements[scale][0]))
 
         band = getattr(self.kl_controller, "kl_band", None) or STEP_SCALE_BAND
-        scale, _ = find_step_scale(kl_at, float(np.mean(per_state)), target_kl, band)
+        scale, kl = find_step_scale(kl_at, float(np.mean(per_state)), target_kl, band)
         move_to(scale)
         low, high = self.lr_bounds
-        self.adapted_learning_rate = min(max(self.adapted_learning_rate * scale, low), high)  # type: ignore[operator]
+        rate = self.adapted_learning_rate * rate_factor(scale, kl, target_kl, band)  # type: ignore[operator]
+        self.adapted_learning_rate = min(max(rate, low), high)
         self.logger.record("train/step_scale", scale)
         return measurements[scale]
 

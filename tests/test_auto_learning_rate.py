@@ -1,0 +1,274 @@
+"""
+``learning_rate="auto"``: the KL of each update meets its target from a rate far too small and from one far too large
+(measured by an independent probe: ``torch.distributions`` in float64 on copies of the policy before and after each
+update), for KLPPO, ClipKLPPO, MaskableKLPPO and RecurrentKLPPO; the adapted rate is logged, saved and resumed; bad
+values fail early; the step scale's search.
+"""
+
+import copy
+import math
+import os
+
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib.common.envs import InvalidActionEnvDiscrete
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from test_ppo_mask import masked_torch_distributions
+from test_recurrent_klppo import IndependentUpdateKL
+from torch.distributions import Categorical, Normal, kl_divergence
+
+from sb3_kl import TRPL, ClipKLPPO, KLPPO, KLTRPO, MaskableKLPPO, RecurrentKLPPO
+from sb3_kl.callbacks import KLAdaptiveLRCallback
+from sb3_kl.common.learning_rate import MAX_STEP_SCALE, find_step_scale, parse_auto_learning_rate, rate_factor
+from sb3_kl.zoo.registry import preprocess_schedules
+
+os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
+
+FOUR = [KLPPO, ClipKLPPO, MaskableKLPPO, RecurrentKLPPO]
+
+
+def _env(algo: type, n_envs: int = 2):
+    if algo is MaskableKLPPO:
+        return make_vec_env(lambda: InvalidActionEnvDiscrete(dim=8, n_invalid_actions=4), n_envs=n_envs, seed=0)
+    return make_vec_env("CartPole-v1", n_envs=n_envs, seed=0)
+
+
+def _model(algo: type, learning_rate, **kwargs):
+    policy = "MlpLstmPolicy" if algo is RecurrentKLPPO else "MlpPolicy"
+    policy_kwargs = dict(net_arch=[32], lstm_hidden_size=16) if algo is RecurrentKLPPO else dict(net_arch=[32])
+    settings = dict(n_steps=128, batch_size=64, n_epochs=4, policy_kwargs=policy_kwargs, seed=0, device="cpu")
+    return algo(policy, _env(algo), learning_rate=learning_rate, **{**settings, **kwargs})
+
+
+def _torch_distribution(policy, obs: th.Tensor):
+    """The policy's action distribution as a float64 ``torch.distributions`` object (eval mode)."""
+    policy.set_training_mode(False)
+    with th.no_grad():
+        inner = policy.get_distribution(obs).distribution
+    if isinstance(inner, Normal):
+        return Normal(inner.loc.double(), inner.scale.double())
+    return Categorical(logits=inner.logits.double())
+
+
+class FeedForwardUpdateKL(BaseCallback):
+    """Copies of the policy before and after each update; their exact KL(old||new) on the rollout's states, in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.results: list[np.ndarray] = []
+        self._pending = None
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        buffer = self.model.rollout_buffer
+        masks = getattr(buffer, "action_masks", None)
+        obs = th.as_tensor(buffer.observations.reshape(-1, *self.model.observation_space.shape))
+        self._pending = (copy.deepcopy(self.model.policy), obs, None if masks is None else masks.reshape(len(obs), -1).copy())
+
+    def _measure(self) -> None:
+        if self._pending is None:
+            return
+        old, obs, masks = self._pending
+        self._pending = None
+        if masks is not None:
+            n = [int(self.model.action_space.n)]
+            kl = sum(
+                kl_divergence(p, q)
+                for p, q in zip(
+                    masked_torch_distributions(old, obs, masks, n),
+                    masked_torch_distributions(self.model.policy, obs, masks, n),
+                    strict=True,
+                )
+            )
+        else:
+            kl = kl_divergence(_torch_distribution(old, obs), _torch_distribution(self.model.policy, obs))
+            kl = kl.sum(dim=-1) if kl.ndim == 2 else kl
+        self.results.append(kl.numpy())
+
+    def _on_rollout_start(self) -> None:
+        self._measure()
+
+    def _on_training_end(self) -> None:
+        self._measure()
+
+
+class Logged(BaseCallback):
+    """Each update's logged values, read at the next rollout start."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: list[dict] = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _read(self) -> None:
+        values = self.model.logger.name_to_value
+        if "train/kl" in values and (not self.values or self.model._n_updates != self.values[-1]["n"]):
+            self.values.append({**values, "n": self.model._n_updates})
+
+    def _on_rollout_start(self) -> None:
+        self._read()
+
+    def _on_training_end(self) -> None:
+        self._read()
+
+
+def _independent_kls(algo: type, learning_rate, updates: int, **kwargs) -> tuple[list[float], list[dict], object]:
+    model = _model(algo, learning_rate, **kwargs)
+    probe = IndependentUpdateKL() if algo is RecurrentKLPPO else FeedForwardUpdateKL()
+    logged = Logged()
+    model.learn(updates * model.n_steps * model.n_envs, callback=[probe, logged])
+    return [float(kl.mean()) for kl in probe.results], logged.values, model
+
+
+@pytest.mark.parametrize("algo", FOUR)
+@pytest.mark.parametrize("start, first_in_band", [(1e-5, 4), (0.5, 0)])
+def test_kl_meets_its_target_from_a_rate_far_too_small_or_too_large(algo, start, first_in_band):
+    """
+    Here the rates the four settle at lie between 5e-3 and 6e-2. From 1e-5, at least 100x too small (each step is
+    extended at most 4x and the rate grows by at most 16x per update: in band from the 5th update), and from 0.5, at
+    least 10x too large (the first update's step is shrunk onto the target), every later update's exact KL is in
+    [0.5, 2] x target, as the probe measures it; the logged KL is the probe's.
+    """
+    kls, logged, model = _independent_kls(algo, f"auto_{start:g}", updates=10, lr_bounds=(1e-6, 1.0))
+    target = float(model.target_kl(1.0))
+    ratios = [kl / target for kl in kls]
+    assert len(ratios) == 10
+    assert all(0.5 <= r <= 2.0 for r in ratios[first_in_band:]), [round(r, 3) for r in ratios]
+    for kl, values in zip(kls, logged, strict=True):
+        assert values["train/kl"] == pytest.approx(kl, rel=1e-4)
+    if start < 1e-3:
+        assert ratios[0] < 0.5  # the starting rate really was too small
+        assert logged[0]["train/step_scale"] == MAX_STEP_SCALE
+    else:
+        assert logged[0]["train/step_scale"] < 1.0
+
+
+def test_logged_learning_rate_is_the_rate_each_update_used_and_follows_the_scale():
+    """
+    ``train/learning_rate`` is the optimizer's rate during that update; the next one's is it times the factor that would
+    have met the target.
+    """
+
+    class OptimizerRate(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.rates: list[float] = []
+
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:  # after train(): the optimizer still holds the rate it used
+            if self.model._n_updates > 0:
+                self.rates.append(self.model.policy.optimizer.param_groups[0]["lr"])
+
+    rates, logged = OptimizerRate(), Logged()
+    model = _model(KLPPO, "auto_1e-4")
+    model.learn(6 * 256, callback=[rates, logged])
+    used = [v["train/learning_rate"] for v in logged.values]
+    assert used[:5] == pytest.approx(rates.rates[:5])
+    assert used[0] == pytest.approx(1e-4)
+    for this, following in zip(logged.values, logged.values[1:]):
+        factor = rate_factor(this["train/step_scale"], this["train/kl"], this["train/target_kl"], (0.8, 1.25))
+        assert following["train/learning_rate"] == pytest.approx(this["train/learning_rate"] * factor)
+
+
+def test_beta_and_the_rate_do_not_fight():
+    """
+    The step scale lands each update's KL inside beta's band, so beta holds where the rate is adapted; and after the
+    start-up the rate moves by less than 2x per update and does not swing back and forth.
+    """
+    kls, logged, model = _independent_kls(KLPPO, "auto", updates=16)
+    betas = [v["train/kl_coef"] for v in logged]
+    assert sum(b != a for a, b in zip(betas[3:], betas[4:])) <= 2, betas
+    rates = np.array([v["train/learning_rate"] for v in logged[4:]])
+    steps = np.diff(np.log(rates))
+    assert np.all(np.abs(steps) < math.log(2)), rates
+    big = steps[np.abs(steps) > math.log(1.5)]
+    assert not (len(big) >= 4 and np.all(np.sign(big[1:]) != np.sign(big[:-1]))), rates
+
+
+def test_adapted_rate_is_saved_and_continues_after_load(tmp_path):
+    model = _model(KLPPO, "auto_1e-4")
+    model.learn(3 * 256)
+    adapted = model.adapted_learning_rate
+    assert adapted != pytest.approx(1e-4)
+    model.save(tmp_path / "model")
+    loaded = KLPPO.load(tmp_path / "model", env=_env(KLPPO))
+    assert loaded.learning_rate == "auto_1e-4" and loaded.lr_bounds == model.lr_bounds
+    assert loaded.adapted_learning_rate == adapted
+    logged = Logged()
+    loaded.learn(256, callback=logged, reset_num_timesteps=False)
+    assert logged.values[0]["train/learning_rate"] == pytest.approx(adapted)
+    # a rate given to load() replaces the saved one
+    assert KLPPO.load(tmp_path / "model", learning_rate="auto_5e-3").adapted_learning_rate == 5e-3
+    fixed = KLPPO.load(tmp_path / "model", learning_rate=2e-4)
+    assert not fixed.adapts_learning_rate and fixed.lr_schedule(1.0) == 2e-4
+
+
+@pytest.mark.parametrize("algo", FOUR)
+@pytest.mark.parametrize("value", ["auto_-1", "auto_0", "autox", "auto_", "auto_nan", "AUTO"])
+def test_bad_auto_values_name_the_argument(algo, value):
+    with pytest.raises(ValueError, match="`learning_rate`"):
+        _model(algo, value)
+
+
+@pytest.mark.parametrize("algo", FOUR)
+def test_bad_lr_bounds_name_the_argument(algo):
+    with pytest.raises(ValueError, match="`lr_bounds` is inverted"):
+        _model(algo, "auto", lr_bounds=(1e-2, 1e-5))
+    with pytest.raises(ValueError, match="`lr_bounds`"):
+        _model(algo, "auto", lr_bounds=(0.0, 1e-2))
+    with pytest.raises(ValueError, match="starts outside `lr_bounds`"):
+        _model(algo, "auto_1e-3", lr_bounds=(1e-2, 1e-1))
+
+
+@pytest.mark.parametrize("algo", [KLTRPO, TRPL])
+def test_algorithms_whose_step_is_not_the_optimizers_refuse_auto(algo):
+    with pytest.raises(ValueError, match="does not adapt its learning rate"):
+        algo("MlpPolicy", "CartPole-v1", learning_rate="auto")
+
+
+def test_the_callback_refuses_a_model_that_adapts_its_own_rate():
+    model = _model(KLPPO, "auto")
+    with pytest.raises(ValueError, match="already adapts its learning rate"):
+        model.learn(256, callback=KLAdaptiveLRCallback(target_kl=0.02))
+
+
+def test_auto_values_parse():
+    assert parse_auto_learning_rate("auto") == 3e-4
+    assert parse_auto_learning_rate("auto_1e-3") == 1e-3
+    assert parse_auto_learning_rate(1e-3) is None
+    assert _model(KLPPO, "auto").lr_schedule(1.0) == 3e-4
+
+
+def test_zoo_configs_pass_auto_to_the_algorithm():
+    hyperparams = preprocess_schedules({"learning_rate": "auto", "clip_range": "lin_0.2"})
+    assert hyperparams["learning_rate"] == "auto"
+    assert preprocess_schedules({"learning_rate": "auto_1e-3"})["learning_rate"] == "auto_1e-3"
+
+
+@pytest.mark.parametrize("full_kl, power", [(1e-4, 2.0), (10.0, 2.0), (3.0, 1.3), (0.2, 3.5)])
+def test_step_scale_lands_in_the_band(full_kl, power):
+    """On a KL that grows as ``c * alpha ** p``, the search lands in the band within its evaluations."""
+    calls = []
+
+    def kl_at(alpha: float) -> float:
+        calls.append(alpha)
+        return full_kl * alpha**power
+
+    scale, kl = find_step_scale(kl_at, full_kl, 1.0, (0.8, 1.25), max_scale=1e3)
+    assert 0.8 <= kl <= 1.25 and kl == pytest.approx(full_kl * scale**power)
+    assert len(calls) <= 6
+
+
+def test_step_scale_stops_at_its_cap_and_backs_off_a_non_finite_kl():
+    assert find_step_scale(lambda a: 1e-6 * a**2, 1e-6, 1.0, (0.8, 1.25)) == (MAX_STEP_SCALE, pytest.approx(1.6e-5))
+    scale, kl = find_step_scale(lambda a: math.inf if a > 0.3 else a**2 * 10, math.inf, 1.0, (0.8, 1.25))
+    assert math.isfinite(kl) and 0.8 <= kl <= 1.25 and scale < 0.3
+    assert find_step_scale(lambda a: 1.0, 1.0, 1.0, (0.8, 1.25)) == (1.0, 1.0)  # in band: no evaluation
