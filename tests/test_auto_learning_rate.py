@@ -6,6 +6,7 @@ values fail early; the step scale's search.
 """
 
 import copy
+import itertools
 import math
 import os
 
@@ -173,7 +174,7 @@ def test_logged_learning_rate_is_the_rate_each_update_used_and_follows_the_scale
     used = [v["train/learning_rate"] for v in logged.values]
     assert used[:5] == pytest.approx(rates.rates[:5])
     assert used[0] == pytest.approx(1e-4)
-    for this, following in zip(logged.values, logged.values[1:]):
+    for this, following in itertools.pairwise(logged.values):
         factor = rate_factor(this["train/step_scale"], this["train/kl"], this["train/target_kl"], (0.8, 1.25))
         assert following["train/learning_rate"] == pytest.approx(this["train/learning_rate"] * factor)
 
@@ -183,9 +184,9 @@ def test_beta_and_the_rate_do_not_fight():
     The step scale lands each update's KL inside beta's band, so beta holds where the rate is adapted; and after the
     start-up the rate moves by less than 2x per update and does not swing back and forth.
     """
-    kls, logged, model = _independent_kls(KLPPO, "auto", updates=16)
+    _, logged, _ = _independent_kls(KLPPO, "auto", updates=16)
     betas = [v["train/kl_coef"] for v in logged]
-    assert sum(b != a for a, b in zip(betas[3:], betas[4:])) <= 2, betas
+    assert sum(b != a for a, b in itertools.pairwise(betas[3:])) <= 2, betas
     rates = np.array([v["train/learning_rate"] for v in logged[4:]])
     steps = np.diff(np.log(rates))
     assert np.all(np.abs(steps) < math.log(2)), rates
