@@ -29,7 +29,7 @@ class PrintKL(BaseCallback):
         if "train/kl" in values:
             print(
                 f"steps={self.num_timesteps:>6}  KL={values['train/kl']:.4f}  KL p99={values['train/kl_p99']:.4f}  "
-                f"target={values['train/target_kl']:.3f}  beta={values['train/kl_coef']:.3f}  "
+                f"target={values['train/target_kl']:.3f}  beta={values['train/kl_coef']:.3g}  "
                 f"({values['train/kl_convention']})"
             )
 
@@ -57,7 +57,7 @@ def main() -> None:
     model.learn(args.steps, callback=PrintKL())
     mean_return, std_return = evaluate_policy(model, model.get_env(), n_eval_episodes=10, deterministic=True)
     print(f"evaluation over 10 deterministic episodes: {mean_return:.1f} +/- {std_return:.1f}")
-    print(f"final beta={model.kl_coef:.4f} after {model.kl_controller.n_updates} updates")
+    print(f"final beta={model.kl_coef:.3g} after {model.kl_controller.n_updates} updates")
 
 
 if __name__ == "__main__":

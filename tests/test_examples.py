@@ -5,9 +5,11 @@ the checkout as a user would run it, and leaves the repository as it was (``git 
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -73,3 +75,23 @@ def test_example_runs_and_leaves_the_checkout_clean(example, tmp_path):
     changed = sorted(p for p in files_before.keys() | files_after.keys() if files_before.get(p) != files_after.get(p))
     assert not changed, f"{example} wrote into the checkout: {changed[:10]}"
     assert any(tmp_path.iterdir()) or example == "quickstart.py"  # whatever it wrote went to the temporary directory
+
+
+def load_example(name: str):
+    """The module of an example, imported without running its ``main()``."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), ROOT / "examples" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("beta", [1e-4, 3.7e-4, 0.04, 1.0, 10.0])
+def test_quickstart_prints_beta_readably(beta, capsys):
+    # beta's floor is 1e-4: a fixed-point format printed it as 0.000
+    callback = load_example("quickstart.py").PrintKL()
+    logged = {"train/kl": 0.01, "train/kl_p99": 0.05, "train/target_kl": 0.02, "train/kl_coef": beta}
+    callback.model = SimpleNamespace(logger=SimpleNamespace(name_to_value={**logged, "train/kl_convention": "forward"}))
+    callback.num_timesteps = 256
+    callback._on_rollout_start()
+    printed = re.search(r"beta=(\S+)", capsys.readouterr().out).group(1)
+    assert float(printed) == pytest.approx(beta, rel=0.01)
