@@ -4,7 +4,6 @@ Re-exported by :mod:`sb3_kl.callbacks`.
 """
 
 import math
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,6 +14,7 @@ from stable_baselines3.common.type_aliases import Schedule
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, is_trust_region_family, model_target_kl
 from sb3_kl.common.controllers import FixedKLController
 from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
+from sb3_kl.common.user_warnings import warn_at_user_frame
 from sb3_kl.common.validation import (
     MIN_TARGET_KL,
     as_schedule,
@@ -220,7 +220,7 @@ class KLAlarmCallback(MonitorUser):
                 f"{type(self).__name__}: {type(self.model).__name__} has no KL target; the spike checks use {target:g}, "
                 f"{source}. Pass target_kl= to the callback to choose it."
             )
-            warnings.warn(message, UserWarning, stacklevel=2)
+            warn_at_user_frame(message)
             if self.verbose >= 1:
                 print(message)
         return target, "mean_in_target_convention", False
@@ -397,7 +397,7 @@ class KLAlarmCallback(MonitorUser):
         self.alarms.append(alarm)
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(f"KL alarm '{kind}' at update {alarm.update} ({alarm.num_timesteps} steps): {message}", stacklevel=2)
+            warn_at_user_frame(f"KL alarm '{kind}' at update {alarm.update} ({alarm.num_timesteps} steps): {message}")
         if self.verbose >= 1:
             print(f"{type(self).__name__}: {kind} at update {alarm.update}: {value:.4g}")
         if self.stop_training:

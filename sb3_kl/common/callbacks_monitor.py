@@ -5,7 +5,6 @@ that act on it. Public names are re-exported by :mod:`sb3_kl.callbacks` (see its
 
 import math
 import os
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,6 +38,7 @@ from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.normalization import RolloutNormalization, rollout_normalization
 from sb3_kl.common.policy_copy import build_reference_policy, reference_spec
 from sb3_kl.common.recurrent import RolloutSequences, evaluate_sequences, is_recurrent_policy, step_major
+from sb3_kl.common.user_warnings import warn_at_user_frame
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_path, check_quantiles
 
 try:  # sb3-contrib is optional: only needed to recognise MaskablePPO's distributions
@@ -392,11 +392,10 @@ class KLMonitorCallback(BaseCallback):
         normalization = self._normalization
         if normalization is not None and self._updates_seen % self.every == 0:  # the rollout about to be measured
             if not normalization.start(self.model._last_obs):
-                warnings.warn(
+                warn_at_user_frame(
                     f"{type(self).__name__}: the model's observations are not VecNormalize's normalized ones (another "
                     "wrapper changes them), so `kl/normalization_shift` is not measured. Put VecNormalize last, or "
-                    "pass normalization_shift=False.",
-                    stacklevel=2,
+                    "pass normalization_shift=False."
                 )
                 self._normalization = None
 

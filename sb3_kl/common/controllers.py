@@ -17,12 +17,12 @@ Expressing well-known rules with :class:`AdaptiveKLController`:
 """
 
 import math
-import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
 
-from sb3_kl.common.validation import check_int, check_pair, check_positive, user_stacklevel
+from sb3_kl.common.user_warnings import warn_at_user_frame
+from sb3_kl.common.validation import check_int, check_pair, check_positive
 
 
 class KLController(ABC):
@@ -215,12 +215,10 @@ def warn_ignored_arguments(option: str, controller: KLController, **arguments: t
     """
     given = _given(arguments)
     if given:
-        warnings.warn(
+        warn_at_user_frame(
             f"`{option}` is a controller object ({type(controller).__name__}), which is used as given: "
             f"{', '.join(f'`{name}`={value!r}' for name, value in given.items())} is ignored. Set it on the "
-            "controller object instead.",
-            UserWarning,
-            stacklevel=user_stacklevel(),
+            "controller object instead."
         )
 
 
@@ -250,11 +248,9 @@ def warn_unused_arguments(kl_controller: str, **arguments: tuple[Any, Any]) -> N
             + ")"
             for name, value in given.items()
         )
-        warnings.warn(
+        warn_at_user_frame(
             f"`kl_controller`={kl_controller!r} does not use {listed}: it has no effect. Leave it at its default, or "
-            "choose the controller that uses it.",
-            UserWarning,
-            stacklevel=user_stacklevel(),
+            "choose the controller that uses it."
         )
 
 

@@ -10,11 +10,12 @@ give the start's and the end's acting policy.
 """
 
 import copy
-import warnings
 from typing import Any
 
 import numpy as np
 from stable_baselines3.common.vec_env import VecNormalize
+
+from sb3_kl.common.user_warnings import warn_at_user_frame
 
 #: Largest absolute difference between the model's last observation and the normalizer's own normalization of the raw
 #: one for the two to be the same observation (float32 rounding of values clipped to ``clip_obs``)
@@ -127,11 +128,10 @@ def rollout_normalization(model: Any, who: str) -> RolloutNormalization | None:
     if normalizer is None or not normalizer.norm_obs:
         return None
     if normalizer.observation_space != model.observation_space:
-        warnings.warn(
+        warn_at_user_frame(
             f"{who}: a wrapper after VecNormalize changes the observations ({normalizer.observation_space} -> "
             f"{model.observation_space}), so the normalization's own KL is not measured. Put VecNormalize last to "
-            "measure it.",
-            stacklevel=2,
+            "measure it."
         )
         return None
     return RolloutNormalization(normalizer)

@@ -72,6 +72,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
+from sb3_kl.common.user_warnings import warn_at_user_frame
 
 #: Constructor options folded into the KL convention (``kl_settings``, ``ref_kl_settings``) or into the KL controllers
 #: when the model is built, by the object and attribute that hold them: ``load()`` would store them where nothing reads
@@ -895,7 +896,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
                 f"{type(self).__name__}'s default of no clipping."
             )
         notes.append("Saving the model stores the KL state with it.")
-        warnings.warn(" ".join(notes), UserWarning, stacklevel=3)
+        warn_at_user_frame(" ".join(notes))
 
     def _stock_convention_notes(self, saved_by: str, given: set[str]) -> list[str]:
         """
@@ -989,14 +990,13 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         buffer_size = self.env.num_envs * self.n_steps
         untruncated_batches = buffer_size // batch_size
         if buffer_size % batch_size > 0:
-            warnings.warn(
+            warn_at_user_frame(
                 f"You have specified a mini-batch size of {batch_size},"
                 f" but because the `RolloutBuffer` is of size `n_steps * n_envs = {buffer_size}`,"
                 f" after every {untruncated_batches} untruncated mini-batches,"
                 f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
                 f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
-                f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})",
-                stacklevel=3,
+                f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})"
             )
 
     def _count_nonfinite_steps(self, applied_steps: th.Tensor | int, steps: int) -> None:
@@ -1304,7 +1304,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             "is too large). Fixes: sb3_kl.callbacks.KLAdaptiveLRCallback, which adapts the learning rate to the "
             "target, or a smaller `target_kl`."
         )
-        warnings.warn(message, UserWarning, stacklevel=2)
+        warn_at_user_frame(message)
         if self.verbose >= 1:
             print(message)
 

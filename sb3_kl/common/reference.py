@@ -17,7 +17,6 @@ This module holds what the algorithms share for it:
 import copy
 import math
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -57,7 +56,8 @@ from sb3_kl.common.policy_copy import (
     reference_spec,
 )
 from sb3_kl.common.recurrent import is_recurrent_policy
-from sb3_kl.common.validation import check_existing_file, check_pair, check_positive, is_number, user_stacklevel
+from sb3_kl.common.user_warnings import warn_at_user_frame
+from sb3_kl.common.validation import check_existing_file, check_pair, check_positive, is_number
 
 #: Reference options that ``load()`` takes out of its arguments and applies or refuses once the model is loaded
 #: (:meth:`ReferenceKLMixin._apply_loaded_reference_options`)
@@ -215,12 +215,10 @@ class ReferenceKLMixin:
                 ref_kl_estimator=(ref_kl_estimator, "analytic"),
             )
             if unused:
-                warnings.warn(
+                warn_at_user_frame(
                     f"{', '.join(unused)} set without `ref_policy`: there is no reference to anchor to, so "
                     f"{'it is' if len(unused) == 1 else 'they are'} ignored. Pass ref_policy= (a saved model, a model "
-                    "or a policy) to anchor the policy to it.",
-                    UserWarning,
-                    stacklevel=user_stacklevel(),
+                    "or a policy) to anchor the policy to it."
                 )
         self.ref_target_kl = ref_target_kl
         controller: KLController | None

@@ -10,9 +10,10 @@ otherwise (:func:`sb3_kl.zoo.registry.with_default_threads`).
 """
 
 import os
-import warnings
 
 import torch as th
+
+from sb3_kl.common.user_warnings import warn_at_user_frame
 
 #: Policies with fewer parameters than this count as small (an MLP of two 256-unit layers for actor and critic has
 #: about 140k; SB3's NatureCNN alone has about 1.7M)
@@ -42,12 +43,10 @@ def warn_if_many_threads(policy: th.nn.Module, device: th.device) -> bool:
     if n_parameters >= SMALL_POLICY_PARAMETERS:
         return False
     _warned = True
-    warnings.warn(
+    warn_at_user_frame(
         f"torch uses {n_threads} intra-op threads to train a policy of {n_parameters:,} parameters on CPU: small "
         "policies train faster on one thread, many times faster when other jobs share the cores "
         "(benchmarks/results/torch_threads_small_mlp.md). Call torch.set_num_threads(1) before training (or set "
-        "OMP_NUM_THREADS, which also silences this warning, to the number of threads you want).",
-        UserWarning,
-        stacklevel=5,
+        "OMP_NUM_THREADS, which also silences this warning, to the number of threads you want)."
     )
     return True

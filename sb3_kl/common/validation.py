@@ -6,7 +6,6 @@ Every helper raises at construction with a message that names the argument and s
 checks SB3's own algorithms make with ``assert`` (e.g. ``batch_size > 1``) stay asserts in the algorithms.
 """
 
-import inspect
 import math
 import os
 from typing import Any
@@ -300,15 +299,3 @@ def check_existing_file(name: str, path: "str | os.PathLike", suffix: str = "") 
         + "."
     )
 
-
-def user_stacklevel() -> int:
-    """
-    :return: the ``stacklevel`` of ``warnings.warn`` that names the first caller outside the sb3_kl package, for a
-        warning issued by the function calling this one (however deep inside sb3_kl's constructors it runs)
-    """
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame = inspect.currentframe()
-    frame, level = (frame.f_back if frame is not None else None), 1  # the function that warns: stacklevel 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -1,7 +1,6 @@
 import copy
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -22,6 +21,7 @@ from sb3_kl.common.kl import as_float64, attach_sde_features, per_state_kl, sb3_
 from sb3_kl.common.modes import RUNNING_STATISTICS_MODULES, acting_mode, has_mode_dependent_modules, modules_run_by
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, NonFiniteUpdateError
 from sb3_kl.common.reference import ReferenceSource
+from sb3_kl.common.user_warnings import warn_at_user_frame
 from sb3_kl.common.validation import check_bool, check_choice, check_int, check_range
 from sb3_kl.kltrpo.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
@@ -308,14 +308,13 @@ class KLTRPO(KLOnPolicyAlgorithm):
                 )
             untruncated_batches = buffer_size // batch_size
             if buffer_size % batch_size > 0:
-                warnings.warn(
+                warn_at_user_frame(
                     f"You have specified a mini-batch size of {batch_size},"
                     f" but because the `RolloutBuffer` is of size `n_steps * n_envs = {buffer_size}`,"
                     f" after every {untruncated_batches} untruncated mini-batches,"
                     f" there will be a truncated mini-batch of size {buffer_size % batch_size}\n"
                     f"We recommend using a `batch_size` that is a factor of `n_steps * n_envs`.\n"
-                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})",
-                    stacklevel=2,
+                    f"Info: (n_steps={self.n_steps} and n_envs={self.env.num_envs})"
                 )
         self.batch_size = batch_size
         # Conjugate gradients parameters

@@ -45,6 +45,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rl_zoo3 import exp_manager
 from rl_zoo3.hyperparams_opt import HYPERPARAMS_CONVERTER
 
+from sb3_kl.common.user_warnings import warn_at_user_frame
 from sb3_kl.zoo.hyperparams_opt import HYPERPARAMS_SAMPLER, possible_parameter_names, trial_controller
 from sb3_kl.zoo.patching import install_patch, is_patched
 
@@ -497,11 +498,10 @@ def optimize_with_cap(
                 except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
                     if not current or not _failed_as_stale(study, current[0]):
                         raise
-                    warnings.warn(
+                    warn_at_user_frame(
                         f"Trial {current[0].number} was failed (no heartbeat for the grace period) while this worker "
                         "was running it, and re-queued for another worker: its result is dropped. If this worker was "
-                        "only slow, raise --heartbeat-grace-period.",
-                        stacklevel=2,
+                        "only slow, raise --heartbeat-grace-period."
                     )
                 ran += 1
                 continue
