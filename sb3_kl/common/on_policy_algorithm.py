@@ -12,8 +12,9 @@ import inspect
 import io
 import math
 import pathlib
+import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import cloudpickle
@@ -43,7 +44,14 @@ from sb3_kl.common.learning_rate import (
 )
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
-from sb3_kl.common.save_util import guess_stock_algorithm, read_saved_data, saved_with_sb3_buffer, saved_without_kl_state
+from sb3_kl.common.save_util import (
+    SAVED_BY_KEY,
+    guess_stock_algorithm,
+    read_saved_data,
+    saved_kl_algorithm,
+    saved_with_sb3_buffer,
+    saved_without_kl_state,
+)
 from sb3_kl.common.threads import warn_if_many_threads
 from sb3_kl.common.validation import (  # MIN_TARGET_KL: kept importable from here
     MIN_TARGET_KL,  # noqa: F401
@@ -58,6 +66,7 @@ from sb3_kl.common.validation import (  # MIN_TARGET_KL: kept importable from he
     is_number,
     scheduled_target_kl,
     scheduled_value,
+    target_kl_value,
 )
 from sb3_kl.common.variance import min_log_std_parameter
 from sb3_kl.common.kl import (
@@ -123,6 +132,34 @@ def _zip_name(path: Any) -> str:
     if isinstance(path, (str, pathlib.Path)):
         return str(path)
     return str(getattr(path, "name", None) or "The saved model")
+
+
+def _loaded_class(name: str | None) -> "type[KLOnPolicyAlgorithm] | None":
+    """The sb3-kl algorithm ``module:qualname`` when its module is imported (a name read from a zip imports nothing)."""
+    if name is None:
+        return None
+    module_name, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) and issubclass(found, KLOnPolicyAlgorithm) else None
+
+
+def saved_target_kl(data: dict[str, Any]) -> float | None:
+    """The KL target saved in a model's data, at its saved progress (None when it cannot be read)."""
+    item = data.get("target_kl")
+    try:
+        schedule = cloudpickle.loads(base64.b64decode(item[":serialized:"].encode()))  # type: ignore[index]
+        return target_kl_value(schedule, float(data.get("_current_progress_remaining", 1.0)))
+    except Exception:
+        return None
+
+
+def saved_kl_name(data: dict[str, Any]) -> str:
+    """The KL a model's data is measured in, ``KL(old||new)`` or ``KL(new||old)`` (``the KL`` when it does not say)."""
+    settings = data.get("kl_settings")
+    direction = settings.get("direction") if isinstance(settings, dict) else None
+    return {"forward": "KL(old||new)", "reverse": "KL(new||old)"}.get(direction, "the KL")  # type: ignore[arg-type]
 
 
 SelfKLOnPolicyAlgorithm = TypeVar("SelfKLOnPolicyAlgorithm", bound="KLOnPolicyAlgorithm")
@@ -617,6 +654,22 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         # New weights: a rollout collected before no longer describes the policy
         self.policy_version += 1
 
+    def save(
+        self,
+        path: str | pathlib.Path | io.BufferedIOBase,
+        exclude: Iterable[str] | None = None,
+        include: Iterable[str] | None = None,
+    ) -> None:
+        """
+        SB3's ``save``; the data also names the class that saved the model (``SAVED_BY_KEY``), by which ``load()``
+        tells a zip of another KL family (:attr:`kl_family`). Arguments as in SB3's ``BaseAlgorithm.save``.
+        """
+        self.__dict__[SAVED_BY_KEY] = f"{type(self).__module__}:{type(self).__qualname__}"
+        try:
+            super().save(path, exclude=exclude, include=include)
+        finally:
+            del self.__dict__[SAVED_BY_KEY]
+
     @classmethod
     def load(  # type: ignore[override]
         cls: type[SelfKLOnPolicyAlgorithm],
@@ -633,6 +686,10 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         ``TRPO``): its weights, optimizer state and hyperparameters are loaded, SB3's rollout buffer is replaced by
         sb3-kl's, and the KL state (beta, controller) starts fresh; a ``UserWarning`` says so once. A corrupt zip
         raises a ``ValueError`` naming the file. Arguments as in SB3's ``BaseAlgorithm.load``.
+
+        A zip saved by an sb3-kl algorithm of another KL family (:attr:`kl_family`, e.g. TRPL's into KLPPO) loads the same
+        way, with a warning naming it and what its ``target_kl`` meant: the weights, optimizer state, shared
+        hyperparameters, ``target_kl`` and reference policy are kept, the KL convention and controller start fresh.
 
         ``kl_coef`` and ``ref_kl_coef`` live in their controllers, not in the saved data, where SB3's
         ``custom_objects`` (which only replaces saved entries) would ignore them silently: given there, they are
@@ -658,7 +715,9 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         data = read_saved_data(path)
         stock = saved_without_kl_state(data)
         cls._check_saved_policy_family(path, data)
+        other_family = cls._saved_by_other_family(data)
         custom_objects = dict(custom_objects or {})
+        given = set(custom_objects) | set(kwargs)
         cls._check_saved_kl_state_restores(path, data, {**custom_objects, **kwargs})
         fixed_options = take_fixed_kl_options(kwargs, custom_objects)
         reference_options = {
@@ -682,8 +741,13 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             force_reset=force_reset,
             **kwargs,
         )
+        model.__dict__.pop(SAVED_BY_KEY, None)
         if stock and fixed_options:
             model._build_kl_state(fixed_options, given_coefficients={"kl_coef", "ref_kl_coef"} & set(kwargs))
+        elif other_family is not None:
+            own = {name: value for name, value in fixed_options.items() if not name.startswith("ref_")}
+            model._build_kl_state(own, given_coefficients={"kl_coef"} & set(kwargs), keep_reference=True)
+            model._check_fixed_kl_options({name: fixed_options[name] for name in fixed_options.keys() - own.keys()})
         else:
             model._check_fixed_kl_options(fixed_options)
         model._apply_loaded_reference_options(reference_options)
@@ -692,7 +756,27 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             model._setup_lr_schedule()
         if stock:
             model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
+        elif other_family is not None:
+            model._warn_loaded_from_other_family(path, other_family, data, given)
         return model
+
+    #: What ``target_kl`` is to the algorithm: ``"penalty"``, the target toward which an adaptive penalty steers the
+    #: update's mean KL (the KLPPO family); ``"constraint"``, a bound on it (KLTRPO); ``"projection"``, a bound on every
+    #: state's KL (TRPL). ``load()`` of a zip saved by another family warns and starts the KL state fresh
+    kl_family: ClassVar[str] = "penalty"
+
+    @classmethod
+    def _saved_by_other_family(cls, data: dict[str, Any]) -> "type[KLOnPolicyAlgorithm] | None":
+        """
+        :return: the sb3-kl class that saved ``data`` (as recorded, else guessed for older zips) when its
+            :attr:`kl_family` differs from this class's; None for a stock zip or one of the same family (this class, a
+            subclass, or a sibling such as ClipKLPPO for KLPPO)
+        """
+        if saved_without_kl_state(data):
+            return None
+        recorded, guessed = saved_kl_algorithm(data)
+        saved = _loaded_class(recorded) or _loaded_class(guessed)
+        return None if saved is None or saved.kl_family == cls.kl_family else saved
 
     #: Saved entries that hold the KL state: restored as saved, or ``load()`` refuses (never a silent default)
     _saved_kl_state: ClassVar[tuple[str, ...]] = (
@@ -792,20 +876,23 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
     #: The attributes the constructor builds from the KL options (:data:`FIXED_AT_CONSTRUCTION`)
     _kl_state_attributes: ClassVar[tuple[str, ...]] = ("kl_settings", "kl_controller", "ref_kl_settings", "ref_kl_controller")
 
-    def _build_kl_state(self, options: dict[str, Any], given_coefficients: set[str]) -> None:
+    def _build_kl_state(self, options: dict[str, Any], given_coefficients: set[str], keep_reference: bool = False) -> None:
         """
         A model loaded from a stock zip (no KL state) got the constructor's default KL convention and controllers:
         build them from ``load()``'s KL options instead, as the constructor would (with its checks), e.g.
-        ``KLTRPO.load("trpo.zip", kl_reduction="sb3_contrib")`` to keep TRPO's constraint.
+        ``KLTRPO.load("trpo.zip", kl_reduction="sb3_contrib")`` to keep TRPO's constraint. A zip of another KL family
+        gets its KL convention and controller built the same way, its reference KL state kept (``keep_reference``).
 
         :param options: The options taken from ``load()``'s arguments by :func:`take_fixed_kl_options`
         :param given_coefficients: Which of ``kl_coef``/``ref_kl_coef`` ``load()`` was given (already applied to the
             default controllers: carried over to the new ones)
+        :param keep_reference: Keep the reference policy's KL convention and controller as loaded
         """
         built = type(self)(policy=self.policy_class, env=None, device=self.device, _init_setup_model=False, **options)
         old = {name: getattr(self, name) for name in ("kl_controller", "ref_kl_controller")}
         for name in self._kl_state_attributes:
-            setattr(self, name, getattr(built, name))
+            if not (keep_reference and name.startswith("ref_")):
+                setattr(self, name, getattr(built, name))
         self._resolve_kl_convention()
         for name in ("kl_controller", "ref_kl_controller"):
             coefficient = name.replace("_controller", "_coef")
@@ -905,6 +992,60 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         :return: what the stock-load warning says about a KL convention other than the stock algorithm's (none here)
         """
         return []
+
+    @classmethod
+    def _target_kl_meaning(cls, kl: str) -> str:
+        """
+        What ``target_kl`` is to the algorithm (:attr:`kl_family`), for the warning of a load across families.
+
+        :param kl: The KL it is stated in, e.g. ``"KL(old||new)"``
+        """
+        return f"the target of the update's mean {kl}, toward which the adaptive penalty steers"
+
+    @classmethod
+    def _saved_target_note(cls, data: dict[str, Any]) -> str:
+        """What the KL target meant to the model of this class that saved ``data`` (follows the class's name)."""
+        target = saved_target_kl(data)
+        return f"target_kl{'' if target is None else f' {target:g}'} was {cls._target_kl_meaning(saved_kl_name(data))}"
+
+    def _loaded_target_note(self, given: set[str]) -> str:
+        """
+        :param given: Names given to ``load()`` as keyword arguments or ``custom_objects``
+        :return: how the loaded model reads its ``target_kl``, and how to choose it
+        """
+        kl = "KL(old||new)" if self.kl_settings.direction == "forward" else "KL(new||old)"
+        meaning = self._target_kl_meaning(kl)
+        if "target_kl" in given:
+            return f"{type(self).__name__} takes the target_kl given to load(), {self._current_target_kl():g}, as {meaning}"
+        return f"{type(self).__name__} reads it as {meaning}: pass target_kl= to load() to choose it"
+
+    def _warn_loaded_from_other_family(
+        self, path: Any, saved_by: "type[KLOnPolicyAlgorithm]", data: dict[str, Any], given: set[str]
+    ) -> None:
+        """
+        Tell the user, once per load, that a zip of another KL family was loaded: what its target meant, how this model
+        reads it, and that the KL convention and controller start fresh.
+
+        :param path: What was loaded
+        :param saved_by: The class that saved it
+        :param data: Its saved data
+        :param given: Names given to ``load()`` as keyword arguments or ``custom_objects``
+        """
+        name = type(self).__name__
+        configurable = "kl_direction" in inspect.signature(type(self).__init__).parameters
+        notes = [
+            f"{_zip_name(path)} was saved by {saved_by.__name__}, whose KL target means something else: its weights, "
+            f"optimizer state and the hyperparameters {name} shares are loaded, its KL convention and controller are not.",
+            f"{saved_by.__name__}'s {saved_by._saved_target_note(data)}; {self._loaded_target_note(given)}.",
+            f"{name}'s KL is {self.kl_settings.description}"
+            + (" (its default)" if configurable and not {"kl_direction", "kl_estimator", "kl_reduction"} & given else ""),
+        ]
+        if self.has_kl_coef:
+            notes[-1] += f", and beta starts at kl_coef={self.kl_coef:g}" + (
+                "" if "kl_coef" in given else " (pass kl_coef= to load() to choose it)"
+            )
+        notes[-1] += ". Saving the model stores its KL state with it."
+        warn_at_user_frame(" ".join(notes))
 
     def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
         warn_if_many_threads(self.policy, self.device)  # once per process: see sb3_kl.common.threads

@@ -22,6 +22,10 @@ STOCK_BUFFER_MODULES = (
 )
 
 
+#: The entry of a saved model's data that names the sb3-kl class that saved it, as ``module:qualname``
+SAVED_BY_KEY = "_saved_by_class"
+
+
 #: The first bytes of every zip file (of each of its records: a truncated zip still starts with them)
 ZIP_SIGNATURE = b"PK"
 
@@ -98,3 +102,20 @@ def guess_stock_algorithm(data: dict[str, Any]) -> str:
     if "n_epochs" not in data and "normalize_advantage" in data:
         return "A2C"
     return "a stock on-policy algorithm"
+
+
+def saved_kl_algorithm(data: dict[str, Any]) -> tuple[str | None, str]:
+    """
+    The sb3-kl class that saved ``data`` (a zip with a KL state), as ``module:qualname``.
+
+    :return: the class recorded in the data (None in zips saved before the record), and the family's class guessed
+        from the entries only one family saves (TRPL's ``projection``, KLTRPO's ``cg_max_steps``; else KLPPO)
+    """
+    recorded = data.get(SAVED_BY_KEY)
+    if "projection" in data and "mean_bound" in data:
+        guessed = "sb3_kl.trpl.trpl:TRPL"
+    elif "cg_max_steps" in data:
+        guessed = "sb3_kl.kltrpo.kltrpo:KLTRPO"
+    else:
+        guessed = "sb3_kl.klppo.klppo:KLPPO"
+    return (recorded if isinstance(recorded, str) else None), guessed

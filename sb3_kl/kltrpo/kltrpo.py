@@ -177,6 +177,7 @@ class KLTRPO(KLOnPolicyAlgorithm):
         "MultiInputPolicy": MultiInputPolicy,
     }
     has_kl_coef: ClassVar[bool] = False  # a hard constraint, no penalty coefficient
+    kl_family: ClassVar[str] = "constraint"
 
     def __init__(
         self,
@@ -753,6 +754,10 @@ class KLTRPO(KLOnPolicyAlgorithm):
         self._record_reference_kl()
 
     _kl_state_attributes: ClassVar[tuple[str, ...]] = (*KLOnPolicyAlgorithm._kl_state_attributes, "sb3_contrib_kl")
+
+    @classmethod
+    def _target_kl_meaning(cls, kl: str) -> str:
+        return f"the bound on the update's mean {kl}, which the line search holds"
 
     def _stock_convention_notes(self, saved_by: str, given: set[str]) -> list[str]:
         """A TRPO zip: TRPO bounded another KL with the same ``target_kl`` (unless ``load()`` chose the reduction)."""

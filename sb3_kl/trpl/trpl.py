@@ -27,7 +27,7 @@ from sb3_kl.common.kl import (
     sde_distribution_with_features,
 )
 from sb3_kl.common.modes import acting_mode
-from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm
+from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, saved_target_kl
 from sb3_kl.common.projections import (
     PROJECTIONS,
     gaussian_distance_to_fixed,
@@ -140,6 +140,7 @@ class TRPL(KLOnPolicyAlgorithm):
         "MultiInputPolicy": MultiInputPolicy,
     }
     has_kl_coef: ClassVar[bool] = False  # a projection, no penalty coefficient
+    kl_family: ClassVar[str] = "projection"
     #: How the bound enforcement's regression steps are taken: ``"line_search_capped"`` (the default), steps along the
     #: regression's gradient scaled by the policy Adam's second moments, scaled down where their root mean square
     #: exceeds 1 (a step of size ``t`` then moves the parameters by at most ``t`` in RMS), each step's size found by a
@@ -294,6 +295,22 @@ class TRPL(KLOnPolicyAlgorithm):
         # the bound in force, also after ``load(..., mean_bound=...)`` (what the KL logs and callbacks compare with);
         # a W2 or Frobenius bound is not a KL target: None (logged as ``train/distance_bound``)
         return self.joint_bound if self.projection == "kl" else None
+
+    @classmethod
+    def _saved_target_note(cls, data: dict[str, Any]) -> str:
+        # the saved target_kl is the joint bound the model was built with, in the projection's distance
+        target = saved_target_kl(data)
+        projection = data.get("projection", "kl")
+        distance = "KL(new||old)" if projection == "kl" else f"{projection} distance, not a KL"
+        value = "" if target is None else f" {target:g}"
+        return f"target_kl{value} was its bound on every state's {distance} (mean_bound + cov_bound)"
+
+    def _loaded_target_note(self, given: set[str]) -> str:
+        distance = "KL(new||old)" if self.projection == "kl" else f"{self.projection} distance"
+        note = f"TRPL bounds every state's {distance} by mean_bound + cov_bound = {self.joint_bound:g} instead"
+        if {"mean_bound", "cov_bound"} & given:
+            return note
+        return note + ": pass mean_bound= and cov_bound= to load() to choose it"
 
     @property
     def joint_bound(self) -> float:
