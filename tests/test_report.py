@@ -1,5 +1,7 @@
 import os
+import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,13 +9,16 @@ import torch as th
 from stable_baselines3 import PPO
 from stable_baselines3.common.logger import configure
 
-from sb3_kl import KLPPO
+from sb3_kl import KLPPO, KLAdaptiveLRCallback, KLAlarmCallback
 from sb3_kl.cli import main
+from sb3_kl.common import on_policy_algorithm
+from sb3_kl.diagnostics import diagnosis
 from sb3_kl.diagnostics.leadlag import lead_lag
 from sb3_kl.diagnostics.logs import find_runs, load_run
 from sb3_kl.diagnostics.report import summarize_run
 from sb3_kl.diagnostics.states import load_states
 
+ROOT = Path(__file__).resolve().parents[1]
 N_UPDATES = 150
 LAG = 3
 
@@ -368,3 +373,67 @@ def test_a_damaged_tensorboard_event_file_is_one_clear_error(tmp_path, capsys):
     event_file.write_bytes(bytes(data))
     assert main(["report", str(tmp_path / "run")]) == 1
     assert f"{event_file} is corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("callback_class", [KLAlarmCallback, KLAdaptiveLRCallback])
+def test_report_reads_the_target_of_a_kl_callback_on_a_stock_agent(tmp_path, capsys, callback_class):
+    # stock PPO has no target of its own (target_kl=None): the callback's is the one the report judges with
+    th.set_num_threads(1)
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=2, policy_kwargs=dict(net_arch=[8]), seed=0)
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # alarms are not what is tested
+        model.learn(64 * 6, callback=callback_class(target_kl=0.02))
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "target=kl/target_kl (forward/analytic/sum)" in out and "pass --target" not in out
+    report = summarize_run(load_run(*find_runs(str(tmp_path))[0]))
+    assert report.phases[0].target == pytest.approx(0.02) and np.isfinite(report.above)
+
+
+def test_the_callbacks_target_does_not_stand_in_for_an_algorithms(tmp_path):
+    model = KLPPO("MlpPolicy", "CartPole-v1", n_steps=64, target_kl=0.05, policy_kwargs=dict(net_arch=[8]), seed=0)
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    model.learn(64 * 4, callback=KLAlarmCallback(target_kl=0.02))
+    run = load_run(*find_runs(str(tmp_path))[0])
+    assert run.key_for("target_kl") == "train/target_kl" and np.all(run.get("target_kl").values == 0.05)
+
+
+def write_csv(folder, kl: np.ndarray, target: float, coef: np.ndarray) -> str:
+    rows = ["time/total_timesteps,train/kl,train/target_kl,train/kl_coef"]
+    rows += [f"{1024 * (t + 1)},{kl_t},{target},{coef_t}" for t, (kl_t, coef_t) in enumerate(zip(kl, coef, strict=True))]
+    (folder / "progress.csv").write_text("\n".join(rows) + "\n")
+    return str(folder / "progress.csv")
+
+
+def test_report_diagnoses_a_learning_rate_too_small_for_the_target(tmp_path, capsys):
+    # beta at its floor and a KL a hundredth of the target for 20 updates: the page's "KL stays near zero" entry
+    path = write_csv(tmp_path, np.full(20, 0.005), 0.5, np.full(20, 1e-4))
+    assert main(["report", path]) == 0
+    out = capsys.readouterr().out
+    diagnosis = out[out.index("diagnosis:") :]
+    assert "The KL stays near zero, beta sits at its floor: for 20 consecutive updates" in diagnosis
+    assert 'learning_rate="auto"' in diagnosis and "KLAdaptiveLRCallback" in diagnosis
+    assert 'docs/guide/troubleshooting.md, section "The KL stays near zero, beta sits at its floor"' in diagnosis
+    assert "The KL explodes" not in diagnosis
+
+
+def test_report_diagnoses_an_exploding_kl_and_says_when_nothing_applies(tmp_path, capsys):
+    kl = np.full(20, 0.02)
+    kl[10:15] = 0.3
+    assert main(["report", write_csv(tmp_path, kl, 0.02, np.full(20, 10.0))]) == 0
+    out = capsys.readouterr().out
+    assert "The KL explodes: the KL exceeded 5 x target for 5 consecutive updates" in out
+    assert "beta sat at its upper bound 10 for 20 updates" in out
+    assert main(["report", write_csv(tmp_path, np.full(20, 0.02), 0.02, np.full(20, 1.0))]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("diagnosis")]
+    assert line == "diagnosis: nothing found that docs/guide/troubleshooting.md lists"
+
+
+def test_each_diagnosis_names_a_section_of_its_page():
+    headings = set(re.findall(r"^## (.+)$", (ROOT / diagnosis.TROUBLESHOOTING).read_text(), flags=re.MULTILINE))
+    sections = {diagnosis.KL_EXPLODES, diagnosis.KL_NEAR_ZERO, diagnosis.NON_FINITE, diagnosis.RETURN_DROPS}
+    assert sections <= headings
+    # the report's stalled-KL rule is the algorithms' warning's
+    assert diagnosis.STALLED_AT_FLOOR_UPDATES == on_policy_algorithm.STALLED_AT_FLOOR_UPDATES
+    assert diagnosis.STALLED_KL_FRACTION == on_policy_algorithm.STALLED_KL_FRACTION

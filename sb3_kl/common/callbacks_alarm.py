@@ -247,6 +247,8 @@ class KLAlarmCallback(MonitorUser):
         else:
             raised += self._negative_kl_alarms(record, per_state)
         target, key, ended = self._target()
+        if self.target_kl is not None:
+            self._record_target(target)
         if key not in record:  # a record that does not carry the conversion: the monitor's KL, and the message says so
             key = "mean"
         kl = record[key]

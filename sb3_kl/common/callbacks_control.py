@@ -110,6 +110,7 @@ class KLAdaptiveLRCallback(MonitorUser):
         kl = record["mean"]
         value = target_kl_value(self.target_kl, self.model._current_progress_remaining)
         target = max(value, MIN_TARGET_KL)
+        self._record_target(target)
         old = self.learning_rate
         if not math.isfinite(kl):
             self.learning_rate = self._clip(old / self.factor)

@@ -868,6 +868,15 @@ class MonitorUser(BaseCallback):
         self.monitor = monitor if monitor is not None else KLMonitorCallback(normalization_shift=False, drift_lag=None)
         self.monitor.add_listener(self._on_kl_measured)
         self._active = False
+        self._logged_convention: str | None = None  # the convention of the ``kl/mean`` this learn() logs
+
+    def _record_target(self, target: float) -> None:
+        """
+        Log the callback's own KL target as ``kl/target_kl``, read by ``sb3-kl report`` when the algorithm logged no
+        target, beside the ``kl/mean`` it is compared with: only when that mean is in the callback's convention.
+        """
+        if self._logged_convention == self.monitor.convention:
+            self.logger.record("kl/target_kl", target)
 
     def _on_kl_measured(self, record: dict[str, Any], per_state: np.ndarray) -> None:
         raise NotImplementedError
@@ -880,8 +889,9 @@ class MonitorUser(BaseCallback):
         if self._own_monitor:
             # The private monitor logs its figures only when no KLMonitorCallback of the user's takes part in this
             # learn(): its kl/ keys would replace the user's (in their convention) key by key within one row
-            callbacks = _callbacks_in(self.locals.get("callback"))
-            self.monitor._writes_logger = not any(isinstance(callback, KLMonitorCallback) for callback in callbacks)
+            users = [c for c in _callbacks_in(self.locals.get("callback")) if isinstance(c, KLMonitorCallback)]
+            self.monitor._writes_logger = not users
+            self._logged_convention = users[-1].convention if users else self.monitor.convention
             self.monitor.on_training_start(self.locals, self.globals)
         elif getattr(self.monitor, "model", None) is not self.model or (
             "callback" in self.locals and not any(c is self.monitor for c in _callbacks_in(self.locals["callback"]))
@@ -891,6 +901,8 @@ class MonitorUser(BaseCallback):
                 f"The KLMonitorCallback passed to {type(self).__name__} is not one of this learn()'s callbacks: pass "
                 "it to learn() as well, every time, e.g. callback=[monitor, this_callback]."
             )
+        else:
+            self._logged_convention = self.monitor.convention
         self._active = True
 
     def _on_rollout_start(self) -> None:

@@ -10,7 +10,9 @@ The KL keys differ between sb3_kl's algorithms (``train/kl``, ...) and a stock a
 ``KLMonitorCallback`` (``kl/mean``, ...): :data:`KL_KEYS` maps one canonical name to both spellings. The KL figures
 of a run (mean, p99, target, beta) all come from one source, so that they are in one convention: the algorithm's own
 ``train/`` keys when it logged ``train/kl``, else the monitor's ``kl/`` keys, where the mean compared with
-``kl/target`` is ``kl/mean_in_target_convention`` (the KL in the convention the algorithm states its target in).
+``kl/target`` is ``kl/mean_in_target_convention`` (the KL in the convention the algorithm states its target in). A
+stock agent without a target of its own may have one from ``KLAlarmCallback``/``KLAdaptiveLRCallback``:
+``kl/target_kl``, in the convention of ``kl/mean``.
 """
 
 import csv
@@ -28,7 +30,8 @@ import numpy as np
 KL_KEYS: dict[str, tuple[str, ...]] = {
     "kl_mean": ("train/kl", "kl/mean_in_target_convention", "kl/mean"),
     "kl_p99": ("train/kl_p99", "kl/p99"),
-    "target_kl": ("train/target_kl", "kl/target"),
+    # (the algorithm's target first; a KL callback's ``kl/target_kl`` is only logged beside the ``kl/mean`` it is in)
+    "target_kl": ("train/target_kl", "kl/target", "kl/target_kl"),
     "kl_coef": ("train/kl_coef", "kl/coef"),
     "learning_rate": ("train/learning_rate", "kl/learning_rate"),
     "alarms": ("kl/alarms",),
@@ -49,6 +52,7 @@ CONVENTION_KEYS = {
     "kl/p99": "kl/convention",
     "kl/mean_in_target_convention": "kl/target_convention",
     "kl/target": "kl/target_convention",
+    "kl/target_kl": "kl/convention",
 }
 
 TIMESTEP_COLUMN = "time/total_timesteps"

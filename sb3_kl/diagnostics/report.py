@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sb3_kl.diagnostics.diagnosis import TROUBLESHOOTING, Finding, diagnose, values_at
 from sb3_kl.diagnostics.leadlag import METHOD, LeadLagResult, lead_lag
 from sb3_kl.diagnostics.logs import RunLog, Series, align
 
@@ -73,6 +74,7 @@ class RunReport:
         above the band where a target is known at that step)
     :param nonfinite_judged: How many of them have a target, and so count above the band
     :param notes: Remarks on missing keys
+    :param findings: The troubleshooting entries the run shows (:func:`~sb3_kl.diagnostics.diagnosis.diagnose`)
     """
 
     run: RunLog
@@ -90,6 +92,7 @@ class RunReport:
     nonfinite_steps: list[int] = field(default_factory=list)
     nonfinite_judged: int = 0
     notes: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
 
 
 def resolve_band(run: RunLog, band: tuple[float, float] | None = None) -> tuple[tuple[float, float], str]:
@@ -240,6 +243,8 @@ def summarize_run(
         dump_steps, kept_steps = np.diff(returns.steps), np.diff(steps)
         if len(dump_steps) and len(kept_steps) and np.median(dump_steps) > 0:
             report.lead.updates_per_lag = max(1, round(float(np.median(kept_steps) / np.median(dump_steps))))
+    coef_t = None if coef is None else values_at(coef, steps_t)
+    report.findings = diagnose(steps_t, kl_t, target_t, coef_t, coef_bounds, report.nonfinite_steps, report.lead)
     return report
 
 
@@ -355,6 +360,16 @@ def _alarm_line(report: RunReport) -> str:
     return f"alarms: {report.n_alarms} (at steps {shown})"
 
 
+def diagnosis_lines(report: RunReport, header: str = "diagnosis", bullet: str = "- ") -> list[str]:
+    """
+    :return: the header and one line per finding, or one line saying there is none (and why the KL was not judged)
+    """
+    if not report.findings:
+        unjudged = "" if np.isfinite(report.above) else " (no target KL: the KL was not judged, pass --target)"
+        return [f"{header}: nothing found that {TROUBLESHOOTING} lists{unjudged}"]
+    return [f"{header}:", *(f"{bullet}{finding.summary()}" for finding in report.findings)]
+
+
 def format_text(report: RunReport, coef_bounds: tuple[float, float] = DEFAULT_COEF_BOUNDS) -> str:
     """
     :param report: The report of one run
@@ -387,6 +402,7 @@ def format_text(report: RunReport, coef_bounds: tuple[float, float] = DEFAULT_CO
     if report.lead is not None:
         lines.append("lead-lag: " + report.lead.summary())
     lines += [f"note: {note}" for note in report.notes]
+    lines += diagnosis_lines(report)
     return "\n".join(lines)
 
 
@@ -425,6 +441,7 @@ def format_markdown(reports: list[RunReport], coef_bounds: tuple[float, float] =
         if report.lead is not None:
             out.append(f"- Lead-lag: {report.lead.summary()}")
         out += [f"- Note: {note}" for note in report.notes]
+        out += diagnosis_lines(report, header="- Diagnosis", bullet="  - ")
         out.append("")
     out += ["## Method", "", METHOD, ""]
     return "\n".join(out)
