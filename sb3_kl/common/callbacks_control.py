@@ -15,6 +15,7 @@ from stable_baselines3.common.type_aliases import Schedule
 from stable_baselines3.common.utils import update_learning_rate
 
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser
+from sb3_kl.common.keywords import SuggestsKeywords
 from sb3_kl.common.learning_rate import AdaptiveLRSchedule
 from sb3_kl.common.validation import (
     MIN_TARGET_KL,
@@ -139,7 +140,7 @@ class KLAdaptiveLRCallback(MonitorUser):
             self._original_schedule = None
 
 
-class VarianceFloorCallback(BaseCallback):
+class VarianceFloorCallback(SuggestsKeywords, BaseCallback):
     """
     Keep a Gaussian policy's standard deviation at or above ``min_std`` after every optimizer step.
 

@@ -16,6 +16,7 @@ from stable_baselines3.common.distributions import Distribution
 from stable_baselines3.common.logger import TensorBoardOutputFormat
 from stable_baselines3.common.vec_env import unwrap_vec_normalize
 
+from sb3_kl.common.keywords import SuggestsKeywords
 from sb3_kl.common.kl import (
     KL_DIRECTIONS,
     KL_ESTIMATORS,
@@ -148,7 +149,7 @@ def _step_major_observations(sequences: RolloutSequences) -> Any:
     return step_major(sequences.observations)
 
 
-class KLMonitorCallback(BaseCallback):
+class KLMonitorCallback(SuggestsKeywords, BaseCallback):
     """
     Measure the per-state KL between the rollout policy and the updated policy after every update: by default the
     exact KL(pi_rollout || pi_updated) summed over action dimensions; ``direction``, ``estimator`` and ``reduction``
@@ -851,7 +852,7 @@ def _callbacks_in(callback: BaseCallback | None) -> Iterator[BaseCallback]:
     yield from _callbacks_in(getattr(callback, "callback", None))
 
 
-class MonitorUser(BaseCallback):
+class MonitorUser(SuggestsKeywords, BaseCallback):
     """
     Base of the callbacks that act on the measured KL: they listen to a :class:`KLMonitorCallback`, either the one
     passed as ``monitor`` (which must also be given to ``learn()``, so the KL is measured once) or a private one

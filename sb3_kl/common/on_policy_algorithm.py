@@ -69,6 +69,7 @@ from sb3_kl.common.validation import (  # MIN_TARGET_KL: kept importable from he
     target_kl_value,
 )
 from sb3_kl.common.variance import min_log_std_parameter
+from sb3_kl.common.keywords import SuggestsKeywords, closest_keyword, unexpected_keyword_error
 from sb3_kl.common.kl import (
     DistributionParams,
     attach_sde_features,
@@ -357,7 +358,7 @@ STALLED_AT_FLOOR_UPDATES = 10
 STALLED_KL_FRACTION = 0.1
 
 
-class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
+class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm):
     """
     Base class of the sb3_kl algorithms. See :class:`~sb3_kl.KLPPO` for the meaning of the KL arguments.
 
@@ -715,6 +716,7 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
         data = read_saved_data(path)
         stock = saved_without_kl_state(data)
         cls._check_saved_policy_family(path, data)
+        cls._check_load_keywords(kwargs, data)
         other_family = cls._saved_by_other_family(data)
         custom_objects = dict(custom_objects or {})
         given = set(custom_objects) | set(kwargs)
@@ -814,6 +816,22 @@ class KLOnPolicyAlgorithm(ReferenceKLMixin, OnPolicyAlgorithm):
             cls(policy=cls._default_policy_class(), env=None, device="cpu", _init_setup_model=False, **{**given, "verbose": 0})
         # the throwaway model's verbose was 0, and its n_steps=0 is left to SB3's assert, which needs an env
         check_on_policy_arguments({name: given[name] for name in ("verbose", "n_steps") if name in given}, min_n_steps=1)
+
+    @classmethod
+    def _check_load_keywords(cls, kwargs: dict[str, Any], data: dict[str, Any]) -> None:
+        """
+        SB3's ``load`` sets any keyword as an attribute, so a misspelled one (``kl_coeff=0.1``) would be set where
+        nothing reads it: refuse, as the constructor does, a name that is no parameter, saved entry or attribute of the
+        class but close to a parameter or saved entry (a name not close to any may be a deliberate new attribute).
+
+        :raises TypeError: naming the closest parameter or saved entry
+        """
+        parameters = inspect.signature(cls.__init__).parameters
+        for name in kwargs:
+            if name in parameters or name in data or hasattr(cls, name):
+                continue
+            if closest_keyword(name, [*parameters, *data]) is not None:
+                raise unexpected_keyword_error(f"{cls.__name__}.load()", name, [*parameters, *data])
 
     @classmethod
     def _default_policy_class(cls) -> type[BasePolicy]:
