@@ -5,16 +5,17 @@ MAIN_ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-
 # klppo_noclip runs only where PPO's zoo entry clips (elsewhere klppo is already KLPPO without clipping)
 # trpl: TRPL with PPO's zoo entry without the clip, at the bounds of ``settings.TRPL_BOUNDS``
 MAIN_ALGOS = ["ppo", "ppo_target_kl", "trpo", "klppo", "klppo_noclip", "clip_klppo", "kltrpo", "trpl"]
-# not in the default grid (it needs TRPO's records first: ``--algos kltrpo_matched``); reported when records exist
-EXTRA_ALGOS = ["kltrpo_matched"]
+# not in the default grid (kltrpo_matched needs TRPO's records first: ``--algos kltrpo_matched``; klppo_auto is KLPPO
+# with learning_rate="auto_<the zoo rate>", see SWEEP_ALGOS); reported when records exist
+EXTRA_ALGOS = ["kltrpo_matched", "klppo_auto"]
 # TRPO's seeds whose records set kltrpo_matched's target: fixed, so that adding TRPO seeds does not move the target of
 # later kltrpo_matched runs away from that of the earlier ones
 MATCHED_SEEDS = (0, 1, 2)
 ALL_ALGOS = MAIN_ALGOS + EXTRA_ALGOS
 # the algorithms of sb3-kl (the others run no sb3-kl code: only the KL monitor watches them)
-SB3_KL_ALGOS = ("klppo", "klppo_noclip", "clip_klppo", "kltrpo", "kltrpo_matched", "trpl")
+SB3_KL_ALGOS = ("klppo", "klppo_noclip", "clip_klppo", "kltrpo", "kltrpo_matched", "trpl", "klppo_auto")
 #: the sb3-kl algorithms whose loss carries the adaptive KL penalty (beta)
-KL_PENALIZED_ALGOS = ("klppo", "klppo_noclip", "clip_klppo")
+KL_PENALIZED_ALGOS = ("klppo", "klppo_noclip", "clip_klppo", "klppo_auto")
 STRESS_ENVS = ["Pendulum-v1", "HalfCheetah-v5"]
 STRESS_ALGOS = ["ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo", "trpl"]
 # the goals judge the controller at 10x the zoo learning rate

@@ -21,7 +21,7 @@ def plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], envs: list[
     import matplotlib.pyplot as plt
 
     palette = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:red", "tab:purple", "tab:brown"]
-    palette.append("tab:pink")  # kltrpo_matched's, after trpl's brown
+    palette += ["tab:pink", "tab:gray"]  # kltrpo_matched's and klppo_auto's, after trpl's brown
     colors = dict(zip(ALL_ALGOS, palette, strict=True))
     for lr_mult in sorted({k[2] for k in groups}):
         grid_envs = [e for e in envs if any((e, a, lr_mult) in groups for a in algos)]

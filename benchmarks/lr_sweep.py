@@ -2,8 +2,9 @@
 The learning-rate sweep: stock PPO, PPO with ``KLAdaptiveLRCallback``, KLPPO and KLPPO with ``learning_rate="auto"`` at
 multiples of rl-zoo's learning rate (``grid.SWEEP_LR_MULTS``) on ``grid.SWEEP_ENVS``, the grid's full budgets.
 
-Each finished run appends its record to ``benchmarks/results/lr_sweep/runs/full/records.jsonl``; a run the learning
-grid already made (``ppo`` and ``klppo`` at x1 and x10) is read from the grid's records, not made again. The page
+Each finished run appends its record to ``benchmarks/results/lr_sweep/runs/full/records.jsonl``, except at x1, where
+it is a cell of the learning grid and goes to the grid's records; a run the grid already made (``ppo`` and ``klppo``
+at x1 and x10, ``klppo_auto`` at x1) is read from the grid's records, not made again. The page
 ``benchmarks/results/lr_sweep.md`` and its figure are regenerated from the records by ``--report``.
 
 Examples::
@@ -30,6 +31,8 @@ from learning import seed_list  # noqa: E402
 TIER = "full"
 #: The sweep's own records folder (the grid's records of the same cells are read beside it)
 FOLDER = run_records.MAIN_RESULTS / "lr_sweep" / "runs" / TIER
+#: The learning grid's records folder
+GRID_FOLDER = run_records.MAIN_RESULTS / "runs" / TIER
 
 
 def sweep_records() -> list[dict[str, Any]]:
@@ -38,7 +41,7 @@ def sweep_records() -> list[dict[str, Any]]:
     made = {run_records.record_key(r) for r in own}
     grid = [
         r
-        for r in run_records.read_folder(run_records.MAIN_RESULTS / "runs" / TIER)
+        for r in run_records.read_folder(GRID_FOLDER)
         if r["env"] in SWEEP_ENVS and r["algo"] in SWEEP_ALGOS and r["lr_mult"] in SWEEP_LR_MULTS
     ]
     return own + [r for r in grid if run_records.record_key(r) not in made]
@@ -63,7 +66,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from grid_runs import train_and_evaluate
 
     record = train_and_evaluate(spec)
-    run_records.append_record(FOLDER, record)
+    run_records.append_record(GRID_FOLDER if record["lr_mult"] == 1.0 else FOLDER, record)
     return record
 
 
