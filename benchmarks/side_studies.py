@@ -195,7 +195,7 @@ def start_table(
     label = f"{coef:g}"
     return [
         "",
-        f"### Starting at {label} ({source})",
+        f"## Starting at {label} ({source})",
         "",
         "| env | lr | algo | n | " + PAIRED_HEADER.format(a="1.0", b=label)[2:],
         "|" + "---|" * 14,
@@ -434,7 +434,7 @@ def collapses_by_start(
     if not rows:
         return []
     return [
-        "### Collapses by initial beta",
+        "## Collapses by initial beta",
         "",
         "Every cell with a collapse at any start: the seeds that collapsed (`count_collapses`) at each start, the "
         "per-update KL of each fall (`fall_kl`: mean / max over its updates, x target), and the two-sided Fisher exact "

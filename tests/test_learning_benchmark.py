@@ -233,6 +233,11 @@ def _section_end(text: str, start: int) -> int:
     return min(text.find(heading, start) % (len(text) + 1) for heading in ("\n## ", "\n# "))
 
 
+def _page_end(text: str, start: int) -> int:
+    """Where the page that begins at ``start`` ends: at the next page's heading (a page's sections are ``## ``)."""
+    return text.find("\n# ", start) % (len(text) + 1)
+
+
 def _row(text: str, start: str) -> str:
     """The table row of a report that starts with ``start``."""
     return next(line for line in text.splitlines() if line.startswith(start))
@@ -667,7 +672,7 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
     # in band: 2 of 4 updates at 1.0, 2 of 4 at 0.2 (one undershoots, one overshoots); over 2x: 0 vs 1 of 4
     assert "| 50 ± 0% | 50 ± 0% | 0 ± 0% | 25 ± 0% |" in row
     assert "Pendulum-v1 x1 klppo 2.0 -> 1.0" in section
-    assert "### Starting at 0.2" in section and "### Starting at 0.0001" not in section
+    assert "## Starting at 0.2" in section and "## Starting at 0.0001" not in section
     # a second start, at the floor: its own subsection, with the AUCs' difference tested like the returns'
     floor = tmp_path / "kl_coef_0.0001" / "runs" / "tiny"
     for seed in range(3):
@@ -677,7 +682,7 @@ def test_report_sets_a_candidate_initial_beta_beside_the_default_on_the_same_mac
         _write(floor, record)
     section = side_studies.initial_kl_coef_comparison("tiny")
     assert section.startswith("## KLPPO's initial beta (`kl_coef`): 1.0 kept as the default, 0.2 and 0.0001 measured")
-    floor_part = section[section.index("### Starting at 0.0001") :]
+    floor_part = section[section.index("## Starting at 0.0001") :]
     assert "Pendulum-v1 x1 klppo 2.0 -> 0.0" in floor_part
     assert "AUC difference (0.0001 - 1.0): Pendulum-v1 x1 klppo +" in floor_part
     assert ": better." in floor_part  # far above the default's AUC on every seed
@@ -769,7 +774,7 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
         _write(lowered, _record("clip_klppo", "Pendulum-v1", seed, -200.0 + seed, [0.03, 0.09], 0.03))
     text = _report("tiny")
     start = text.index(f"# ClipKLPPO's initial beta (`kl_coef`): {coef:g} measured against the default 1.0")
-    section = text[start : _section_end(text, start)]
+    section = text[start : _page_end(text, start)]
     row = _row(section, "| Pendulum-v1 | x1 | clip_klppo |")
     assert row.startswith("| Pendulum-v1 | x1 | clip_klppo | 3 | -299.0 ± 0.8 | -199.0 ± 0.8 | +100.0 (p<0.001): better")
     assert row.endswith("| 100 ± 0% | 50 ± 0% | 0 ± 0% | 50 ± 0% | 0 / 0 |")
@@ -778,8 +783,8 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     against_ppo = _row(section, "| Pendulum-v1 | x1 | 3 |")
     assert against_ppo.startswith("| Pendulum-v1 | x1 | 3 | -100.0 (p<0.001): worse | +0.0 (p=1.00): tie |")
     assert f"not re-run at {coef:g}: CartPole-v1 x1 (3 of 3 seeds)." in section
-    assert f"### Starting at {middle_coef:g}" not in section  # no records at the middle start
-    assert "### Collapses by initial beta" not in section  # no collapse anywhere, nothing to decide on
+    assert f"## Starting at {middle_coef:g}" not in section  # no records at the middle start
+    assert "## Collapses by initial beta" not in section  # no collapse anywhere, nothing to decide on
     assert side_studies.CLIP_KLPPO_START_VERDICT not in section
     # a second start gets its own table, beside the same grid; its seed 1 collapses
     falling = [[100 * i, float(r)] for i, r in enumerate([10, 400, 900, 950, 980, 700, 400, 250, 260, 270])]
@@ -789,8 +794,8 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
         _write(tmp_path / middle / "runs" / "tiny", record)
     text = _report("tiny")
     start = text.index(f"# ClipKLPPO's initial beta (`kl_coef`): {coef:g} and {middle_coef:g} measured against")
-    section = text[start : _section_end(text, start)]
-    middle_part = section[section.index(f"### Starting at {middle_coef:g}") :]
+    section = text[start : _page_end(text, start)]
+    middle_part = section[section.index(f"## Starting at {middle_coef:g}") :]
     assert _row(middle_part, "| CartPole-v1 | x1 | clip_klppo |").startswith(
         "| CartPole-v1 | x1 | clip_klppo | 2 | 500.0 ± 0.0 | 400.0 ± 0.0 | -100.0 (p<0.001): worse"
     )
@@ -800,12 +805,12 @@ def test_report_sets_clip_klppo_started_lower_beside_the_grid_and_ppo(tmp_path, 
     assert section.rstrip().endswith(side_studies.CLIP_KLPPO_START_VERDICT)
     # seed 1 fell with its updates at 400 and 500 steps, at 1 and 2 x target
     assert f"| CartPole-v1 | x1 | {middle_coef:g} | 2 | 1 | 1 | s1 1.50 / 2.00 | 1.00 |" in section
-    assert "| Pendulum-v1 | x1 |" not in section[section.index("### Collapses by initial beta") :]
+    assert "| Pendulum-v1 | x1 |" not in section[section.index("## Collapses by initial beta") :]
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds).\n\nWhat the middle start showed." in middle_part
     # a start that re-runs every cell misses the ones not re-run yet
     monkeypatch.setattr(side_studies, "CLIP_KLPPO_START_RUNS", [(folder, coef, None, ""), (middle, middle_coef, None, "")])
     text = _report("tiny")
-    middle_part = text[text.index(f"### Starting at {middle_coef:g}") :]
+    middle_part = text[text.index(f"## Starting at {middle_coef:g}") :]
     assert "re-run: every cell of the grid)" in middle_part
     assert f"not re-run at {middle_coef:g}: CartPole-v1 x1 (1 of 3 seeds), Pendulum-v1 x1 (3 of 3 seeds)." in middle_part
     _empty(lowered)
