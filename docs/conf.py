@@ -1,7 +1,9 @@
 """Sphinx configuration of the sb3-kl documentation (MyST Markdown pages, reST docstrings)."""
 
 import os
+import shutil
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.abspath(".."))
 
@@ -35,4 +37,40 @@ autodoc_mock_imports: list[str] = []
 
 html_theme = "sphinx_rtd_theme"
 html_title = f"sb3-kl {__version__}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+# Wider content and wrapping table cells: the theme caps the text at 800 px and keeps each cell on one line
+html_css_files = ["wide_tables.css"]
+
+# The benchmark pages (benchmarks/results/*.md and their figures) are the repository's; the site renders copies of
+# them under results/, made at each build (not committed), so a docs page links to them as ../results/<page>.md.
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+#: The folders of ``benchmarks/results`` whose pages the site renders ("" is the folder itself)
+RESULTS_FOLDERS = ("", "side_studies")
+RESULTS_COPY = "results"
+
+
+def results_pages() -> list[str]:
+    """The results pages the site renders, as paths relative to ``benchmarks/results`` (and to ``docs/results``)."""
+    return sorted(path.relative_to(RESULTS).as_posix() for folder in RESULTS_FOLDERS for path in (RESULTS / folder).glob("*.md"))
+
+
+def copy_results(app, config) -> None:
+    """Copy the results pages and their figures into the site's sources (only files that changed, so builds stay incremental)."""
+    target = Path(app.srcdir) / RESULTS_COPY
+    wanted = {}
+    for folder in RESULTS_FOLDERS:
+        for path in (RESULTS / folder).iterdir():
+            if path.suffix in (".md", ".png"):
+                wanted[target / folder / path.name] = path
+    if target.exists():
+        for path in target.rglob("*"):
+            if path.is_file() and path not in wanted:
+                path.unlink()
+    for copy, source in wanted.items():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if not copy.exists() or copy.read_bytes() != source.read_bytes():
+            shutil.copy2(source, copy)
+
+
+def setup(app) -> None:
+    app.connect("config-inited", copy_results)
