@@ -51,11 +51,13 @@ RESULTS_COPY = "results"
 
 def results_pages() -> list[str]:
     """The results pages the site renders, as paths relative to ``benchmarks/results`` (and to ``docs/results``)."""
-    return sorted(path.relative_to(RESULTS).as_posix() for folder in RESULTS_FOLDERS for path in (RESULTS / folder).glob("*.md"))
+    return sorted(
+        path.relative_to(RESULTS).as_posix() for folder in RESULTS_FOLDERS for path in (RESULTS / folder).glob("*.md")
+    )
 
 
 def copy_results(app, config) -> None:
-    """Copy the results pages and their figures into the site's sources (only files that changed, so builds stay incremental)."""
+    """Copy the results pages and their figures into the site's sources (only what changed: builds stay incremental)."""
     target = Path(app.srcdir) / RESULTS_COPY
     wanted = {}
     for folder in RESULTS_FOLDERS:

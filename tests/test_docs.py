@@ -2,7 +2,8 @@
 The documentation runs as written: every ```python block of every page of ``docs/`` (not the generated tables) and
 of ``README.md`` executes, page by page, the page's blocks in order in one fresh interpreter whose working directory
 is a temporary folder; the Sphinx site builds with warnings fatal (``python -m sphinx -W -b html docs OUT``); every
-repository path a page names exists; and each algorithm page's "Can I use?" table of spaces is true.
+repository path a page names exists; every results page a docs page cites is a link the site opens; and each algorithm
+page's "Can I use?" table of spaces is true.
 """
 
 import importlib.util
@@ -17,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-SKIPPED_FOLDERS = {"_generated", "_build"}
+# _generated: tables the pages include; results: the site's copies of benchmarks/results' pages, made by each build
+SKIPPED_FOLDERS = {"_generated", "_build", "results"}
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
 
 # Runs in the fresh interpreter: each block compiled under a name that says where it comes from, in one namespace,
@@ -142,6 +144,92 @@ def test_named_repository_paths_exist(page: Path) -> None:
     assert not missing, f"{name} names paths that do not exist: {missing}"
 
 
+def site_results_pages() -> set[str]:
+    """The results pages the site renders, relative to ``docs/results`` (``docs/conf.py`` copies them at each build)."""
+    spec = importlib.util.spec_from_file_location("sb3_kl_docs_conf", DOCS / "conf.py")
+    assert spec is not None and spec.loader is not None
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    return set(conf.results_pages())
+
+
+# A Markdown link (its text may hold brackets, e.g. [`x[0]`](page.md)) and its target
+MARKDOWN_LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)\)")
+# A results page named in the text, e.g. `benchmarks/results/learning.md` or {download}`... <../../benchmarks/results/x.md>`
+RESULTS_PATH = re.compile(r"benchmarks/results/[\w./-]*\.md\b")
+
+
+def prose(text: str) -> str:
+    """The page without its fenced blocks (code and command output cite paths that are no citations)."""
+    kept, fence = [], None
+    for line in text.splitlines():
+        match = FENCE.match(line)
+        if fence is None and match is not None:
+            fence = match["fence"]
+        elif fence is not None and match is not None and match["fence"][0] == fence[0] and len(match["fence"]) >= len(fence):
+            if not match["info"].strip():
+                fence = None
+        elif fence is None:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def results_citation_problems(text: str, folder: Path, rendered: set[str]) -> list[str]:
+    """
+    How a page in ``folder`` cites results pages wrongly: as plain text (a path or a page's file name in the prose, which
+    a site reader cannot open), or by a link to a file the built site has no page for (a repository path, or a page the
+    site does not render). ``rendered``: the results pages of the site, relative to ``docs/results``.
+    """
+    text = prose(text)
+    problems = []
+    for target in MARKDOWN_LINK.findall(text):
+        path = target.split("#")[0]
+        if not path or "://" in path or path.startswith("mailto:"):
+            continue
+        resolved = Path(os.path.normpath(folder / path))
+        if RESULTS_PATH.search(path) or resolved.is_relative_to(ROOT / "benchmarks" / "results"):
+            problems.append(f"links to the repository's {path}, which the site cannot open: link ../results/<page>.md")
+        elif resolved.is_relative_to(DOCS / "results") and resolved.relative_to(DOCS / "results").as_posix() not in rendered:
+            problems.append(f"links to {path}, a results page the site does not render")
+    without_links = MARKDOWN_LINK.sub("", text)
+    problems += [f"cites {path} as plain text: link ../results/<page>.md" for path in RESULTS_PATH.findall(without_links)]
+    names = {Path(page).name for page in rendered}
+    problems += [
+        f"cites {name} as plain text: link ../results/<page>.md"
+        for name in re.findall(r"`([\w.-]+\.md)`", without_links)
+        if name in names
+    ]
+    return problems
+
+
+def test_results_citation_check_finds_plain_text_and_links_the_site_cannot_open() -> None:
+    rendered = {"learning.md", "side_studies/kl_stop.md"}
+    folder = DOCS / "guide"
+    good = "See the [learning grid](../results/learning.md#goals) and [a study](../results/side_studies/kl_stop.md)."
+    assert results_citation_problems(good, folder, rendered) == []
+    assert results_citation_problems("```text\nbenchmarks/results/learning.md\n```", folder, rendered) == []
+    bad = [
+        "The full report is `benchmarks/results/learning.md`.",
+        "(*Goals* in `learning.md`)",
+        "[the grid](../../benchmarks/results/learning.md)",
+        "{download}`the measurement <../../benchmarks/results/learning.md>`",
+        "[a page the site lacks](../results/overhead_recheck/overhead.md)",
+    ]
+    for text in bad:
+        assert len(results_citation_problems(text, folder, rendered)) == 1, text
+
+
+@pytest.mark.parametrize(
+    "page",
+    [*doc_pages()[1:], *sorted((DOCS / "_generated").glob("*.md"))],
+    ids=lambda page: page.relative_to(ROOT).as_posix(),
+)
+def test_docs_cite_results_pages_by_links_the_site_opens(page: Path) -> None:
+    # README.md is no page of the site; a generated table is included by a page one folder below docs/, as it is
+    problems = results_citation_problems(page.read_text(encoding="utf-8"), page.parent, site_results_pages())
+    assert not problems, f"{page.relative_to(ROOT).as_posix()}: " + "; ".join(problems)
+
+
 def sphinx_missing() -> list[str]:
     return [module for module in ("sphinx", "myst_parser", "sphinx_rtd_theme") if importlib.util.find_spec(module) is None]
 
@@ -163,6 +251,10 @@ def test_sphinx_builds_without_warnings(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"the Sphinx build warned or failed:\n{result.stderr[-6000:]}"
     assert (tmp_path / "html" / "modules" / "klppo.html").is_file()
+    # the results pages the docs link to are pages of the site, with their figures
+    for page in site_results_pages():
+        assert (tmp_path / "html" / "results" / page).with_suffix(".html").is_file(), page
+    assert (tmp_path / "html" / "_images" / "learning_curves.png").is_file()
 
 
 # The "Can I use?" table of each algorithm page, checked by training a few steps on each space it names
