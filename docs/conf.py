@@ -29,7 +29,7 @@ master_doc = "index"
 exclude_patterns = ["_build", "_generated", "Thumbs.db", ".DS_Store"]
 # Headings get anchors, so pages can link to a section: [text](page.md#section-title)
 myst_heading_anchors = 3
-myst_enable_extensions = ["colon_fence"]
+myst_enable_extensions = ["colon_fence", "substitution"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
@@ -40,6 +40,8 @@ html_title = f"sb3-kl {__version__}"
 html_static_path = ["_static"]
 # Wider content and wrapping table cells: the theme caps the text at 800 px and keeps each cell on one line
 html_css_files = ["wide_tables.css"]
+# The version on the landing page: |release| in a MyST page
+myst_substitutions = {"release": release}
 
 # The benchmark pages (benchmarks/results/*.md and their figures) are the repository's; the site renders copies of
 # them under results/, made at each build (not committed), so a docs page links to them as ../results/<page>.md.
