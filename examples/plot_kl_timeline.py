@@ -2,7 +2,7 @@
 Train KLPPO (or stock PPO watched by the KL monitor) briefly with TensorBoard logging, then draw the KL/return
 timeline, print the KL report and the drill-down into the highest-KL states.
 
-This is how the figures of ``docs/diagnostics.md`` were produced (about a minute each on one CPU core)::
+This is how the figures of ``docs/guide/diagnostics.md`` were produced (about a minute each on one CPU core)::
 
     python examples/plot_kl_timeline.py --logdir benchmarks/results/diagnostics_runs/timeline --out docs/img/kl_timeline.png
     python examples/plot_kl_timeline.py --algo ppo --learning-rate 3e-3 --n-epochs 30 \\
@@ -11,7 +11,8 @@ This is how the figures of ``docs/diagnostics.md`` were produced (about a minute
         --logdir benchmarks/results/diagnostics_runs/compare --overlay
     sb3-kl plot benchmarks/results/diagnostics_runs/compare --overlay --target 0.02 --out docs/img/kl_timeline_overlay.png
 
-(``--target``: stock PPO logs no target KL, so its band is drawn from the one given.)
+(``--target``: stock PPO logs no target KL, so its band is drawn from the one given.) No band is given: KLPPO logs the
+band its controller used, the code's default ``kl_band``, and the figure draws that one.
 
 The same figure from any existing log directory: ``sb3-kl plot LOGDIR --out FILE.png`` (or ``python -m sb3_kl.plot``).
 
@@ -49,7 +50,7 @@ def train(
     :param seed: Random seed
     :param learning_rate: Adam step size
     :param n_epochs: Passes over each rollout
-    :return: Path of the saved high-KL states (``.npz``)
+    :return: Path of the saved high-KL states (``.npz``), and the run's own log folder (``<logdir>/KLPPO_<n>``)
     """
     env = make_vec_env(env_id, n_envs=4, seed=seed)
     kwargs = dict(
@@ -74,7 +75,7 @@ def train(
     model.learn(total_timesteps=timesteps, callback=[monitor, alarms])
     # SB3 writes an iteration's values when the next one starts: write the last update's KL too
     model.logger.dump(model.num_timesteps)
-    return states_path
+    return states_path, model.logger.get_dir()
 
 
 if __name__ == "__main__":
@@ -99,9 +100,12 @@ if __name__ == "__main__":
     if args.out is None:
         args.out = os.path.join(args.logdir, "kl_timeline.png")
     states = os.path.join(args.logdir, f"{args.algo}_top_states.npz")
+    # the run just trained, not older runs of the same folder (every run of it with --overlay or --skip-training)
+    runs = args.logdir
     if not args.skip_training:
-        states = train(args.algo, args.env, args.timesteps, args.logdir, args.seed, args.learning_rate, args.n_epochs)
-    status = sb3_kl_main(["plot", args.logdir, "--out", args.out, *(["--overlay"] if args.overlay else [])])
-    status = status or sb3_kl_main(["report", args.logdir])
+        states, run = train(args.algo, args.env, args.timesteps, args.logdir, args.seed, args.learning_rate, args.n_epochs)
+        runs = args.logdir if args.overlay else run
+    status = sb3_kl_main(["plot", runs, "--out", args.out, *(["--overlay"] if args.overlay else [])])
+    status = status or sb3_kl_main(["report", runs])
     status = status or sb3_kl_main(["states", states, "--top", "3"])
     raise SystemExit(status)
