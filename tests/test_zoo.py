@@ -517,6 +517,22 @@ def test_clip_range_none_written_in_a_yaml_config_reaches_the_model(zoo, tmp_pat
     assert zoo.preprocess_schedules({"clip_range": "None"})["clip_range"] is None
 
 
+@pytest.mark.parametrize("learning_rate, start", [("auto", 3e-4), ("auto_1e-3", 1e-3)])
+def test_auto_learning_rate_in_a_yaml_config_reaches_the_model(zoo, tmp_path, learning_rate, start):
+    conf = tmp_path / "klppo.yml"
+    conf.write_text(
+        "CartPole-v1:\n  n_timesteps: 256\n  policy: MlpPolicy\n  n_envs: 2\n  n_steps: 64\n  batch_size: 64\n"
+        f"  policy_kwargs: dict(net_arch=[16])\n  learning_rate: {learning_rate}\n"
+    )
+    zoo_main(
+        "train", "--algo", "klppo", "--env", "CartPole-v1", "--seed", "0", "-f", str(tmp_path), "--eval-freq", "-1",
+        "--verbose", "0", "-conf", str(conf),
+    )  # fmt: skip
+    model = zoo.SB3_KL_ALGOS["klppo"].load(tmp_path / "klppo" / "CartPole-v1_1" / "CartPole-v1.zip")
+    assert model.learning_rate == learning_rate and model.adapts_learning_rate
+    assert model.adapted_learning_rate != pytest.approx(start)  # adapted over the two updates, and saved
+
+
 def test_an_env_without_a_shipped_config_is_one_line_naming_conf(zoo, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stopped:
