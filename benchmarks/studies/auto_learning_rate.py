@@ -7,6 +7,7 @@ exact KL, each from a rate 100x too small, the task's rate and 10x it, on seeds 
 - ``between_updates``: no scale; after each update the rate is multiplied by ``sqrt(target / KL)`` (within 1/4..4).
 - ``per_minibatch``: no scale; after every optimizer step the rate is divided by 1.5 when that minibatch's KL (before
   the step) is above 2 x target and multiplied by 1.5 below target / 2 (rsl_rl's "adaptive" schedule).
+- ``fixed``: KLPPO at the starting rate, not adapted (the baseline).
 
 Measured from outside by ``KLMonitorCallback`` (exact KL(old||new) summed over action dimensions, each update's mean
 over its rollout's states): the share of updates in [0.5, 2] x target, and the deterministic return over 10 episodes.
@@ -39,7 +40,7 @@ RESULTS = run_records.MAIN_RESULTS
 RECORDS = RESULTS / "auto_learning_rate.json"
 PAGE = RESULTS / "auto_learning_rate.md"
 FIGURE = RESULTS / "auto_learning_rate.png"
-RULES = ("step_scale", "between_updates", "per_minibatch")
+RULES = ("step_scale", "between_updates", "per_minibatch", "fixed")
 MULTIPLIERS = (0.01, 1.0, 10.0)
 SEEDS = (10, 11)
 BAND = (0.5, 2.0)
@@ -101,7 +102,7 @@ def rule_class(rule: str) -> type:
             self._step_start = None
             return measured or self._measure_update_kl()
 
-    return {"step_scale": KLPPO, "between_updates": BetweenUpdates, "per_minibatch": PerMinibatch}[rule]
+    return {"step_scale": KLPPO, "between_updates": BetweenUpdates, "per_minibatch": PerMinibatch, "fixed": KLPPO}[rule]
 
 
 def run_key(record: dict[str, Any]) -> tuple[str, str, float, int]:
@@ -145,7 +146,8 @@ def run_one(rule: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any]
 
     monitor = KLMonitorCallback()
     env = make_vec_env(env_id, n_envs=task["n_envs"], seed=seed)
-    model = rule_class(rule)("MlpPolicy", env, learning_rate=f"auto_{start:g}", seed=seed, device="cpu", **task["kwargs"])
+    learning_rate = start if rule == "fixed" else f"auto_{start:g}"
+    model = rule_class(rule)("MlpPolicy", env, learning_rate=learning_rate, seed=seed, device="cpu", **task["kwargs"])
     model.learn(task["steps"], callback=CallbackList([monitor, Rates()]))
     returns, _ = evaluate_policy(
         model,
