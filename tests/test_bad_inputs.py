@@ -88,6 +88,9 @@ ROWS: list[Row] = [
     # --- SB3 on-policy arguments
     *ok(ALGOS, "learning_rate", -1e-3, 0.0, NAN, "0.001"),
     *ok(ALGOS, "learning_rate", Linear(1e-3, -1e-3)),  # a schedule that turns negative
+    *ok(PPOS, "learning_rate", "auto_-1", "auto_0", "autox"),  # learning_rate="auto" takes "auto" or "auto_<start>"
+    *ok((KLTRPO,), "learning_rate", "auto"),  # its step is not the optimizer's
+    *ok(PPOS, "lr_bounds", (1e-2, 1e-5), (0.0, 1e-2), "x"),
     Row(ALGOS, "n_steps", 0, "COMPAT"),
     *ok(ALGOS, "n_steps", 2.5),
     Row(PPOS, "batch_size", 1, "COMPAT"),
