@@ -243,8 +243,9 @@ def report() -> str:
         "",
         "## Setting",
         "",
-        f'KLPPO with `learning_rate="auto_<start>"` (seeds {", ".join(map(str, TASKS["CartPole-v1"]["seeds"]))} on CartPole-v1,'
-        f' {", ".join(map(str, TASKS["Pendulum-v1"]["seeds"]))} on Pendulum-v1: outside the grid\'s), starting'
+        "KLPPO with `learning_rate=\"auto_<start>\"` (seeds "
+        + "; ".join(f"{', '.join(map(str, task['seeds']))} on {env}" for env, task in TASKS.items())
+        + ": outside the grid's), starting"
         f" at x{', x'.join(f'{m:g}' for m in MULTIPLIERS)} of each task's rate: CartPole-v1 with the quickstart's settings"
         " (20k steps, target 0.02), Pendulum-v1 with rl-zoo's entry, its clip included (100k steps, target 0.03)."
         " The KL is measured from outside (`KLMonitorCallback`: exact, forward, summed, mean over the rollout's states)."
