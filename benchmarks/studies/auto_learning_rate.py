@@ -215,7 +215,7 @@ def report() -> str:
     plt.close(fig)
 
     lines = [
-        '# How `learning_rate="auto"` adapts: three rules measured',
+        '# How `learning_rate="auto"` adapts: three rules beside the fixed rate',
         "",
         "![KL / target per update, each rule and starting rate](auto_learning_rate.png)",
         "",
