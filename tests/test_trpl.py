@@ -155,7 +155,7 @@ def test_dict_observations():
         (lambda: IdentityEnvMultiDiscrete(3), dict(learning_rate=1e-2)),
         (lambda: IdentityEnvMultiBinary(3), dict(learning_rate=1e-2)),
         ("Pendulum-v1", dict(learning_rate=3e-3, mean_bound=0.01, cov_bound=0.0005)),
-        ("Pendulum-v1", dict(learning_rate=3e-3, use_sde=True, mean_bound=0.01, cov_bound=0.0005)),
+        ("Pendulum-v1", dict(learning_rate=1e-2, use_sde=True, mean_bound=0.01, cov_bound=0.0005)),
     ],
 )
 def test_bound_holds_in_every_state_measured_from_outside(env_id, kwargs):
@@ -363,19 +363,28 @@ def test_gaussian_options_refused_for_discrete_actions(kwargs, match):
 
 
 @pytest.mark.parametrize("std_kwargs", [{}, dict(full_std=False, use_expln=True)])
-def test_gsde_forward_builds_sb3s_distribution_with_its_std_differentiable_in_the_features(std_kwargs):
-    # TRPL builds gSDE's Normal once, on the features with their gradient: SB3's values, bit for bit
+@pytest.mark.parametrize("learn_features", [False, True])
+def test_gsde_std_trains_the_features_only_with_learn_features(std_kwargs, learn_features):
+    """
+    As SB3's gSDE: the std TRPL projects, regresses and enforces is built on the actor's features detached, so its
+    gradient with respect to them is 0, unless the distribution has ``learn_features=True`` (SB3's actor-critic
+    policies fix it to False; a custom policy may set it); its values are SB3's, bit for bit.
+    """
     policy_kwargs = dict(TINY["policy_kwargs"], **std_kwargs)
     model = TRPL("MlpPolicy", "Pendulum-v1", use_sde=True, n_steps=64, **{**TINY, "policy_kwargs": policy_kwargs})
+    model.policy.action_dist.learn_features = learn_features
     obs = th.as_tensor(np.stack([model.observation_space.sample() for _ in range(8)]))
     stock = model.policy.get_distribution(obs).distribution
     stock_loc, stock_scale = stock.loc.detach().clone(), stock.scale.detach().clone()
     _, distribution = model._forward(obs)
     assert th.equal(distribution.distribution.loc, stock_loc) and th.equal(distribution.distribution.scale, stock_scale)
     assert distribution.get_actions().shape == (8, 1)  # sampling works on the distribution as SB3 keeps it
-    distribution.distribution.scale.sum().backward()
-    first_layer = model.policy.mlp_extractor.policy_net[0].weight
-    assert first_layer.grad is not None and first_layer.grad.abs().sum() > 0
+    features = model.policy.mlp_extractor.forward_actor(model.policy.extract_features(obs)).detach().requires_grad_()
+    mean, std = model._gaussian_parts(model._distribution_from_latent(features))
+    (grad,) = th.autograd.grad(std.sum(), features, allow_unused=True)
+    assert (grad is not None and grad.abs().sum() > 0) == learn_features
+    (mean_grad,) = th.autograd.grad(mean.sum(), features)
+    assert mean_grad.abs().sum() > 0  # the mean trains them either way
 
 
 def test_squashed_gsde_refused():

@@ -169,22 +169,6 @@ def _sde_normal(
     return th.distributions.Normal(mean_actions, th.sqrt(variance + distribution.epsilon), validate_args=False)
 
 
-def sde_distribution_with_features(
-    distribution: StateDependentNoiseDistribution, mean_actions: th.Tensor, latent_sde: th.Tensor, log_std: th.Tensor
-) -> StateDependentNoiseDistribution:
-    """
-    ``distribution.proba_distribution(mean_actions, log_std, latent_sde)`` for an algorithm that uses only the
-    feature-differentiable Normal of :func:`attach_sde_features` (TRPL): that Normal is built once and is the
-    distribution's own too, instead of beside a second one on detached features (the same values).
-
-    :return: ``distribution``, its Normal replaced
-    """
-    distribution._latent_sde = latent_sde if distribution.learn_features else latent_sde.detach()
-    distribution.distribution = _sde_normal(distribution, mean_actions, latent_sde, log_std)
-    setattr(distribution, _KL_NORMAL_ATTRIBUTE, (distribution.distribution, distribution.distribution))
-    return distribution
-
-
 def kl_log_prob(distribution: Distribution, actions: th.Tensor, log_prob: th.Tensor) -> th.Tensor:
     """
     The log-probabilities of the stored actions that the sample KL estimates (k1, k3, and the reference's importance

@@ -24,7 +24,6 @@ from sb3_kl.common.kl import (
     as_float64,
     kl_normal,
     per_state_kl,
-    sde_distribution_with_features,
 )
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.on_policy_algorithm import KLOnPolicyAlgorithm, saved_target_kl
@@ -98,7 +97,8 @@ class TRPL(KLOnPolicyAlgorithm):
     :param vf_coef: Value function coefficient for the loss calculation
     :param max_grad_norm: The maximum value for the gradient clipping
     :param use_sde: Whether to use generalized State Dependent Exploration (gSDE): the std is then per state and so
-        is its projection (without gSDE the std is state-independent and projected once per minibatch)
+        is its projection (without gSDE the std is state-independent and projected once per minibatch); as in SB3,
+        the std is built on the actor's features detached, so no loss trains the features through it
     :param sde_sample_freq: Sample a new noise matrix every n steps when using gSDE
         Default: -1 (only sample at the beginning of the rollout)
     :param rollout_buffer_class: Rollout buffer class to use; must subclass ``KLRolloutBuffer`` (or its Dict variant).
@@ -329,19 +329,17 @@ class TRPL(KLOnPolicyAlgorithm):
 
     def _distribution_from_latent(self, latent_pi: th.Tensor) -> Distribution:
         """
-        As the other algorithms', but with gSDE only the Normal differentiable in the features is built: the
-        projection, the losses and the enforcement use no other.
+        SB3's action distribution on the actor latent, as the policy builds it: with gSDE its std is built from the
+        latent features detached unless ``learn_features=True`` (SB3's ``StateDependentNoiseDistribution``), so no
+        loss (surrogate, trust-region term, entropy bonus, enforcement) trains the features through the std.
         """
-        if not self._per_state_std:
-            return super()._distribution_from_latent(latent_pi)
-        mean_actions = self.policy.action_net(latent_pi)
-        return sde_distribution_with_features(self.policy.action_dist, mean_actions, latent_pi, self.policy.log_std)
+        return self.policy._get_action_dist_from_latent(latent_pi)
 
     def _gaussian_parts(self, distribution: Distribution) -> tuple[th.Tensor, th.Tensor]:
         """
         The network's Gaussian: mean ``(batch, k)`` and std, ``(k,)`` for SB3's state-independent ``log_std`` (its
-        covariance is projected once per minibatch) or ``(batch, k)`` with gSDE (differentiable through the
-        features, :func:`~sb3_kl.common.kl.attach_sde_features`).
+        covariance is projected once per minibatch) or ``(batch, k)`` with gSDE (differentiable in the features only
+        with ``learn_features=True``, as in SB3).
         """
         normal = kl_normal(distribution)
         if self._per_state_std:
