@@ -86,16 +86,32 @@ def reverse_kl(old_policy, new_policy, obs: np.ndarray) -> np.ndarray:
     return total.numpy()
 
 
+def gaussian_kl_parts(old_policy, new_policy, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """
+    Per state, the mean part ``0.5 sum((mu_old - mu_new)^2 / sigma_old^2)`` of KL(new || old) between two Gaussian
+    policies and its covariance part (the rest of the KL, from torch.distributions), in float64 (independent of sb3_kl).
+    """
+    with th.no_grad():
+        obs_tensor = th.as_tensor(obs)
+        old = as_float64(old_policy.get_distribution(obs_tensor).distribution)
+        new = as_float64(new_policy.get_distribution(obs_tensor).distribution)
+        mean_part = 0.5 * (((old.loc - new.loc) / old.scale) ** 2).sum(dim=-1)
+        kl = th.distributions.kl_divergence(new, old).sum(dim=-1)
+    return mean_part.numpy(), (kl - mean_part).numpy()
+
+
 class UpdateProbe(TrainLogs):
     """
     The acting policy and the rollout's states are snapshot before each ``train()`` (at the end of the rollout) and
-    the per-state KL(new || old) is measured after it from outside, plus the update's logged values.
+    the per-state KL(new || old) is measured after it from outside (and, for a Gaussian policy, its mean and covariance
+    parts), plus the update's logged values.
     """
 
     def __init__(self):
         super().__init__()
         self.pending = None
         self.kls: list[np.ndarray] = []
+        self.parts: list[tuple[np.ndarray, np.ndarray]] = []
 
     def _on_rollout_end(self) -> None:
         obs = self.model.rollout_buffer.observations
@@ -104,7 +120,10 @@ class UpdateProbe(TrainLogs):
     def _measure(self) -> None:
         if self.pending is not None:
             old_policy, obs = self.pending
-            self.kls.append(reverse_kl(old_policy, snapshot(self.model), obs))
+            new_policy = snapshot(self.model)
+            self.kls.append(reverse_kl(old_policy, new_policy, obs))
+            if isinstance(self.model.action_space, gym.spaces.Box):
+                self.parts.append(gaussian_kl_parts(old_policy, new_policy, obs))
             self.pending = None
 
     def _on_rollout_start(self) -> None:
@@ -138,7 +157,10 @@ def test_runs_and_logs(make_env, kwargs):
         assert values["train/bound_met"] == 1.0
         assert values["train/target_kl"] == pytest.approx(model.joint_bound)
         assert values["train/kl_convention"] == "reverse/analytic/sum"
-    assert ("train/std" in logs.updates[0]) == isinstance(model.action_space, gym.spaces.Box)
+    is_box = isinstance(model.action_space, gym.spaces.Box)
+    assert ("train/std" in logs.updates[0]) == is_box
+    for key in ("train/mean_part_max_ratio", "train/cov_part_max_ratio"):
+        assert all((key in values) == is_box for values in logs.updates), key
 
 
 def test_dict_observations():
@@ -162,7 +184,8 @@ def test_bound_holds_in_every_state_measured_from_outside(env_id, kwargs):
     """
     A large learning rate pushes the network out of the trust region during the epochs; after each update the
     acting policy's largest per-state KL(new || old) over the rollout's states, measured independently in float64,
-    is within 1.05 x (mean_bound + cov_bound), and every minibatch's projected distribution was inside its bounds.
+    is within 1.05 x (mean_bound + cov_bound), for a Gaussian each part within 1.05 x its own bound, and every
+    minibatch's projected distribution was inside its bounds.
     """
     probe = UpdateProbe()
     env = env_id if isinstance(env_id, str) else env_id()
@@ -179,9 +202,55 @@ def test_bound_holds_in_every_state_measured_from_outside(env_id, kwargs):
         if isinstance(model.action_space, gym.spaces.Box):
             assert values["train/projected_mean_part_max"] <= model.mean_bound * (1 + 1e-4)
             assert values["train/projected_cov_part_max"] <= model.cov_bound * (1 + 1e-4)
+    for mean_part, cov_part in probe.parts:
+        assert mean_part.max() <= 1.05 * model.mean_bound and cov_part.max() <= 1.05 * model.cov_bound
     # the bound binds: the projection moved states, and the network left the trust region at least once
     assert max(v["train/projected_fraction"] for v in probe.updates) > 0
     assert max(v["train/distance_max_before_enforcement"] for v in probe.updates) > bound
+
+
+@pytest.mark.parametrize("use_sde", [False, True])
+@pytest.mark.parametrize("learning_rate", [3e-3, 3e-2])
+def test_each_part_holds_its_own_bound_in_every_state(use_sde, learning_rate):
+    """
+    The mean part and the covariance part of KL(new || old) are each held by their own bound, not only their sum by
+    the joint bound: after every update, measured from outside in float64 on the rollout's states, the acting
+    policy's largest per-state mean part is within 1.05 x mean_bound and its largest covariance part within
+    1.05 x cov_bound (with gSDE the std, and so the covariance part, differs per state). The logged ratios are these
+    and ``train/bound_met`` says they hold.
+    """
+    probe = UpdateProbe()
+    model = TRPL(
+        "MlpPolicy",
+        "Pendulum-v1",
+        learning_rate=learning_rate,
+        use_sde=use_sde,
+        n_steps=256,
+        batch_size=64,
+        n_epochs=4,
+        seed=4,
+        policy_kwargs=dict(net_arch=[32]),
+    )
+    before = []  # the largest ratio of each part to its bound after the epochs, before the enforcement
+    enforce = model._enforce_bound
+
+    def recording(*args):
+        before.append(model._acting_ratios()[0].max(dim=0).values.tolist())
+        return enforce(*args)
+
+    model._enforce_bound = recording
+    model.learn(6 * 256, callback=probe)
+    assert len(probe.parts) == len(probe.updates) == 6
+    for (mean_part, cov_part), values in zip(probe.parts, probe.updates, strict=True):
+        assert mean_part.max() <= 1.05 * model.mean_bound
+        assert cov_part.max() <= 1.05 * model.cov_bound
+        assert values["train/mean_part_max_ratio"] == pytest.approx(mean_part.max() / model.mean_bound, rel=1e-3, abs=1e-6)
+        assert values["train/cov_part_max_ratio"] == pytest.approx(cov_part.max() / model.cov_bound, rel=1e-3, abs=1e-6)
+        assert values["train/bound_met"] == 1.0
+    # not vacuous: after the epochs of some update a part was above its bound, for gSDE the covariance part
+    assert max(max(ratios) for ratios in before) > 1.05
+    if use_sde:
+        assert max(cov for _, cov in before) > 1.05
 
 
 def test_move_back_toward_the_rollout_policy_when_regression_is_not_allowed():
@@ -366,9 +435,10 @@ def test_gaussian_options_refused_for_discrete_actions(kwargs, match):
 @pytest.mark.parametrize("learn_features", [False, True])
 def test_gsde_std_trains_the_features_only_with_learn_features(std_kwargs, learn_features):
     """
-    As SB3's gSDE: the std TRPL projects, regresses and enforces is built on the actor's features detached, so its
-    gradient with respect to them is 0, unless the distribution has ``learn_features=True`` (SB3's actor-critic
-    policies fix it to False; a custom policy may set it); its values are SB3's, bit for bit.
+    As SB3's gSDE: the std the losses of the epochs use is built on the actor's features detached, so its gradient
+    with respect to them is 0, unless the distribution has ``learn_features=True`` (SB3's actor-critic policies fix
+    it to False; a custom policy may set it); its values are SB3's, bit for bit. Only the bound enforcement's
+    regression differentiates the std in the features (the same values), to bring each state's std back.
     """
     policy_kwargs = dict(TINY["policy_kwargs"], **std_kwargs)
     model = TRPL("MlpPolicy", "Pendulum-v1", use_sde=True, n_steps=64, **{**TINY, "policy_kwargs": policy_kwargs})
@@ -385,6 +455,33 @@ def test_gsde_std_trains_the_features_only_with_learn_features(std_kwargs, learn
     assert (grad is not None and grad.abs().sum() > 0) == learn_features
     (mean_grad,) = th.autograd.grad(mean.sum(), features)
     assert mean_grad.abs().sum() > 0  # the mean trains them either way
+    model.learn(64)  # a buffer of states
+    data = model.rollout_buffer._get_samples(np.arange(8))
+    _, enforced_std = model._gaussian_parts(model._enforcement_distribution(data))
+    _, stock_std = model._gaussian_parts(model.policy.get_distribution(data.observations))
+    th.testing.assert_close(enforced_std, stock_std, rtol=1e-6, atol=0)
+    model.policy.zero_grad()
+    enforced_std.sum().backward()
+    first_layer = model.policy.mlp_extractor.policy_net[0].weight
+    assert first_layer.grad is not None and first_layer.grad.abs().sum() > 0
+
+
+def test_enforcement_regression_runs_the_actor_only():
+    """The enforcement's regression loss runs no value head and gives the critic no gradient."""
+    model, ratios, _ = pushed_outside_the_bound("Pendulum-v1", {})
+    calls = []
+    hooks = [
+        module.register_forward_hook(lambda *_: calls.append(1))
+        for module in (model.policy.value_net, model.policy.mlp_extractor.value_net)
+    ]
+    model.policy.zero_grad()
+    for toward_rollout in (False, True):
+        model._regression_loss(ratios, None, toward_rollout).backward()
+    for hook in hooks:
+        hook.remove()
+    assert not calls
+    assert all(p.grad is None for p in model.policy.value_net.parameters())
+    assert model.policy.action_net.weight.grad.abs().sum() > 0
 
 
 def test_squashed_gsde_refused():
@@ -519,6 +616,11 @@ def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant
         assert sum(max(int(s["step"]) for s in optimizer.state.values()) for optimizer in made) == regression_steps
 
 
+def excess(ratios: th.Tensor) -> float:
+    """The summed excess of the per-state parts over their bounds, in units of each bound."""
+    return float((ratios - 1).clamp(min=0).sum())
+
+
 def pushed_outside_the_bound(env_id: str, kwargs: dict) -> tuple[TRPL, th.Tensor, th.Tensor]:
     """A TRPL model after the epochs of a large-learning-rate update, before the enforcement: outside the bound."""
     model = TRPL("MlpPolicy", env_id, learning_rate=3e-2, max_enforce_steps=0, n_steps=256, seed=0, **kwargs, **TINY)
@@ -531,10 +633,10 @@ def pushed_outside_the_bound(env_id: str, kwargs: dict) -> tuple[TRPL, th.Tensor
         _, distribution = model._forward_samples(data)
         log_prob = distribution.log_prob(model._actions_for_log_prob(data.actions))
         model._optimizer_step(-(data.advantages * log_prob).mean())  # the policy gradient, unprojected
-    distances, params = model._network_distances()
-    assert distances.max() > model.joint_bound  # the tests are not vacuous
+    ratios, params = model._acting_ratios()
+    assert ratios.max() > model.bound_tolerance  # the tests are not vacuous
     model.max_enforce_steps = 30
-    return model, distances, params
+    return model, ratios, params
 
 
 @pytest.mark.parametrize("variant", ["line_search_capped", "line_search", "line_search_unit"])
@@ -547,20 +649,19 @@ def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id,
     parameters by the learning rate in root mean square with ``line_search_unit``, by at most that with the default.
     """
     monkeypatch.setattr(TRPL, "_enforcement_optimizer", variant)
-    model, distances, params = pushed_outside_the_bound(env_id, kwargs)
-    bound = model.joint_bound
+    model, ratios, params = pushed_outside_the_bound(env_id, kwargs)
     actor = model._actor_parameters()
     start = th.nn.utils.parameters_to_vector(actor).detach().clone()
     tried = []
-    measure = model._network_distances
+    measure = model._acting_ratios
 
     def recording():
         tried.append(th.nn.utils.parameters_to_vector(actor).detach().clone())
         return measure()
 
-    model._network_distances = recording
-    new_distances, new_params, tries = model._line_search_regression(actor, distances, params, None)
-    model._network_distances = measure
+    model._acting_ratios = recording
+    new_ratios, new_params, tries = model._line_search_regression(actor, ratios, params, None)
+    model._acting_ratios = measure
     assert 0 < tries <= 30 and len(tried) == tries
     first_step_rms = float((tried[0] - start).pow(2).mean().sqrt())
     lr = model.policy.optimizer.param_groups[0]["lr"]
@@ -568,10 +669,9 @@ def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id,
         assert first_step_rms == pytest.approx(lr, rel=1e-4)
     if variant == "line_search_capped":
         assert first_step_rms <= lr * (1 + 1e-4)
-    excess = lambda d: float((d - bound).clamp(min=0).sum())  # noqa: E731
-    assert excess(new_distances) < excess(distances)
-    measured, measured_params = model._network_distances()
-    assert th.equal(measured, new_distances) and th.equal(measured_params, new_params)
+    assert excess(new_ratios) < excess(ratios)
+    measured, measured_params = model._acting_ratios()
+    assert th.equal(measured, new_ratios) and th.equal(measured_params, new_params)
 
 
 @pytest.mark.parametrize("env_id, kwargs", [("CartPole-v1", {}), ("Pendulum-v1", dict(use_sde=True))])
@@ -580,16 +680,15 @@ def test_capped_line_search_leaves_a_direction_that_does_not_lower_the_excess(en
     Given a regression whose gradient raises the summed excess (its sign flipped), the default line search fails three
     tries in a row, then steps along the excess's own gradient and ends with a lower excess than it started from.
     """
-    model, distances, params = pushed_outside_the_bound(env_id, kwargs)
+    model, ratios, params = pushed_outside_the_bound(env_id, kwargs)
     regression, asked = model._regression_loss, []
 
-    def flipped(distances, min_entropy, toward_rollout=False):
+    def flipped(ratios, min_entropy, toward_rollout=False):
         asked.append(toward_rollout)
-        loss = regression(distances, min_entropy, toward_rollout=True)
+        loss = regression(ratios, min_entropy, toward_rollout=True)
         return loss if toward_rollout else -loss
 
     model._regression_loss = flipped
-    new_distances, _, tries = model._line_search_regression(model._actor_parameters(), distances, params, None)
+    new_ratios, _, tries = model._line_search_regression(model._actor_parameters(), ratios, params, None)
     assert asked[0] is False and asked[1] is True and tries > 3
-    excess = lambda d: float((d - model.joint_bound).clamp(min=0).sum())  # noqa: E731
-    assert excess(new_distances) < excess(distances)
+    assert excess(new_ratios) < excess(ratios)

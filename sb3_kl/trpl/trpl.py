@@ -22,6 +22,7 @@ from sb3_kl.common.kl import (
     GaussianParams,
     MultiCategoricalParams,
     as_float64,
+    attach_sde_features,
     kl_normal,
     per_state_kl,
 )
@@ -71,11 +72,13 @@ class TRPL(KLOnPolicyAlgorithm):
     no KL target (it is logged as ``train/distance_bound``, no ``train/target_kl``, and callbacks see no target).
 
     As in SB3, the policy that acts (``predict``, ``policy.get_distribution``) is the network itself, not its
-    projection. After the epochs the bound is enforced on it over the update's rollout states: while the largest
-    per-state distance exceeds ``bound_tolerance * bound``, up to ``max_enforce_steps`` regression steps move the
-    network toward its projection on the states above the bound (along the regression's gradient scaled by the policy
-    Adam's second moments, each step's size found by a line search); if that is not enough, the actor's parameters are
-    moved back along the straight line to the rollout policy's (where the distance is 0) until the bound holds.
+    projection. After the epochs the bounds are enforced on it, in eval mode, over the update's rollout states, each
+    part on its own (a Gaussian's mean part by ``mean_bound`` and covariance part by ``cov_bound`` in every state, not
+    only their sum): while a part exceeds ``bound_tolerance`` times its bound in some state, up to
+    ``max_enforce_steps`` regression steps move the network toward its projection on the states above a bound (along
+    the regression's gradient scaled by the policy Adam's second moments, each step's size found by a line search); if
+    that is not enough, the actor's parameters are moved back along the straight line to the rollout policy's (where
+    the distance is 0) until the bounds hold.
 
     Paper: Otto et al., "Differentiable Trust Region Layers for Deep Reinforcement Learning", ICLR 2021,
     https://arxiv.org/abs/2101.09207
@@ -120,8 +123,9 @@ class TRPL(KLOnPolicyAlgorithm):
     :param max_enforce_steps: Largest number of regression steps (line-search tries, each a pass over the buffer) of
         the bound enforcement after the epochs (0: go straight to the move back toward the rollout policy when the
         bound is exceeded)
-    :param bound_tolerance: The acting policy's largest per-state distance over the update's states must end at most
-        ``bound_tolerance * (mean_bound + cov_bound)`` (``mean_bound`` for categorical policies)
+    :param bound_tolerance: After each update, in every state of its rollout, the acting policy's mean part must be at
+        most ``bound_tolerance * mean_bound`` and its covariance part at most ``bound_tolerance * cov_bound``
+        (a categorical policy's KL at most ``bound_tolerance * mean_bound``)
     :param kl_quantiles: Quantiles of the per-state KL logged after each update (as ``train/kl_p<q>``)
     :param stats_window_size: Window size for the rollout logging, specifying the number of episodes to average
         the reported success rate, mean episode length, and mean reward over
@@ -418,20 +422,30 @@ class TRPL(KLOnPolicyAlgorithm):
             "parts": None,
         }
 
-    def _distance_to_old(self, new_params: th.Tensor, old_params: th.Tensor) -> th.Tensor:
+    @property
+    def part_bounds(self) -> tuple[float, ...]:
         """
-        The joint per-state distance the projection bounds, between two parameter tensors (computed in float64):
-        KL(new||old) (the shared KL core, the convention of ``train/kl``), or the sum of the W2/Frobenius parts.
+        The bound of each part of the per-state distance: ``(mean_bound, cov_bound)`` for a Gaussian policy (mean and
+        covariance part), ``(mean_bound,)`` for a categorical one (its whole KL).
+        """
+        return (self.mean_bound, self.cov_bound) if self._is_gaussian else (self.mean_bound,)
 
-        :return: ``(batch,)`` float64
+    def _bound_ratios(self, new_params: th.Tensor, old_params: th.Tensor) -> th.Tensor:
+        """
+        Each part of the per-state distance the projection bounds, between two parameter tensors, over its bound
+        (:attr:`part_bounds`; computed in float64): for a Gaussian the mean part and the covariance part of KL(new||old)
+        (or of the W2/Frobenius distance), for a categorical policy KL(new||old) (the shared KL core).
+
+        :return: ``(batch, n_parts)`` float64; the bound holds in a state where every entry is at most 1
         """
         new_params, old_params = as_float64(new_params, old_params)
-        if self.projection == "kl":
-            return per_state_kl(self.kl_settings, self.dist_params, old_params, new_params)
+        bounds = th.tensor(self.part_bounds, dtype=th.float64, device=new_params.device)
+        if not self._is_gaussian:
+            return per_state_kl(self.kl_settings, self.dist_params, old_params, new_params).unsqueeze(-1) / bounds
         new_mean, new_log_std = self.dist_params.split(new_params)  # type: ignore[attr-defined]
         old_mean, old_log_std = self.dist_params.split(old_params)  # type: ignore[attr-defined]
         mean_dist, cov_dist = gaussian_distances(new_mean, th.exp(new_log_std), old_mean, th.exp(old_log_std), self.projection)
-        return mean_dist + cov_dist
+        return th.stack([mean_dist, cov_dist.expand_as(mean_dist)], dim=-1) / bounds
 
     # ----------------------------------------------------------------------------------------------------------
     # The update
@@ -526,9 +540,13 @@ class TRPL(KLOnPolicyAlgorithm):
             self.logger.record("train/min_entropy", min_entropy)
         self.logger.record("train/distance_max_before_enforcement", enforcement["before"])
         self.logger.record("train/distance_max", enforcement["after"])
+        if self._is_gaussian:
+            mean_ratio_max, cov_ratio_max = enforcement["ratio_max"]
+            self.logger.record("train/mean_part_max_ratio", mean_ratio_max)
+            self.logger.record("train/cov_part_max_ratio", cov_ratio_max)
         self.logger.record("train/enforcement_steps", enforcement["steps"])
         self.logger.record("train/enforcement_step_fraction", enforcement["step_fraction"])
-        self.logger.record("train/bound_met", float(enforcement["after"] <= self.bound_tolerance * self.joint_bound))
+        self.logger.record("train/bound_met", float(max(enforcement["ratio_max"]) <= self.bound_tolerance))
         self.logger.record("train/nonfinite_steps", self._last_nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if self.projection != "kl":
@@ -548,28 +566,32 @@ class TRPL(KLOnPolicyAlgorithm):
         return [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic]
 
     @th.no_grad()
-    def _network_distances(self, chunk_size: int = 4096) -> tuple[th.Tensor, th.Tensor]:
+    def _acting_ratios(self, chunk_size: int = 4096) -> tuple[th.Tensor, th.Tensor]:
         """
-        The acting policy on every state of the buffer (one no-grad pass, as :meth:`_measure_update_kl` makes it).
+        The acting policy (eval mode) on every state of the buffer, in one no-grad pass as :meth:`_measure_update_kl`
+        makes it.
 
-        :return: the joint per-state distance to the rollout policy (float64) and the distribution parameters
+        :return: each part of its per-state distance to the rollout policy over its bound (:meth:`_bound_ratios`,
+            ``(n_states, n_parts)`` float64) and its distribution parameters
         """
-        distances, params = [], []
+        ratios, params = [], []
         with acting_mode(self.policy):
             for data in self.rollout_buffer.ordered_samples(chunk_size):
                 distribution = self._samples_distribution(self.policy, data)
                 new_params = self.dist_params.extract(distribution)
-                distances.append(self._distance_to_old(new_params, data.old_dist_params))
+                ratios.append(self._bound_ratios(new_params, data.old_dist_params))
                 params.append(new_params)
-        return th.cat(distances), th.cat(params)
+        return th.cat(ratios), th.cat(params)
 
-    def _final_kl(self, distances: th.Tensor, params: th.Tensor) -> th.Tensor:
+    def _joint_distances(self, ratios: th.Tensor) -> th.Tensor:
+        """The joint per-state distance (the parts added up, ``(n_states,)``) from :meth:`_bound_ratios`' ratios."""
+        return (ratios * ratios.new_tensor(self.part_bounds)).sum(dim=-1)
+
+    def _final_kl(self, params: th.Tensor) -> th.Tensor:
         """
-        The per-state KL of the final acting policy, in the algorithm's convention (float64), from the enforcement's
-        last pass: its distances with ``projection="kl"``, else computed once from its parameters.
+        The per-state KL of the final acting policy, in the algorithm's convention (float64), from the parameters of the
+        enforcement's last pass (no other pass over the buffer).
         """
-        if self.projection == "kl":
-            return distances
         old_params = th.as_tensor(self.rollout_buffer.old_dist_params, device=params.device)
         return per_state_kl(self.kl_settings, self.dist_params, *as_float64(old_params, params))
 
@@ -597,23 +619,46 @@ class TRPL(KLOnPolicyAlgorithm):
                 }
         return scaled
 
-    def _regression_loss(self, distances: th.Tensor, min_entropy: float | None, toward_rollout: bool = False) -> th.Tensor:
+    def _enforcement_distribution(self, data: Any) -> Distribution:
+        """
+        The network's action distribution on a buffer sample, for the enforcement's regression: the actor's forward
+        pass only (no value head). With gSDE (``learn_features=False``, SB3's) its std is made differentiable in the
+        actor's features (:func:`~sb3_kl.common.kl.attach_sde_features`, the same values), unlike in the losses of the
+        epochs: the epochs move the features through the mean, and with them each state's std, and only the features
+        can bring one state's std back into its bound (gSDE's exploration weights are shared by every state).
+
+        :param data: Samples from the rollout buffer
+        """
+        features = BasePolicy.extract_features(self.policy, data.observations, self.policy.pi_features_extractor)
+        latent_pi = self.policy.mlp_extractor.forward_actor(features)
+        distribution = self._distribution_from_latent(latent_pi)
+        attach_sde_features(distribution, latent_pi, getattr(self.policy, "log_std", None))
+        masks = self._sample_masks(data)
+        if masks is not None:
+            distribution.apply_masking(masks)  # type: ignore[attr-defined]
+        return distribution
+
+    def _regression_loss(self, ratios: th.Tensor, min_entropy: float | None, toward_rollout: bool = False) -> th.Tensor:
         """
         The regression of the network onto its projection (the trust-region term), averaged over the buffer's states
-        whose distance ``distances`` exceeds the bound: what every regression step of the enforcement descends. With
-        ``toward_rollout``, their distance to the rollout policy instead: the summed excess's own gradient.
+        where a part of the distance exceeds its bound (``ratios``, :meth:`_bound_ratios`): what every regression step
+        of the enforcement descends. With ``toward_rollout``, their distance to the rollout policy instead, each part
+        over its bound (times the joint bound, the distance's scale): the summed excess's own gradient.
         """
-        outside = np.flatnonzero((distances > self.joint_bound).cpu().numpy())
+        outside = np.flatnonzero((ratios.max(dim=-1).values > 1).cpu().numpy())
         data = self.rollout_buffer._get_samples(outside)  # type: ignore[attr-defined]
-        _, distribution = self._forward_samples(data)
+        distribution = self._enforcement_distribution(data)
         if not toward_rollout:
             return self._project(distribution, data.old_dist_params, min_entropy)["trust_region"].mean()
         if self._is_gaussian:
             mean, std = self._gaussian_parts(distribution)
             old_mean, old_std = self._old_gaussian(data.old_dist_params)
-            return gaussian_distance_to_fixed(mean, std, old_mean, old_std, self.projection).mean()
-        logits = self.dist_params.extract(distribution)
-        return self.dist_params.kl_per_dim(logits, data.old_dist_params).sum(dim=-1).mean()
+            mean_part, cov_part = gaussian_distances(mean, std, old_mean, old_std, self.projection)
+            relative = mean_part / self.mean_bound + cov_part / self.cov_bound
+        else:
+            logits = self.dist_params.extract(distribution)
+            relative = self.dist_params.kl_per_dim(logits, data.old_dist_params).sum(dim=-1) / self.mean_bound
+        return self.joint_bound * relative.mean()
 
     def _preconditioner(self, actor_params: list[nn.Parameter]) -> list[th.Tensor | float]:
         """
@@ -632,36 +677,39 @@ class TRPL(KLOnPolicyAlgorithm):
                 scales.append(1.0)
         return scales
 
+    @staticmethod
+    def _excess(ratios: th.Tensor) -> float:
+        """The summed excess of the per-state parts over their bounds, each in units of its bound (``ratios``)."""
+        return (ratios - 1).clamp(min=0).sum().item()
+
     def _line_search_regression(
-        self, actor_params: list[nn.Parameter], distances: th.Tensor, params: th.Tensor, min_entropy: float | None
+        self, actor_params: list[nn.Parameter], ratios: th.Tensor, params: th.Tensor, min_entropy: float | None
     ) -> tuple[th.Tensor, th.Tensor, int]:
         """
         The regression steps of ``_enforcement_optimizer = "line_search_capped"`` (and of ``"line_search"`` and
         ``"line_search_unit"``): from the gradient of the regression onto the projection on the states above the
         bound, scaled by :meth:`_preconditioner`, its RMS capped at 1 (none; set to 1), a step of size ``t`` is
-        kept if it lowers the summed excess of the per-state distances over the bound (``t`` then doubles for the
-        next step), else undone (``t`` halves). ``t`` starts at the current learning rate each update; every try is a
-        pass over the buffer and counts as one of ``max_enforce_steps``. The regression's gradient need not lower the
-        excess: after three tries in a row fail, the rest of the update steps along the excess's own gradient (the
-        outside states' distance to the rollout policy), ``t`` back at the learning rate.
+        kept if it lowers the summed excess of the per-state parts over their bounds (:meth:`_excess`; ``t`` then
+        doubles for the next step), else undone (``t`` halves). ``t`` starts at the current learning rate each
+        update; every try is a pass over the buffer and counts as one of ``max_enforce_steps``. The regression's
+        gradient need not lower the excess: after three tries in a row fail, the rest of the update steps along the
+        excess's own gradient (the outside states' distance to the rollout policy), ``t`` back at the learning rate.
 
-        :return: the distances and distribution parameters of the acting policy it ends with, and the tries taken
+        :param ratios: The acting policy's parts over their bounds, per state (:meth:`_acting_ratios`)
+        :param params: Its distribution parameters
+        :return: the ratios and distribution parameters of the acting policy it ends with, and the tries taken
         """
-        limit = self.bound_tolerance * self.joint_bound
         scales = self._preconditioner(actor_params)
         first_size = self.policy.optimizer.param_groups[0]["lr"]
         size = first_size
 
-        def excess(d: th.Tensor) -> float:
-            return (d - self.joint_bound).clamp(min=0).sum().item()
-
-        merit, tries, direction, failures, toward_rollout = excess(distances), 0, None, 0, False
-        while distances.max().item() > limit and tries < self.max_enforce_steps:
+        merit, tries, direction, failures, toward_rollout = self._excess(ratios), 0, None, 0, False
+        while ratios.max().item() > self.bound_tolerance and tries < self.max_enforce_steps:
             if failures == 3 and not toward_rollout and self._enforcement_optimizer == "line_search_capped":
                 # stalled: the regression's direction does not lower the excess here
                 direction, toward_rollout, size = None, True, first_size
             if direction is None:
-                loss = self._regression_loss(distances, min_entropy, toward_rollout)
+                loss = self._regression_loss(ratios, min_entropy, toward_rollout)
                 grads = th.autograd.grad(loss, actor_params, allow_unused=True)
                 direction = nn.utils.parameters_to_vector(
                     [-(th.zeros_like(p) if g is None else g * s) for p, g, s in zip(actor_params, grads, scales, strict=True)]
@@ -676,70 +724,73 @@ class TRPL(KLOnPolicyAlgorithm):
             with th.no_grad():
                 _copy_flat_to_parameters(start + size * direction, actor_params)
                 self._apply_variance_floor()
-            new_distances, new_params = self._network_distances()
-            new_merit = excess(new_distances)
+            new_ratios, new_params = self._acting_ratios()
+            new_merit = self._excess(new_ratios)
             if np.isfinite(new_merit) and new_merit < merit:
-                distances, params, merit, direction, failures = new_distances, new_params, new_merit, None, 0
+                ratios, params, merit, direction, failures = new_ratios, new_params, new_merit, None, 0
                 size *= 2.0
             else:
                 with th.no_grad():
                     _copy_flat_to_parameters(start, actor_params)
                 size *= 0.5
                 failures += 1
-        return distances, params, tries
+        return ratios, params, tries
 
     def _enforce_bound(
         self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
     ) -> dict[str, Any]:
         """
-        Bring the acting policy's largest per-state distance to the rollout policy, over the update's states, within
-        ``bound_tolerance * joint_bound``: first up to ``max_enforce_steps`` regression steps of the network onto its
-        projection, on the states above the bound (by default the line search of :meth:`_line_search_regression`;
-        with ``"fresh"``, ``"shared"`` or ``"scaled"``, optimizer steps, :meth:`_make_enforcement_optimizer`); then,
-        if still needed, the actor's parameters
-        are moved back toward the rollout policy's, ``theta = theta_old + t (theta - theta_old)``, with the largest
-        ``t`` of ``1, 0.8, 0.8^2, ...`` (20 tries, then ``t = 0``: the rollout policy, distance 0) meeting the bound.
+        Bring every part of the acting policy's per-state distance to the rollout policy, over the update's states,
+        within ``bound_tolerance`` times its own bound (:attr:`part_bounds`: for a Gaussian the mean part within
+        ``mean_bound`` and the covariance part within ``cov_bound`` in every state, not only their sum): first up to
+        ``max_enforce_steps`` regression steps of the network onto its projection, on the states above a bound (by
+        default the line search of :meth:`_line_search_regression`; with ``"fresh"``, ``"shared"`` or ``"scaled"``,
+        optimizer steps, :meth:`_make_enforcement_optimizer`); then, if still needed, the actor's parameters are moved
+        back toward the rollout policy's, ``theta = theta_old + t (theta - theta_old)``, with the largest ``t`` of
+        ``1, 0.8, 0.8^2, ...`` (20 tries, then ``t = 0``: the rollout policy, distance 0) meeting the bounds.
 
         :param actor_params: The parameters of the action distribution
         :param rollout_actor: Their values at the rollout (flat)
         :param min_entropy: The entropy control's floor of this update (:meth:`_project`)
-        :return: the largest distance before and after, the regression steps taken and the factor ``t``; and the
-            last pass over the buffer, of the final acting policy: its per-state KL (``final_kl``, as
-            :meth:`_measure_update_kl` measures it) and distribution parameters (``final_params``)
+        :return: the largest joint distance before and after (``before``, ``after``), each part's largest ratio to
+            its bound after (``ratio_max``), the regression steps taken and the factor ``t``; and the last pass over
+            the buffer, of the final acting policy: its per-state KL (``final_kl``, as :meth:`_measure_update_kl`
+            measures it) and distribution parameters (``final_params``)
         """
-        limit = self.bound_tolerance * self.joint_bound
-        distances, params = self._network_distances()
-        before = distances.max().item()
+        limit = self.bound_tolerance
+        ratios, params = self._acting_ratios()
+        before = self._joint_distances(ratios).max().item()
         if self._enforcement_optimizer in ("line_search", "line_search_unit", "line_search_capped"):
-            distances, params, steps = self._line_search_regression(actor_params, distances, params, min_entropy)
+            ratios, params, steps = self._line_search_regression(actor_params, ratios, params, min_entropy)
         else:
             steps, optimizer = 0, None
-            while distances.max().item() > limit and steps < self.max_enforce_steps:
+            while ratios.max().item() > limit and steps < self.max_enforce_steps:
                 if optimizer is None:
                     optimizer = self._make_enforcement_optimizer(actor_params)
-                self._optimizer_step(self._regression_loss(distances, min_entropy), optimizer)
+                self._optimizer_step(self._regression_loss(ratios, min_entropy), optimizer)
                 steps += 1
-                distances, params = self._network_distances()
+                ratios, params = self._acting_ratios()
         step_fraction = 1.0
-        if distances.max().item() > limit:
+        if ratios.max().item() > limit:
             with th.no_grad():
                 current = nn.utils.parameters_to_vector(actor_params).detach().clone()
                 for _ in range(20):
                     step_fraction *= 0.8
                     _copy_flat_to_parameters(rollout_actor + step_fraction * (current - rollout_actor), actor_params)
-                    distances, params = self._network_distances()
-                    if distances.max().item() <= limit:
+                    ratios, params = self._acting_ratios()
+                    if ratios.max().item() <= limit:
                         break
                 else:
                     step_fraction = 0.0
                     _copy_flat_to_parameters(rollout_actor, actor_params)
-                    distances, params = self._network_distances()
+                    ratios, params = self._acting_ratios()
         return {
             "before": before,
-            "after": distances.max().item(),
+            "after": self._joint_distances(ratios).max().item(),
+            "ratio_max": ratios.max(dim=0).values.tolist(),
             "steps": steps,
             "step_fraction": step_fraction,
-            "final_kl": self._final_kl(distances, params),
+            "final_kl": self._final_kl(params),
             "final_params": params,
         }
 
