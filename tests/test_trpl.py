@@ -27,6 +27,7 @@ LOGGED_KEYS = (
     "train/distance_max_before_enforcement",
     "train/distance_max",
     "train/enforcement_steps",
+    "train/enforcement_rejected_tries",
     "train/enforcement_step_fraction",
     "train/bound_met",
 )
@@ -593,6 +594,8 @@ def test_enforcement_steps_leave_the_policy_optimizer_alone(monkeypatch, variant
     model.learn(3 * 256, callback=probe)
     regression_steps = sum(v["train/enforcement_steps"] for v in probe.updates)
     assert regression_steps > 0  # the test is not vacuous
+    if not variant.startswith("line_search"):  # optimizer steps are never undone
+        assert all(v["train/enforcement_rejected_tries"] == 0 for v in probe.updates)
     minibatch_steps = 3 * TINY["n_epochs"] * (256 // TINY["batch_size"])
     policy_steps = max(int(state["step"]) for state in model.policy.optimizer.state.values())
     if variant == "shared":
@@ -645,24 +648,32 @@ def test_line_search_keeps_only_steps_that_lower_the_excess(monkeypatch, env_id,
     """
     The line search's regression (from the network after the epochs of a large-learning-rate update, pushed outside
     the bound) ends with a lower summed excess over the bound than it started from, within ``max_enforce_steps``
-    tries, and the distances it returns are those of the parameters it leaves in the network. Its first try moves the
-    parameters by the learning rate in root mean square with ``line_search_unit``, by at most that with the default.
+    tries, and the distances it returns are those of the parameters it leaves in the network. It counts as steps the
+    tries that lowered the excess (kept) and as rejected tries the others. Its first try moves the parameters by the
+    learning rate in root mean square with ``line_search_unit``, by at most that with the default.
     """
     monkeypatch.setattr(TRPL, "_enforcement_optimizer", variant)
     model, ratios, params = pushed_outside_the_bound(env_id, kwargs)
     actor = model._actor_parameters()
     start = th.nn.utils.parameters_to_vector(actor).detach().clone()
-    tried = []
+    tried, measured_excess = [], []
     measure = model._acting_ratios
 
     def recording():
         tried.append(th.nn.utils.parameters_to_vector(actor).detach().clone())
-        return measure()
+        result = measure()
+        measured_excess.append(excess(result[0]))
+        return result
 
     model._acting_ratios = recording
-    new_ratios, new_params, tries = model._line_search_regression(actor, ratios, params, None)
+    new_ratios, new_params, accepted, rejected = model._line_search_regression(actor, ratios, params, None)
     model._acting_ratios = measure
-    assert 0 < tries <= 30 and len(tried) == tries
+    assert 0 < accepted + rejected <= 30 and len(tried) == accepted + rejected
+    merit, lowered = excess(ratios), 0
+    for value in measured_excess:
+        if value < merit:
+            merit, lowered = value, lowered + 1
+    assert accepted == lowered > 0
     first_step_rms = float((tried[0] - start).pow(2).mean().sqrt())
     lr = model.policy.optimizer.param_groups[0]["lr"]
     if variant == "line_search_unit":
@@ -689,6 +700,6 @@ def test_capped_line_search_leaves_a_direction_that_does_not_lower_the_excess(en
         return loss if toward_rollout else -loss
 
     model._regression_loss = flipped
-    new_ratios, _, tries = model._line_search_regression(model._actor_parameters(), ratios, params, None)
-    assert asked[0] is False and asked[1] is True and tries > 3
+    new_ratios, _, accepted, rejected = model._line_search_regression(model._actor_parameters(), ratios, params, None)
+    assert asked[0] is False and asked[1] is True and rejected >= 3 and accepted > 0
     assert excess(new_ratios) < excess(ratios)

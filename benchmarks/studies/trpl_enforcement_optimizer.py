@@ -68,8 +68,8 @@ def figures(cell: list[dict[str, Any]], env_id: str) -> dict[str, float]:
     return dict(
         eval_mean=float(np.mean([r["eval_mean"] for r in cell])),
         eval_std=float(np.std([r["eval_mean"] for r in cell])),
-        steps=float(np.mean([u["enforcement_steps"] for u in ups])),
-        capped=float(np.mean([u["enforcement_steps"] >= 30 for u in ups])),
+        steps=float(np.mean([trpl_high_learning_rate.enforcement_tries(u) for u in ups])),
+        capped=float(np.mean([trpl_high_learning_rate.enforcement_tries(u) >= 30 for u in ups])),
         moved_back=float(np.mean([u["enforcement_step_fraction"] < 1 for u in ups])),
         kept=float(np.mean([u["enforcement_step_fraction"] for u in ups])),
         worst=max(u["distance_max"] for u in ups) / trpl_high_learning_rate.bound(env_id),
@@ -229,7 +229,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     for ax, (env_id, lr_mult) in zip(axes[0], panels, strict=True):
         for variant in VARIANTS:
             for r in cell_runs(runs, env_id, lr_mult, variant):
-                ax.plot([u["enforcement_steps"] for u in r["updates"]], color=COLORS[variant], lw=0.8, alpha=0.8)
+                tries = [trpl_high_learning_rate.enforcement_tries(u) for u in r["updates"]]
+                ax.plot(tries, color=COLORS[variant], lw=0.8, alpha=0.8)
             ax.plot([], [], color=COLORS[variant], label=variant)
         ax.set_title(f"{env_id} x{lr_mult:g}", fontsize=9)
         ax.set_xlabel("update")
@@ -266,7 +267,8 @@ def write_report(record: dict[str, Any]) -> str:
             " else undone and halved; every try counts as a step); *line_search_unit*: that direction rescaled to RMS 1;"
             " *line_search_capped* (TRPL's default): scaled down only where its RMS exceeds 1. Runs of the grid's"
             " settings and budgets"
-            " on seeds outside the grid's (0-4); per update, from TRPL's `train/` keys: `enforcement_steps`,"
+            " on seeds outside the grid's (0-4); per update, from TRPL's `train/` keys: `enforcement_steps` plus"
+            " `enforcement_rejected_tries` (every try),"
             " `enforcement_step_fraction` (1: no move back), `distance_max` (after the enforcement), `kl`,"
             " `explained_variance`. Seconds: wall-clock time of a run, two runs side by side on two cores.",
             "",

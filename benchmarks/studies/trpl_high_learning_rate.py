@@ -36,6 +36,7 @@ KEYS = (
     "distance_max",
     "distance_bound",
     "enforcement_steps",
+    "enforcement_rejected_tries",
     "enforcement_step_fraction",
     "trust_region_loss",
     "policy_gradient_loss",
@@ -44,6 +45,14 @@ KEYS = (
     "action_std_mean",
     "kl",
 )
+
+
+def enforcement_tries(update: dict[str, float]) -> float:
+    """
+    An update's regression tries, accepted steps and rejected ones (the figure this study reports as regression
+    steps); records made before ``train/enforcement_rejected_tries`` existed counted every try in ``enforcement_steps``.
+    """
+    return update["enforcement_steps"] + update.get("enforcement_rejected_tries", 0.0)
 
 
 def code_version() -> str:
@@ -120,7 +129,7 @@ def summary(runs: list[dict[str, Any]]) -> list[str]:
             epochs = f"{grid_epochs(env_id)} (grid)" if n_epochs is None else str(n_epochs)
             lines.append(
                 f"| {env_id} | x{lr_mult:g} | {epochs} | {len(cell)} | {np.mean([r['eval_mean'] for r in cell]):.1f} | "
-                f"{med('projected_fraction'):.1%} | {raw:.1f} | {med('enforcement_steps'):.0f} | "
+                f"{med('projected_fraction'):.1%} | {raw:.1f} | {np.median([enforcement_tries(u) for u in ups]):.0f} | "
                 f"{med('enforcement_step_fraction'):.2f} | {med('explained_variance'):.2f} | {med('action_std_mean'):.3f} |"
             )
     return lines
@@ -145,7 +154,7 @@ def findings(runs: list[dict[str, Any]]) -> list[str]:
         raw = {m: med(m, "distance_max_before_enforcement") / bound(env_id) for m in LR_MULTS}
         kl = {m: med(m, "kl") for m in LR_MULTS}
         fit = {m: med(m, "explained_variance") for m in LR_MULTS}
-        steps = {m: med(m, "enforcement_steps") for m in LR_MULTS}
+        steps = {m: float(np.median([enforcement_tries(u) for r in cells[m] for u in r["updates"]])) for m in LR_MULTS}
         kept = {m: med(m, "enforcement_step_fraction") for m in LR_MULTS}
         std = {m: last_std(m) for m in LR_MULTS}
         steps_alike = "alike" if kl[10.0] <= 1.25 * kl[1.0] else "larger at x10"

@@ -96,7 +96,8 @@ class TRPL(KLOnPolicyAlgorithm):
     :param gamma: Discount factor
     :param gae_lambda: Factor for trade-off of bias vs variance for Generalized Advantage Estimator
     :param normalize_advantage: Whether to normalize or not the advantage
-    :param ent_coef: Entropy coefficient for the loss calculation (entropy of the projected policy)
+    :param ent_coef: Entropy coefficient for the loss calculation (entropy of the projected policy, the policy the
+        loss is built on; ``train/entropy_loss`` logs that term)
     :param vf_coef: Value function coefficient for the loss calculation
     :param max_grad_norm: The maximum value for the gradient clipping
     :param use_sde: Whether to use generalized State Dependent Exploration (gSDE): the std is then per state and so
@@ -120,9 +121,10 @@ class TRPL(KLOnPolicyAlgorithm):
         of the rollout policy's covariance, so it reaches the floor only where that is within the bound, and a floor
         far above the rollout policy's entropy is approached over several updates (the regression onto the
         projection pulls the network's std up). None (default): no entropy control
-    :param max_enforce_steps: Largest number of regression steps (line-search tries, each a pass over the buffer) of
-        the bound enforcement after the epochs (0: go straight to the move back toward the rollout policy when the
-        bound is exceeded)
+    :param max_enforce_steps: Largest number of regression tries of the bound enforcement after the epochs, each a pass
+        over the buffer: the line search's steps kept (``train/enforcement_steps``) and undone
+        (``train/enforcement_rejected_tries``) together (0: go straight to the move back toward the rollout policy
+        when a bound is exceeded)
     :param bound_tolerance: After each update, in every state of its rollout, the acting policy's mean part must be at
         most ``bound_tolerance * mean_bound`` and its covariance part at most ``bound_tolerance * cov_bound``
         (a categorical policy's KL at most ``bound_tolerance * mean_bound``)
@@ -488,6 +490,8 @@ class TRPL(KLOnPolicyAlgorithm):
                 policy_loss = -(advantages * ratio).mean()
                 trust_region_loss = projection["trust_region"].mean()
                 value_loss = F.mse_loss(rollout_data.returns, values)
+                # the loss's entropy term, PPO's `train/entropy_loss`: of the projected policy, which the loss is on
+                # (the acting network's std is logged as `train/action_std_mean`)
                 with th.set_grad_enabled(self.ent_coef != 0):
                     entropy_loss = -projected.entropy().mean()
                 loss = policy_loss + self.trust_region_coef * trust_region_loss + self.vf_coef * value_loss
@@ -545,6 +549,7 @@ class TRPL(KLOnPolicyAlgorithm):
             self.logger.record("train/mean_part_max_ratio", mean_ratio_max)
             self.logger.record("train/cov_part_max_ratio", cov_ratio_max)
         self.logger.record("train/enforcement_steps", enforcement["steps"])
+        self.logger.record("train/enforcement_rejected_tries", enforcement["rejected_tries"])
         self.logger.record("train/enforcement_step_fraction", enforcement["step_fraction"])
         self.logger.record("train/bound_met", float(max(enforcement["ratio_max"]) <= self.bound_tolerance))
         self.logger.record("train/nonfinite_steps", self._last_nonfinite_steps)
@@ -684,7 +689,7 @@ class TRPL(KLOnPolicyAlgorithm):
 
     def _line_search_regression(
         self, actor_params: list[nn.Parameter], ratios: th.Tensor, params: th.Tensor, min_entropy: float | None
-    ) -> tuple[th.Tensor, th.Tensor, int]:
+    ) -> tuple[th.Tensor, th.Tensor, int, int]:
         """
         The regression steps of ``_enforcement_optimizer = "line_search_capped"`` (and of ``"line_search"`` and
         ``"line_search_unit"``): from the gradient of the regression onto the projection on the states above the
@@ -697,14 +702,16 @@ class TRPL(KLOnPolicyAlgorithm):
 
         :param ratios: The acting policy's parts over their bounds, per state (:meth:`_acting_ratios`)
         :param params: Its distribution parameters
-        :return: the ratios and distribution parameters of the acting policy it ends with, and the tries taken
+        :return: the ratios and distribution parameters of the acting policy it ends with, the steps it kept and the
+            tries it undid
         """
         scales = self._preconditioner(actor_params)
         first_size = self.policy.optimizer.param_groups[0]["lr"]
         size = first_size
 
-        merit, tries, direction, failures, toward_rollout = self._excess(ratios), 0, None, 0, False
-        while ratios.max().item() > self.bound_tolerance and tries < self.max_enforce_steps:
+        merit, direction, failures, toward_rollout = self._excess(ratios), None, 0, False
+        accepted = rejected = 0
+        while ratios.max().item() > self.bound_tolerance and accepted + rejected < self.max_enforce_steps:
             if failures == 3 and not toward_rollout and self._enforcement_optimizer == "line_search_capped":
                 # stalled: the regression's direction does not lower the excess here
                 direction, toward_rollout, size = None, True, first_size
@@ -720,7 +727,6 @@ class TRPL(KLOnPolicyAlgorithm):
                 elif self._enforcement_optimizer == "line_search_capped":
                     direction /= rms.clamp(min=1.0)
                 start = nn.utils.parameters_to_vector(actor_params).detach().clone()
-            tries += 1
             with th.no_grad():
                 _copy_flat_to_parameters(start + size * direction, actor_params)
                 self._apply_variance_floor()
@@ -729,12 +735,14 @@ class TRPL(KLOnPolicyAlgorithm):
             if np.isfinite(new_merit) and new_merit < merit:
                 ratios, params, merit, direction, failures = new_ratios, new_params, new_merit, None, 0
                 size *= 2.0
+                accepted += 1
             else:
                 with th.no_grad():
                     _copy_flat_to_parameters(start, actor_params)
                 size *= 0.5
                 failures += 1
-        return ratios, params, tries
+                rejected += 1
+        return ratios, params, accepted, rejected
 
     def _enforce_bound(
         self, actor_params: list[nn.Parameter], rollout_actor: th.Tensor, min_entropy: float | None
@@ -753,7 +761,8 @@ class TRPL(KLOnPolicyAlgorithm):
         :param rollout_actor: Their values at the rollout (flat)
         :param min_entropy: The entropy control's floor of this update (:meth:`_project`)
         :return: the largest joint distance before and after (``before``, ``after``), each part's largest ratio to
-            its bound after (``ratio_max``), the regression steps taken and the factor ``t``; and the last pass over
+            its bound after (``ratio_max``), the regression steps kept (``steps``) and the line search's tries undone
+            (``rejected_tries``), the factor ``t`` (``step_fraction``); and the last pass over
             the buffer, of the final acting policy: its per-state KL (``final_kl``, as :meth:`_measure_update_kl`
             measures it) and distribution parameters (``final_params``)
         """
@@ -761,9 +770,9 @@ class TRPL(KLOnPolicyAlgorithm):
         ratios, params = self._acting_ratios()
         before = self._joint_distances(ratios).max().item()
         if self._enforcement_optimizer in ("line_search", "line_search_unit", "line_search_capped"):
-            ratios, params, steps = self._line_search_regression(actor_params, ratios, params, min_entropy)
+            ratios, params, steps, rejected = self._line_search_regression(actor_params, ratios, params, min_entropy)
         else:
-            steps, optimizer = 0, None
+            steps, rejected, optimizer = 0, 0, None
             while ratios.max().item() > limit and steps < self.max_enforce_steps:
                 if optimizer is None:
                     optimizer = self._make_enforcement_optimizer(actor_params)
@@ -789,6 +798,7 @@ class TRPL(KLOnPolicyAlgorithm):
             "after": self._joint_distances(ratios).max().item(),
             "ratio_max": ratios.max(dim=0).values.tolist(),
             "steps": steps,
+            "rejected_tries": rejected,
             "step_fraction": step_fraction,
             "final_kl": self._final_kl(params),
             "final_params": params,
