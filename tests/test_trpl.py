@@ -29,6 +29,7 @@ LOGGED_KEYS = (
     "train/enforcement_steps",
     "train/enforcement_rejected_tries",
     "train/enforcement_step_fraction",
+    "train/update_kept_fraction",
     "train/bound_met",
 )
 
@@ -262,6 +263,48 @@ def test_move_back_toward_the_rollout_policy_when_regression_is_not_allowed():
     assert any(v["train/enforcement_step_fraction"] < 1 for v in probe.updates)
     assert all(v["train/enforcement_steps"] == 0 for v in probe.updates)
     assert all(kl.max() <= 1.05 * model.joint_bound for kl in probe.kls)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_warns_once_when_the_enforcement_keeps_undoing_the_updates(env_id, capsys):
+    """
+    At a learning rate far too large for the bounds the enforcement undoes nearly all of every update (the bound
+    holds, the KL is small, the actor hardly moves): TRPL warns once, at the user's line, naming ``learning_rate`` and
+    the bounds, prints it with ``verbose=1``, and logs each update's kept fraction.
+    """
+    logs = TrainLogs()
+    model = TRPL("MlpPolicy", env_id, learning_rate=10.0, n_steps=64, seed=0, verbose=1, **TINY)
+    with pytest.warns(UserWarning, match="undone most of the actor's update") as record:
+        model.learn(8 * 64, callback=logs)
+    undone = [w for w in record if "undone most" in str(w.message)]
+    assert len(undone) == 1 and undone[0].filename == __file__
+    message = str(undone[0].message)
+    assert "`learning_rate`" in message and "mean_bound=0.03" in message
+    assert ("cov_bound=0.001" in message) == (env_id == "Pendulum-v1")
+    assert "undone most of the actor's update" in capsys.readouterr().out
+    kept = [v["train/update_kept_fraction"] for v in logs.updates]
+    assert sum(k < 0.1 for k in kept) >= 5
+    assert all(v["train/bound_met"] == 1.0 for v in logs.updates)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_no_undone_update_warning_at_the_default_learning_rate(env_id, recwarn):
+    """At the default learning rate the enforcement keeps the updates: no warning."""
+    logs = TrainLogs()
+    model = TRPL("MlpPolicy", env_id, n_steps=64, seed=0, **TINY)
+    model.learn(8 * 64, callback=logs)
+    assert not [w for w in recwarn if "undone most" in str(w.message)]
+    assert model.mostly_undone_updates == 0 and not model.mostly_undone_warned
+    assert min(v["train/update_kept_fraction"] for v in logs.updates) >= 0.1
+
+
+def test_kept_fraction_is_the_component_along_the_epochs_step():
+    rollout = th.zeros(3)
+    epochs = th.tensor([2.0, 0.0, 0.0])
+    assert TRPL._kept_fraction(rollout, epochs, epochs) == 1.0
+    assert TRPL._kept_fraction(rollout, epochs, rollout) == 0.0
+    assert TRPL._kept_fraction(rollout, epochs, th.tensor([0.5, 3.0, 0.0])) == pytest.approx(0.25)
+    assert TRPL._kept_fraction(rollout, rollout, th.ones(3)) == 1.0  # the epochs did not move the actor
 
 
 def test_acting_policy_is_the_network():

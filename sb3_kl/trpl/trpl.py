@@ -37,10 +37,16 @@ from sb3_kl.common.projections import (
     project_categorical_with_distances,
     project_gaussian_with_distances,
 )
+from sb3_kl.common.user_warnings import warn_at_user_frame
 from sb3_kl.common.validation import check_bool, check_choice, check_finite, check_int, check_non_negative, check_positive
 from sb3_kl.trpl.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
 SelfTRPL = TypeVar("SelfTRPL", bound="TRPL")
+
+#: An update whose enforcement kept less than this fraction of the epochs' step counts as mostly undone
+MOSTLY_UNDONE_FRACTION = 0.1
+#: Consecutive mostly undone updates after which TRPL warns (once) that the actor is barely learning
+MOSTLY_UNDONE_UPDATES = 5
 
 
 @th.no_grad()
@@ -254,6 +260,9 @@ class TRPL(KLOnPolicyAlgorithm):
         self.initial_entropy: float | None = None
         self.max_enforce_steps = max_enforce_steps
         self.bound_tolerance = bound_tolerance
+        # consecutive updates whose enforcement undid most of the step, and whether that was warned about
+        self.mostly_undone_updates = 0
+        self.mostly_undone_warned = False
         if self.env is not None:
             self._check_action_space(self.action_space)
             assert self.n_steps * self.env.num_envs > 1 or not normalize_advantage, (
@@ -517,6 +526,7 @@ class TRPL(KLOnPolicyAlgorithm):
         self._count_nonfinite_steps(applied_steps, minibatch_steps)
 
         enforcement = self._enforce_bound(actor_params, rollout_actor, min_entropy)
+        self._check_mostly_undone(enforcement["kept_fraction"])
         if self.kl_settings.estimator == "analytic":
             # the enforcement's last pass over the buffer evaluated the final acting policy already: its KL and
             # parameters are those _measure_update_kl would compute again
@@ -551,6 +561,7 @@ class TRPL(KLOnPolicyAlgorithm):
         self.logger.record("train/enforcement_steps", enforcement["steps"])
         self.logger.record("train/enforcement_rejected_tries", enforcement["rejected_tries"])
         self.logger.record("train/enforcement_step_fraction", enforcement["step_fraction"])
+        self.logger.record("train/update_kept_fraction", enforcement["kept_fraction"])
         self.logger.record("train/bound_met", float(max(enforcement["ratio_max"]) <= self.bound_tolerance))
         self.logger.record("train/nonfinite_steps", self._last_nonfinite_steps)
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
@@ -762,11 +773,13 @@ class TRPL(KLOnPolicyAlgorithm):
         :param min_entropy: The entropy control's floor of this update (:meth:`_project`)
         :return: the largest joint distance before and after (``before``, ``after``), each part's largest ratio to
             its bound after (``ratio_max``), the regression steps kept (``steps``) and the line search's tries undone
-            (``rejected_tries``), the factor ``t`` (``step_fraction``); and the last pass over
+            (``rejected_tries``), the factor ``t`` (``step_fraction``), the fraction of the epochs' step it kept
+            (``kept_fraction``, :meth:`_kept_fraction`); and the last pass over
             the buffer, of the final acting policy: its per-state KL (``final_kl``, as :meth:`_measure_update_kl`
             measures it) and distribution parameters (``final_params``)
         """
         limit = self.bound_tolerance
+        epochs_actor = nn.utils.parameters_to_vector(actor_params).detach().clone()
         ratios, params = self._acting_ratios()
         before = self._joint_distances(ratios).max().item()
         if self._enforcement_optimizer in ("line_search", "line_search_unit", "line_search_capped"):
@@ -793,9 +806,11 @@ class TRPL(KLOnPolicyAlgorithm):
                     step_fraction = 0.0
                     _copy_flat_to_parameters(rollout_actor, actor_params)
                     ratios, params = self._acting_ratios()
+        final_actor = nn.utils.parameters_to_vector(actor_params).detach()
         return {
             "before": before,
             "after": self._joint_distances(ratios).max().item(),
+            "kept_fraction": self._kept_fraction(rollout_actor, epochs_actor, final_actor),
             "ratio_max": ratios.max(dim=0).values.tolist(),
             "steps": steps,
             "rejected_tries": rejected,
@@ -803,6 +818,51 @@ class TRPL(KLOnPolicyAlgorithm):
             "final_kl": self._final_kl(params),
             "final_params": params,
         }
+
+    @staticmethod
+    def _kept_fraction(rollout_actor: th.Tensor, epochs_actor: th.Tensor, final_actor: th.Tensor) -> float:
+        """
+        The fraction of the epochs' step on the actor's parameters that the enforcement kept: the component of the
+        update's final step along the epochs' step, ``<final - rollout, epochs - rollout> / |epochs - rollout|^2``
+        (1: all kept, 0: back at the rollout policy's parameters; 1 when the epochs did not move them).
+
+        :param rollout_actor: The actor's parameters at the rollout (flat)
+        :param epochs_actor: After the epochs, before the enforcement
+        :param final_actor: After the enforcement
+        """
+        step = (epochs_actor - rollout_actor).double()
+        norm = step.dot(step).item()
+        if norm == 0.0:
+            return 1.0
+        return (final_actor - rollout_actor).double().dot(step).item() / norm
+
+    def _check_mostly_undone(self, kept_fraction: float) -> None:
+        """
+        Count the consecutive updates whose enforcement kept less than :data:`MOSTLY_UNDONE_FRACTION` of the epochs'
+        step; at :data:`MOSTLY_UNDONE_UPDATES`, warn once (and print with ``verbose >= 1``): the bounds hold and the
+        logged KL is small, but only because the actor hardly moves.
+
+        :param kept_fraction: This update's kept fraction (:meth:`_kept_fraction`)
+        """
+        if kept_fraction >= MOSTLY_UNDONE_FRACTION:
+            self.mostly_undone_updates = 0
+            return
+        self.mostly_undone_updates += 1
+        if self.mostly_undone_updates < MOSTLY_UNDONE_UPDATES or self.mostly_undone_warned:
+            return
+        self.mostly_undone_warned = True
+        bounds = f"mean_bound={self.mean_bound:g}" + (f", cov_bound={self.cov_bound:g}" if self._is_gaussian else "")
+        message = (
+            f"TRPL: the bound enforcement has undone most of the actor's update in {self.mostly_undone_updates} "
+            f"consecutive updates (it kept less than {MOSTLY_UNDONE_FRACTION:g} of the epochs' step; last: "
+            f"{kept_fraction:.3g}, logged as train/update_kept_fraction), so the actor barely learns although "
+            "train/bound_met is 1 and the KL is small. The epochs' steps leave the trust region far behind: most likely "
+            f"`learning_rate` ({self.policy.optimizer.param_groups[0]['lr']:g} now) is too large for the bounds "
+            f"({bounds}). Fixes: a smaller learning_rate or fewer n_epochs, or larger bounds."
+        )
+        warn_at_user_frame(message)
+        if self.verbose >= 1:
+            print(message)
 
     def learn(
         self: SelfTRPL,
