@@ -108,7 +108,8 @@ class TRPL(KLOnPolicyAlgorithm):
     :param max_grad_norm: The maximum value for the gradient clipping
     :param use_sde: Whether to use generalized State Dependent Exploration (gSDE): the std is then per state and so
         is its projection (without gSDE the std is state-independent and projected once per minibatch); as in SB3,
-        the std is built on the actor's features detached, so no loss trains the features through it
+        the std is built on the actor's features detached, so the losses do not train the features through it (only
+        the bound enforcement's regression does, to bring each state's std back within ``cov_bound``)
     :param sde_sample_freq: Sample a new noise matrix every n steps when using gSDE
         Default: -1 (only sample at the beginning of the rollout)
     :param rollout_buffer_class: Rollout buffer class to use; must subclass ``KLRolloutBuffer`` (or its Dict variant).
@@ -345,8 +346,9 @@ class TRPL(KLOnPolicyAlgorithm):
     def _distribution_from_latent(self, latent_pi: th.Tensor) -> Distribution:
         """
         SB3's action distribution on the actor latent, as the policy builds it: with gSDE its std is built from the
-        latent features detached unless ``learn_features=True`` (SB3's ``StateDependentNoiseDistribution``), so no
-        loss (surrogate, trust-region term, entropy bonus, enforcement) trains the features through the std.
+        latent features detached unless ``learn_features=True`` (SB3's ``StateDependentNoiseDistribution``), so the
+        losses of the epochs (surrogate, trust-region term, entropy bonus) do not train the features through the std
+        (the bound enforcement's regression does, :meth:`_enforcement_distribution`).
         """
         return self.policy._get_action_dist_from_latent(latent_pi)
 
