@@ -1,5 +1,6 @@
 """
-Train KLPPO on CartPole-v1 for a short run and print the KL figures of every update.
+Train KLPPO on CartPole-v1 for a short run and print the KL figures of every update: the KL against its target, its
+tail, the learning rate and beta (``--learning-rate auto`` adapts the rate so that each update's KL meets the target).
 
     python examples/quickstart.py [--steps 20000] [--env CartPole-v1]
 
@@ -18,7 +19,7 @@ from sb3_kl import KLPPO
 
 
 class PrintKL(BaseCallback):
-    """Prints one line per update: the exact KL of the update, its tail, beta and the target."""
+    """Prints one line per update: the exact KL of the update against its target, its tail, the learning rate and beta."""
 
     def _on_step(self) -> bool:
         return True
@@ -27,10 +28,12 @@ class PrintKL(BaseCallback):
         # Runs right after train(): its values are still in the logger (they are dumped at the next iteration)
         values = self.model.logger.name_to_value
         if "train/kl" in values:
+            rate = f"  lr={values['train/learning_rate']:.3g}" if "train/learning_rate" in values else ""
             print(
-                f"steps={self.num_timesteps:>6}  KL={values['train/kl']:.4f}  KL p99={values['train/kl_p99']:.4f}  "
-                f"target={values['train/target_kl']:.3f}  beta={values['train/kl_coef']:.3g}  "
-                f"({values['train/kl_convention']})"
+                f"steps={self.num_timesteps:>6}  KL={values['train/kl']:.4f} "
+                f"({values['train/kl'] / values['train/target_kl']:.2f} x target {values['train/target_kl']:.3f})"
+                f"  KL p99={values['train/kl_p99']:.4f}{rate}"
+                f"  beta={values['train/kl_coef']:.3g}  ({values['train/kl_convention']})"
             )
 
 
@@ -39,6 +42,12 @@ def main() -> None:
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--steps", type=int, default=int(os.environ.get("SB3_KL_EXAMPLE_STEPS", 20_000)))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--learning-rate",
+        type=lambda text: text if text.startswith("auto") else float(text),
+        default=1e-3,
+        help='a number, or "auto"/"auto_<start>" (docs/guide/learning_rate.md)',
+    )
     args = parser.parse_args()
     th.set_num_threads(1)
 
@@ -51,13 +60,14 @@ def main() -> None:
         n_epochs=10,
         gamma=0.98,
         gae_lambda=0.8,
-        learning_rate=1e-3,
+        learning_rate=args.learning_rate,
         seed=args.seed,
     )
     model.learn(args.steps, callback=PrintKL())
     mean_return, std_return = evaluate_policy(model, model.get_env(), n_eval_episodes=10, deterministic=True)
     print(f"evaluation over 10 deterministic episodes: {mean_return:.1f} +/- {std_return:.1f}")
-    print(f"final beta={model.kl_coef:.3g} after {model.kl_controller.n_updates} updates")
+    rate = model.adapted_learning_rate if model.adapts_learning_rate else model.lr_schedule(0.0)
+    print(f"final beta={model.kl_coef:.3g} and learning rate {rate:.3g} after {model.kl_controller.n_updates} updates")
 
 
 if __name__ == "__main__":
