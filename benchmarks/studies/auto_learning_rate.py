@@ -50,7 +50,7 @@ TASKS: dict[str, dict[str, Any]] = {
         n_envs=1,
         kwargs=dict(n_steps=256, batch_size=256, n_epochs=10, gamma=0.98, gae_lambda=0.8),
         learning_rate=1e-3,
-        seeds=(10, 11),
+        seeds=(10, 11, 12, 13, 14),
     ),
     "Pendulum-v1": dict(
         steps=100_000,
@@ -267,10 +267,11 @@ def report() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", action="store_true")
+    parser.add_argument("--envs", nargs="+", choices=list(TASKS), default=list(TASKS))
     args = parser.parse_args(argv)
     if not args.report:
         done = {run_key(r) for r in read_records()}
-        for env in TASKS:
+        for env in args.envs:
             for mult in MULTIPLIERS:
                 for seed in TASKS[env]["seeds"]:
                     for rule in RULES:
