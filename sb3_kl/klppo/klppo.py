@@ -16,6 +16,7 @@ from sb3_kl.common.learning_rate import DEFAULT_LR_BOUNDS
 from sb3_kl.common.controllers import KLController
 from sb3_kl.common.host_sync import DeviceLog, without_distribution_validation
 from sb3_kl.common.kl import per_state_kl_to
+from sb3_kl.common.kl_term import fused_kl_term
 from sb3_kl.common.modes import (
     acting_mode,
     has_mode_dependent_modules,
@@ -166,6 +167,9 @@ class KLPPO(KLOnPolicyAlgorithm):
     #: buffer; kept to compare the rules, see ``_kl_ran_away`` and ``benchmarks/studies/epoch_kl_stop.py``)
     _kl_stop_judge: ClassVar[str] = "minibatch_mean"
     supports_auto_learning_rate: ClassVar[bool] = True
+    #: Whether the loss's KL term is the fused autograd node where it applies (:meth:`_kl_term`); False builds it from
+    #: autograd operations, the path the node is tested against (the same values and gradients up to rounding)
+    _fused_kl_term: ClassVar[bool] = True
     #: Action spaces accepted at construction (SB3's check)
     _supported_action_spaces: ClassVar[tuple[type[spaces.Space], ...]] = (
         spaces.Box,
@@ -384,11 +388,10 @@ class KLPPO(KLOnPolicyAlgorithm):
                     entropy = distribution.entropy()
                 log_ratio = log_prob - rollout_data.old_log_prob
                 kl_log_prob, kl_log_ratio = self._log_probs_for_kl(distribution, actions, log_prob, rollout_data.old_log_prob)
-                kl = self._per_state_kl(rollout_data.old_dist_params, distribution, kl_log_ratio).mean()
+                kl, kl_loss = self._kl_term(rollout_data.old_dist_params, distribution, kl_log_ratio, kl_coef, target_kl)
 
                 advantages = self._normalized_advantages(rollout_data.advantages)
                 policy_loss, clip_fraction = self._surrogate_loss(log_ratio, advantages, clip_range)
-                kl_loss = self._kl_penalty(kl, kl_coef, target_kl)
 
                 value_loss = self._value_loss(values, rollout_data.old_values, rollout_data.returns, clip_range_vf)
                 # Entropy loss favor exploration (approximated by -log_prob when there is no analytical form)
@@ -645,6 +648,35 @@ class KLPPO(KLOnPolicyAlgorithm):
             clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float())
         return -th.min(policy_loss_1, policy_loss_2).mean(), clip_fraction
 
+    def _kl_term(
+        self, old_params: th.Tensor, distribution: Distribution, log_ratio: th.Tensor, kl_coef: float, target_kl: float
+    ) -> tuple[th.Tensor, th.Tensor]:
+        """
+        The minibatch KL (the mean over its states of the per-state KL) and the loss's KL term on it
+        (:meth:`_kl_penalty`), in one autograd node (:func:`~sb3_kl.common.kl_term.fused_kl_term`). Built from autograd
+        operations instead (:meth:`_per_state_kl`, its mean, :meth:`_kl_penalty`) when ``_fused_kl_term`` is off,
+        where the node does not apply, or when a subclass overrides one of those two methods (the term is then theirs).
+
+        :param old_params: Rollout-policy parameters from the buffer
+        :param distribution: The current policy's distribution on the minibatch's states
+        :param log_ratio: log pi_new(a|s) - log pi_old(a|s) of the stored actions (used by k1/k3)
+        :return: the minibatch KL and the KL term, two scalar tensors
+        """
+        if self._fused_kl_term and self._stock_kl_hooks():
+            hinge_kl = self.kl_hinge_factor * target_kl
+            fused = fused_kl_term(
+                self.kl_settings, self.dist_params, old_params, distribution, log_ratio, kl_coef, self.kl_hinge_coef, hinge_kl
+            )
+            if fused is not None:
+                return fused
+        kl = self._per_state_kl(old_params, distribution, log_ratio).mean()
+        return kl, self._kl_penalty(kl, kl_coef, target_kl)
+
+    @classmethod
+    def _stock_kl_hooks(cls) -> bool:
+        """Whether the class builds its KL term with KLPPO's own ``_per_state_kl`` and ``_kl_penalty``."""
+        return cls._per_state_kl is KLOnPolicyAlgorithm._per_state_kl and cls._kl_penalty is KLPPO._kl_penalty
+
     def _kl_penalty(self, kl: th.Tensor, kl_coef: float, target_kl: float) -> th.Tensor:
         """
         ``beta * KL``, plus the optional hinge ``kl_hinge_coef * max(0, KL - kl_hinge_factor * target)^2``.
@@ -686,10 +718,10 @@ class KLPPO(KLOnPolicyAlgorithm):
             log_prob = distribution.log_prob(actions)
             log_ratio = log_prob - rollout_data.old_log_prob
             _, kl_log_ratio = self._log_probs_for_kl(distribution, actions, log_prob, rollout_data.old_log_prob)
-            kl = self._per_state_kl(rollout_data.old_dist_params, distribution, kl_log_ratio).mean()
+            _, kl_loss = self._kl_term(rollout_data.old_dist_params, distribution, kl_log_ratio, kl_coef, target_kl)
             advantages = self._normalized_advantages(rollout_data.advantages)
             policy_loss, _ = self._surrogate_loss(log_ratio, advantages, clip_range)
-            return self._gradient_ratio(self._kl_penalty(kl, kl_coef, target_kl), policy_loss)
+            return self._gradient_ratio(kl_loss, policy_loss)
 
     def learn(
         self: SelfKLPPO,
