@@ -18,7 +18,8 @@ from typing import Any
 # phase name: the methods (of the algorithm) whose calls it sums
 PHASES = {
     "forward pass": ("_forward_samples",),
-    "KL term (per-state KL, penalty)": ("_per_state_kl", "_kl_penalty"),
+    # _kl_term: the fused node (the other two run inside it where it does not apply, and in the per-epoch stop)
+    "KL term (per-state KL, penalty)": ("_kl_term", "_per_state_kl", "_kl_penalty"),
     "surrogate and value losses": ("_surrogate_loss", "_value_loss", "_normalized_advantages"),
     "optimizer step (backward, clip, Adam)": ("_optimizer_step",),
     "rollout distribution (once per update)": ("_prepare_rollout_distribution",),
@@ -94,9 +95,7 @@ def time_phases(
             minibatches=minibatches,
             train_seconds=clock.wall["train"],
             rollout_seconds=clock.wall["collect_rollouts"],
-            phases={phase: sum(clock.wall[m] for m in methods) for phase, methods in phases.items()}
-            if side == "ours"
-            else {},
+            phases={phase: sum(clock.wall[m] for m in methods) for phase, methods in phases.items()} if side == "ours" else {},
         )
     return result
 
