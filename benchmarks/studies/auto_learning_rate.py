@@ -111,16 +111,21 @@ def run_key(record: dict[str, Any]) -> tuple[str, str, float, int]:
 
 
 def read_records() -> list[dict[str, Any]]:
-    return json.loads(RECORDS.read_text()) if RECORDS.exists() else []
+    text = RECORDS.read_text() if RECORDS.exists() else ""
+    return json.loads(text) if text.strip() else []
 
 
 def append(record: dict[str, Any]) -> None:
-    """Add a finished run to the records file under a lock (a run made again replaces its record)."""
-    with open(RECORDS.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        records = [r for r in read_records() if run_key(r) != run_key(record)] + [record]
+    """Add a finished run to the records file under a lock of that file (a run made again replaces its record)."""
+    RECORDS.touch()
+    with open(RECORDS, "r+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        text = file.read()
+        records = [r for r in (json.loads(text) if text.strip() else []) if run_key(r) != run_key(record)] + [record]
         records.sort(key=run_key)
-        RECORDS.write_text(json.dumps(records, indent=1) + "\n")
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps(records, indent=1) + "\n")
 
 
 def run_one(rule: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any]:
