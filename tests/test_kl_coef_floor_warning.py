@@ -42,6 +42,7 @@ def test_beta_at_its_floor_with_a_stalled_kl_warns_once_across_save_and_load(tmp
     (message,) = _floor_warnings(recwarn)
     assert model.kl_coef_floor_warned and model.kl_coef_floor_updates == STALLED_AT_FLOOR_UPDATES
     assert "learning rate is too small" in message and "KLAdaptiveLRCallback" in message and "smaller `target_kl`" in message
+    assert 'learning_rate="auto"' in message  # the KLPPO family adapts its own rate
 
     model.save(tmp_path / "warned.zip")
     model = KLPPO.load(tmp_path / "warned.zip", env=model.get_env())

@@ -1460,8 +1460,13 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             f"{self.kl_coef_floor_updates} consecutive updates, each with a KL below {STALLED_KL_FRACTION:g} x "
             f"target_kl (last update: {update_kl:.3g} against {target_kl:.3g}). The penalty is not what holds the KL "
             "down: most likely the learning rate is too small, or decays too fast, for this target (or `target_kl` "
-            "is too large). Fixes: sb3_kl.callbacks.KLAdaptiveLRCallback, which adapts the learning rate to the "
-            "target, or a smaller `target_kl`."
+            "is too large). Fixes: "
+            + (
+                'learning_rate="auto", which adapts the learning rate to the target (docs: learning_rate="auto"), '
+                if self.supports_auto_learning_rate
+                else ""
+            )
+            + "sb3_kl.callbacks.KLAdaptiveLRCallback, which does so from outside, or a smaller `target_kl`."
         )
         warn_at_user_frame(message)
         if self.verbose >= 1:
