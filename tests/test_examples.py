@@ -32,12 +32,16 @@ def git_status() -> str | None:
 def repository_files() -> dict[str, tuple[int, int]]:
     """
     Every file of the checkout with its size and modification time, ignored ones included (``git status`` does not
-    show a write into an ignored folder such as ``logs/``), except caches and virtual environments.
+    show a write into an ignored folder such as ``logs/``), except caches, virtual environments and the docs site's
+    copies of the results pages (``docs/results/``, which the docs build, a test that may run beside, writes).
     """
     skip = {".git", "__pycache__", ".pytest_cache", ".hypothesis"}
+    site_copies = ROOT / "docs" / "results"
     files = {}
     for directory, folders, names in os.walk(ROOT):
         folders[:] = [f for f in folders if f not in skip and not f.startswith((".venv", "venv"))]
+        if Path(directory) == site_copies.parent:
+            folders[:] = [f for f in folders if f != site_copies.name]
         for name in names:
             path = os.path.join(directory, name)
             stat = os.stat(path)
