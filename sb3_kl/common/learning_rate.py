@@ -5,9 +5,9 @@ below as well as from above.
 After the update's epochs, the whole parameter change ``delta`` of the update is scaled by a factor ``alpha`` found
 on the exact KL over the rollout's states (:func:`find_step_scale`): ``theta_old + alpha * delta`` lands the KL in
 the band around the target, shrinking a step that went too far (``alpha < 1``) and extending one that fell short
-(``alpha > 1``, at most :data:`MAX_STEP_SCALE`). The next update's learning rate is the last one times ``alpha``, so
-the rate itself converges to the one whose update meets the target, and ``alpha`` to 1. Where the scale could not
-reach the target (at :data:`MAX_STEP_SCALE`), the rate moves by the factor that would have (:func:`rate_factor`).
+(``alpha > 1``, at most :data:`MAX_STEP_SCALE`). The next update's learning rate is the last one times the factor
+that would have met the target (:func:`rate_factor`: in full outside the band, its square root inside), so the rate
+itself converges to the one whose update meets the target, and ``alpha`` to 1.
 """
 
 import math

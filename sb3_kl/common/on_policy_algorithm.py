@@ -430,6 +430,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         **kwargs: Any,
     ):
         learning_rate = kwargs.get("learning_rate")
+        lr_bounds = check_pair("lr_bounds", lr_bounds)
         auto_start = self._check_auto_learning_rate(learning_rate, lr_bounds)
         if auto_start is not None:
             kwargs["learning_rate"] = auto_start  # SB3 builds the optimizer at the starting rate
@@ -440,7 +441,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             self.learning_rate = learning_rate
         # the rate the next update uses with learning_rate="auto" (saved with the model), None otherwise
         self.adapted_learning_rate = auto_start
-        self.lr_bounds = check_pair("lr_bounds", lr_bounds)
+        self.lr_bounds = lr_bounds
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
         self.kl_controller = make_kl_controller(
@@ -518,13 +519,13 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         self._setup_reference()
 
     @classmethod
-    def _check_auto_learning_rate(cls, learning_rate: Any, lr_bounds: Any) -> float | None:
+    def _check_auto_learning_rate(cls, learning_rate: Any, bounds: tuple[float, float]) -> float | None:
         """
+        :param bounds: ``lr_bounds``, already checked
         :return: the starting rate of ``learning_rate="auto"``/``"auto_<start>"``, None for a number or a schedule
-        :raises ValueError: naming the argument, for a malformed ``"auto..."`` string, an algorithm without it, a
-            ``lr_bounds`` that is no increasing pair of positive numbers, or a start outside ``lr_bounds``
+        :raises ValueError: naming the argument, for a malformed ``"auto..."`` string, an algorithm without it, or a
+            start outside ``lr_bounds``
         """
-        bounds = check_pair("lr_bounds", lr_bounds)
         start = parse_auto_learning_rate(learning_rate)
         if start is None:
             return None
