@@ -22,7 +22,14 @@ from torch.distributions import Categorical, Normal, kl_divergence
 
 from sb3_kl import TRPL, ClipKLPPO, KLPPO, KLTRPO, MaskableKLPPO, RecurrentKLPPO
 from sb3_kl.callbacks import KLAdaptiveLRCallback
-from sb3_kl.common.learning_rate import MAX_STEP_SCALE, find_step_scale, parse_auto_learning_rate, rate_factor
+from sb3_kl.common.learning_rate import (
+    MAX_STEP_SCALE,
+    find_step_scale,
+    parse_auto_learning_rate,
+    rate_factor,
+    rate_follows_kl,
+    value_only_parameters,
+)
 from sb3_kl.zoo.registry import preprocess_schedules
 
 os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3logs")
@@ -203,6 +210,7 @@ def test_adapted_rate_is_saved_and_continues_after_load(tmp_path):
     loaded = KLPPO.load(tmp_path / "model", env=_env(KLPPO))
     assert loaded.learning_rate == "auto_1e-4" and loaded.lr_bounds == model.lr_bounds
     assert loaded.adapted_learning_rate == adapted
+    assert loaded._rate_history == model._rate_history and len(loaded._rate_history) == 3
     logged = Logged()
     loaded.learn(256, callback=logged, reset_num_timesteps=False)
     assert logged.values[0]["train/learning_rate"] == pytest.approx(adapted)
@@ -273,3 +281,78 @@ def test_step_scale_stops_at_its_cap_and_backs_off_a_non_finite_kl():
     scale, kl = find_step_scale(lambda a: math.inf if a > 0.3 else a**2 * 10, math.inf, 1.0, (0.8, 1.25))
     assert math.isfinite(kl) and 0.8 <= kl <= 1.25 and scale < 0.3
     assert find_step_scale(lambda a: 1.0, 1.0, 1.0, (0.8, 1.25)) == (1.0, 1.0)  # in band: no evaluation
+
+
+def test_rate_follows_kl_tells_a_clipped_update_from_a_free_one():
+    rates = [1e-4 * 1.3**i for i in range(10)]
+    assert rate_follows_kl(rates, [r**2 for r in rates])  # a small step: the KL is quadratic in the rate
+    assert not rate_follows_kl(rates, [0.02 * r**0.2 for r in rates])  # the clip range holds it
+    assert rate_follows_kl(rates[:1], [0.02])  # too few updates to tell
+    assert rate_follows_kl([1e-3 * 1.01**i for i in range(10)], [0.02] * 10)  # rates too alike to tell
+
+
+@pytest.mark.parametrize(
+    "algo, policy_kwargs",
+    [
+        (KLPPO, dict(net_arch=dict(pi=[16], vf=[16]))),
+        (KLPPO, dict(net_arch=[16], share_features_extractor=False)),
+        (RecurrentKLPPO, dict(net_arch=[16], lstm_hidden_size=8)),
+        (RecurrentKLPPO, dict(net_arch=[16], lstm_hidden_size=8, enable_critic_lstm=False)),
+    ],
+)
+def test_value_only_parameters_are_those_the_distribution_does_not_use(algo, policy_kwargs):
+    """Checked by autograd: the action distribution has no path to them, the value has a path to each."""
+    model = _model(algo, 1e-3, policy_kwargs=policy_kwargs)
+    policy = model.policy
+    obs = th.as_tensor(model.env.observation_space.sample()[None], dtype=th.float32)
+    if algo is RecurrentKLPPO:
+        states = policy.initial_state(1) if hasattr(policy, "initial_state") else None
+        hidden = (th.zeros(1, 1, 8), th.zeros(1, 1, 8))
+        from sb3_contrib.common.recurrent.type_aliases import RNNStates
+
+        states = RNNStates(hidden, hidden)
+        starts = th.ones(1)
+        distribution, _ = policy.get_distribution(obs, states.pi, starts)
+        value = policy.predict_values(obs, states.vf, starts)
+    else:
+        distribution, value = policy.get_distribution(obs), policy.predict_values(obs)
+    params = list(policy.parameters())
+    used_by_actor = th.autograd.grad(distribution.distribution.logits.sum(), params, allow_unused=True)
+    used_by_value = th.autograd.grad(value.sum(), params, allow_unused=True)
+    value_only = {id(p) for p in value_only_parameters(policy)}
+    assert value_only
+    for param, actor_grad, value_grad in zip(params, used_by_actor, used_by_value, strict=True):
+        assert (id(param) in value_only) == (actor_grad is None and value_grad is not None)
+
+
+def test_step_scale_leaves_the_value_function_at_the_end_of_the_update():
+    """Only the parameters the KL depends on are scaled: the value function keeps its whole update."""
+
+    class AtUpdateEnd(KLPPO):
+        def _measure_final_update_kl(self, target_kl, measured=None):
+            self.before_scale = {id(p): p.detach().clone() for p in self.policy.parameters()}
+            return super()._measure_final_update_kl(target_kl, measured)
+
+    model = _model(AtUpdateEnd, "auto_1e-5")
+    logged = Logged()
+    model.learn(256, callback=logged)
+    assert logged.values[0]["train/step_scale"] == MAX_STEP_SCALE
+    value_only = {id(p) for p in value_only_parameters(model.policy)}
+    for param in model.policy.parameters():
+        unchanged = th.equal(param, model.before_scale[id(param)])
+        assert unchanged == (id(param) in value_only)
+
+
+def test_rate_stops_rising_where_a_higher_rate_bought_no_kl():
+    """
+    Where the clip range holds the update, a higher rate buys little KL: the step scale still lands the update on the
+    target, but the rate holds instead of climbing to ``lr_bounds``. Here recent updates at lower rates had a larger
+    KL than this one, whose step scale is at its cap: without that history the rate would rise 16x.
+    """
+    rising, held = _model(KLPPO, "auto_1e-5"), _model(KLPPO, "auto_1e-5")
+    held._rate_history = [(1e-5 / 8, 1.0), (1e-5 / 4, 1.0), (1e-5 / 2, 1.0)]
+    for model in (rising, held):
+        model.learn(256)
+    assert rising.adapted_learning_rate == pytest.approx(16e-5)
+    assert held.adapted_learning_rate == pytest.approx(1e-5)
+    assert len(held._rate_history) == 4 and held._rate_history[-1][0] == 1e-5

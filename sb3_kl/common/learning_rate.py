@@ -7,11 +7,18 @@ on the exact KL over the rollout's states (:func:`find_step_scale`): ``theta_old
 the band around the target, shrinking a step that went too far (``alpha < 1``) and extending one that fell short
 (``alpha > 1``, at most :data:`MAX_STEP_SCALE`). The next update's learning rate is the last one times the factor
 that would have met the target (:func:`rate_factor`: in full outside the band, its square root inside), so the rate
-itself converges to the one whose update meets the target, and ``alpha`` to 1.
+itself converges to the one whose update meets the target, and ``alpha`` to 1. The rate rises only while the KL
+of the unscaled step still follows it (:func:`rate_follows_kl`): where the clip range already stops the update, a
+higher rate buys no KL, and raising it anyway would wind the rate up without end.
+Only the parameters the action distribution depends on are scaled; the value function keeps its whole update
+(:func:`value_only_parameters`).
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from torch import nn
 
 #: ``learning_rate="auto"`` starts at SB3 PPO's default rate
 DEFAULT_AUTO_LEARNING_RATE = 3e-4
@@ -28,6 +35,11 @@ MIN_STEP_SCALE = 1.0 / 1024
 STEP_SCALE_BAND = (0.8, 1.25)
 #: KL evaluations the search may spend beyond the update's own measurement
 MAX_SCALE_EVALUATIONS = 6
+#: The recent updates whose rates and unscaled KLs tell whether the KL still follows the rate (:func:`rate_follows_kl`)
+RATE_RESPONSE_WINDOW = 10
+#: The least slope of log KL against log rate over that window for the rate to keep rising (2 for a small step, where
+#: the KL is quadratic in it; near 0 where the clip range holds the update)
+MIN_RATE_RESPONSE = 1.0
 
 
 class AdaptiveLRSchedule:
@@ -160,3 +172,44 @@ def rate_factor(scale: float, kl: float, target: float, band: tuple[float, float
         return MIN_STEP_SCALE if not math.isfinite(kl) else MAX_RATE_FACTOR
     factor = min(max(scale * math.sqrt(target / kl), MIN_STEP_SCALE), MAX_RATE_FACTOR)
     return math.sqrt(factor) if band[0] * target <= kl <= band[1] * target else factor
+
+
+def rate_follows_kl(rates: Sequence[float], kls: Sequence[float], min_slope: float = MIN_RATE_RESPONSE) -> bool:
+    """
+    Whether raising the learning rate still raises the KL of the unscaled step: the least-squares slope of log KL
+    against log rate over recent updates is at least ``min_slope``. True while their rates are too alike (within a
+    factor of 2) to tell.
+
+    :param rates: The learning rates of recent updates
+    :param kls: The KL of each of those updates at step scale 1
+    """
+    rates_, kls_ = np.asarray(rates, dtype=float), np.asarray(kls, dtype=float)
+    usable = np.isfinite(rates_) & np.isfinite(kls_) & (rates_ > 0) & (kls_ > 0)
+    log_rates, log_kls = np.log(rates_[usable]), np.log(kls_[usable])
+    if len(log_rates) < 2 or np.ptp(log_rates) < math.log(2.0):
+        return True
+    centred = log_rates - log_rates.mean()
+    return float(centred @ (log_kls - log_kls.mean()) / (centred @ centred)) >= min_slope
+
+
+def value_only_parameters(policy: nn.Module) -> list[nn.Parameter]:
+    """
+    The parameters only the value function uses (SB3's and sb3-contrib's actor-critic policies): the step scale of
+    ``learning_rate="auto"`` leaves them at the end of the update, since the KL does not depend on them.
+
+    :param policy: An actor-critic policy
+    """
+    extractor = getattr(policy, "mlp_extractor", None)
+    modules = [
+        getattr(policy, "value_net", None),
+        getattr(extractor, "value_net", None),
+        getattr(policy, "lstm_critic", None),
+        getattr(policy, "critic", None),
+    ]
+    if not getattr(policy, "share_features_extractor", True):
+        modules.append(getattr(policy, "vf_features_extractor", None))
+    found: dict[int, nn.Parameter] = {}
+    for module in modules:
+        if isinstance(module, nn.Module):
+            found.update((id(param), param) for param in module.parameters())
+    return list(found.values())

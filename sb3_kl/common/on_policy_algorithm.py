@@ -38,9 +38,12 @@ from sb3_kl.common.learning_rate import (
     DEFAULT_LR_BOUNDS,
     STEP_SCALE_BAND,
     AdaptiveLRSchedule,
+    RATE_RESPONSE_WINDOW,
     find_step_scale,
     parse_auto_learning_rate,
     rate_factor,
+    rate_follows_kl,
+    value_only_parameters,
 )
 from sb3_kl.common.modes import acting_mode
 from sb3_kl.common.reference import LOADED_REFERENCE_OPTIONS, ReferenceKLMixin, ReferenceSource
@@ -441,6 +444,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             self.learning_rate = learning_rate
         # the rate the next update uses with learning_rate="auto" (saved with the model), None otherwise
         self.adapted_learning_rate = auto_start
+        self._rate_history: list[tuple[float, float]] = []  # recent (rate, unscaled KL) pairs of learning_rate="auto"
         self.lr_bounds = lr_bounds
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
@@ -513,6 +517,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         # Saved as JSON lists: ``load`` gives back the tuples the constructor stores
         self.kl_quantiles = tuple(self.kl_quantiles)
         self.lr_bounds = tuple(self.lr_bounds)  # type: ignore[assignment]
+        self._rate_history = [(float(rate), float(kl)) for rate, kl in getattr(self, "_rate_history", [])]
         # ``Algo.load(path, kl_coef=x)`` puts ``kl_coef`` in ``__dict__`` before calling ``_setup_model``: apply it
         if "kl_coef" in self.__dict__:
             self.kl_coef = self.__dict__.pop("kl_coef")
@@ -756,6 +761,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         model._apply_loaded_reference_options(reference_options)
         if "learning_rate" in kwargs:  # a rate given to load() replaces the saved adapted one
             model.adapted_learning_rate = parse_auto_learning_rate(kwargs["learning_rate"])
+            model._rate_history = []
             model._setup_lr_schedule()
         if stock:
             model._warn_loaded_without_kl_state(path, guess_stock_algorithm(data), set(data) | set(kwargs))
@@ -1369,12 +1375,14 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         start, self._step_start = getattr(self, "_step_start", None), None
         if not self.adapts_learning_rate or start is None:
             return per_state, new_params
-        params = list(self.policy.parameters())
-        end = [p.detach().clone() for p in params]
+        value_only = {id(param) for param in value_only_parameters(self.policy)}
+        pairs = zip(self.policy.parameters(), start, strict=True)
+        moved = [(param, first) for param, first in pairs if id(param) not in value_only]
+        end = [param.detach().clone() for param, _ in moved]
         measurements = {1.0: (per_state, new_params)}
 
         def move_to(scale: float) -> None:
-            for param, first, last in zip(params, start, end, strict=True):
+            for (param, first), last in zip(moved, end, strict=True):
                 param.copy_(last if scale == 1.0 else th.lerp(first, last, scale))
             self._apply_variance_floor()
 
@@ -1384,10 +1392,17 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             return float(np.mean(measurements[scale][0]))
 
         band = getattr(self.kl_controller, "kl_band", None) or STEP_SCALE_BAND
-        scale, kl = find_step_scale(kl_at, float(np.mean(per_state)), target_kl, band)
+        kl_full = float(np.mean(per_state))
+        scale, kl = find_step_scale(kl_at, kl_full, target_kl, band)
         move_to(scale)
         low, high = self.lr_bounds
-        rate = self.adapted_learning_rate * rate_factor(scale, kl, target_kl, band)  # type: ignore[operator]
+        # the rate and unscaled KL of recent updates (saved with the model)
+        history = [*getattr(self, "_rate_history", [])[1 - RATE_RESPONSE_WINDOW :], (self.adapted_learning_rate, kl_full)]
+        self._rate_history = history
+        factor = rate_factor(scale, kl, target_kl, band)
+        if factor > 1.0 and not rate_follows_kl([rate for rate, _ in history], [kl for _, kl in history]):
+            factor = 1.0  # the clip range holds the update: a higher rate would buy no KL
+        rate = self.adapted_learning_rate * factor  # type: ignore[operator]
         self.adapted_learning_rate = min(max(rate, low), high)
         self.logger.record("train/step_scale", scale)
         return measurements[scale]
