@@ -11,6 +11,7 @@ Examples::
 
     python benchmarks/lr_sweep.py --workers 2                 # every missing run, cheapest task first, then the page
     python benchmarks/lr_sweep.py --algos klppo_auto --seeds 3..4
+    python benchmarks/lr_sweep.py --algos klppo_auto --made-since cc032cd   # re-make runs of older code
     python benchmarks/lr_sweep.py --report
 """
 
@@ -47,9 +48,20 @@ def sweep_records() -> list[dict[str, Any]]:
     return own + [r for r in grid if run_records.record_key(r) not in made]
 
 
-def pending_specs(algos: list[str], envs: list[str], mults: list[float], seeds: list[int]) -> list[dict[str, Any]]:
-    """The runs without a record, in the order they are made: task by task as listed, then algorithm, then multiplier."""
-    done = {run_records.record_key(r) for r in sweep_records()}
+def pending_specs(
+    algos: list[str], envs: list[str], mults: list[float], seeds: list[int], made_since: str | None = None
+) -> list[dict[str, Any]]:
+    """
+    The runs without a record, in the order they are made: task by task as listed, then algorithm, then multiplier.
+
+    :param made_since: A commit: a record of older code counts as missing (its run is made again; the new record,
+        appended after it, is the one read)
+    """
+    done = {
+        run_records.record_key(r)
+        for r in sweep_records()
+        if made_since is None or r["algo"] not in algos or run_records.made_since(r, made_since)
+    }
     version = run_records.code_version("lr_sweep.py", "learning.py")
     return [
         dict(algo=a, env=e, seed=s, lr_mult=m, tier=TIER, code_version=version)
@@ -77,10 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr-mults", nargs="+", type=float, default=SWEEP_LR_MULTS)
     parser.add_argument("--seeds", nargs="+", default=["0..2"], help="seeds, or inclusive ranges such as 0..4")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--made-since", help="re-make the selected runs whose records an older commit made")
     parser.add_argument("--report", action="store_true", help="only regenerate the page and its figure from the records")
     args = parser.parse_args(argv)
     if not args.report:
-        specs = pending_specs(args.algos, args.envs, args.lr_mults, seed_list(args.seeds))
+        specs = pending_specs(args.algos, args.envs, args.lr_mults, seed_list(args.seeds), args.made_since)
         print(f"{len(specs)} runs to do ({args.workers} workers)", flush=True)
         with multiprocessing.get_context("spawn").Pool(max(1, args.workers)) as pool:
             for record in pool.imap_unordered(run_one, specs):

@@ -152,6 +152,17 @@ def code_version(*scripts: str) -> str:
     return (commit + ("+modified" if modified else "")) if commit else "unknown"
 
 
+def made_since(record: dict[str, Any], revision: str) -> bool:
+    """Whether a record's run was made by ``revision`` or a later commit on its line (git ancestry of its code_version)."""
+    import subprocess
+
+    commit = str(record.get("code_version", "")).split("+")[0]
+    if not commit or commit == "unknown":
+        return False
+    check = subprocess.run(["git", "merge-base", "--is-ancestor", revision, commit], cwd=HERE, capture_output=True)
+    return check.returncode == 0
+
+
 def run_environment() -> dict[str, str]:
     """
     What besides the code decides a run's numbers: the CPU model and the versions of the numerical libraries and of

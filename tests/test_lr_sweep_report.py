@@ -130,3 +130,21 @@ def test_a_goal_is_judged_once_its_cells_have_every_seed():
     assert lr_sweep_report.judge({a: False, b: True}, {b}, {a, b}) is None
     assert lr_sweep_report.judge({a: False, b: True}, {a, b}, {a, b}) is False
     assert lr_sweep_report.judge({a: True, b: True}, {a, b}, {a, b}) is True
+
+
+def test_made_since_re_makes_only_the_chosen_algorithms_runs_of_older_code(monkeypatch):
+    """``lr_sweep.py --made-since REV``: a record of code older than REV counts as missing for the chosen algorithms."""
+    import subprocess
+
+    import lr_sweep
+
+    commits = subprocess.run(["git", "rev-list", "--max-count=2", "HEAD"], capture_output=True, text=True, cwd=lr_sweep.HERE)
+    head, parent = commits.stdout.split()
+    old, new = (record(algo, "Pendulum-v1", 0.1, 0, -200.0, [0.03]) for algo in ("klppo_auto", "ppo"))
+    old["code_version"], new["code_version"] = parent[:7], parent[:7] + "+modified"
+    monkeypatch.setattr(lr_sweep, "sweep_records", lambda: [old, new])
+    args = (["klppo_auto", "ppo"], ["Pendulum-v1"], [0.1], [0])
+    assert lr_sweep.pending_specs(*args) == []
+    assert {s["algo"] for s in lr_sweep.pending_specs(*args, made_since=parent)} == set()
+    assert {s["algo"] for s in lr_sweep.pending_specs(*args, made_since=head)} == {"klppo_auto", "ppo"}
+    assert {s["algo"] for s in lr_sweep.pending_specs(["klppo_auto"], *args[1:], made_since=head)} == {"klppo_auto"}
