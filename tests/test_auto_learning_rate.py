@@ -24,6 +24,7 @@ from sb3_kl import TRPL, ClipKLPPO, KLPPO, KLTRPO, MaskableKLPPO, RecurrentKLPPO
 from sb3_kl.callbacks import KLAdaptiveLRCallback
 from sb3_kl.common.learning_rate import (
     MAX_STEP_SCALE,
+    VALUE_GROUP_KEY,
     find_step_scale,
     parse_auto_learning_rate,
     rate_factor,
@@ -218,6 +219,76 @@ def test_adapted_rate_is_saved_and_continues_after_load(tmp_path):
     assert KLPPO.load(tmp_path / "model", learning_rate="auto_5e-3").adapted_learning_rate == 5e-3
     fixed = KLPPO.load(tmp_path / "model", learning_rate=2e-4)
     assert not fixed.adapts_learning_rate and fixed.lr_schedule(1.0) == 2e-4
+
+
+@pytest.mark.parametrize("algo", FOUR)
+def test_value_function_trains_at_the_adapted_or_the_starting_rate_whichever_is_larger(algo):
+    """
+    The value-only parameters have an optimizer group of their own; during each update it holds the larger of the
+    policy's adapted rate and the starting one: from a start far too small both rise, from one far too large only the
+    policy's falls.
+    """
+
+    class GroupRates(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.rates: list[tuple[float, float]] = []
+
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:  # after train(): the optimizer still holds the rates it used
+            if self.model._n_updates > 0:
+                groups = self.model.policy.optimizer.param_groups
+                self.rates.append((groups[0]["lr"], groups[1]["lr"]))
+
+    for start, rising in ((1e-5, True), (0.5, False)):
+        model = _model(algo, f"auto_{start:g}", lr_bounds=(1e-6, 1.0))
+        groups = model.policy.optimizer.param_groups
+        assert [bool(group.get(VALUE_GROUP_KEY)) for group in groups] == [False, True]
+        assert {id(p) for p in groups[1]["params"]} == {id(p) for p in value_only_parameters(model.policy)}
+        assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(list(model.policy.parameters()))
+        rates = GroupRates()
+        model.learn(4 * model.n_steps * model.n_envs, callback=rates)
+        for policy_rate, value_rate in rates.rates:
+            assert value_rate == max(policy_rate, start)
+        last_policy_rate = rates.rates[-1][0]
+        assert (last_policy_rate > start) if rising else (last_policy_rate < start)
+
+
+def _adam_state(model) -> dict[str, th.Tensor]:
+    """Adam's first moment of each parameter, by the parameter's name."""
+    state = model.policy.optimizer.state
+    return {name: state[param]["exp_avg"].clone() for name, param in model.policy.named_parameters() if param in state}
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [("fixed", "auto"), ("auto", 1e-4), ("auto", "auto_1e-3"), ("stock", "auto")],
+)
+@pytest.mark.filterwarnings("ignore:model was saved by PPO")
+def test_optimizer_state_of_each_parameter_survives_load_across_rate_modes(tmp_path, saved, loaded):
+    """
+    A zip saved with one optimizer group (a fixed rate, a stock PPO) loads into a model with the value function's own
+    group (``learning_rate="auto"``) and the other way round: every parameter keeps its Adam state.
+    """
+    from stable_baselines3 import PPO
+
+    if saved == "stock":
+        model = PPO("MlpPolicy", _env(KLPPO), n_steps=128, batch_size=64, n_epochs=2, policy_kwargs=dict(net_arch=[32]))
+    else:
+        model = _model(KLPPO, "auto_1e-3" if saved == "auto" else 1e-3)
+    model.learn(256)
+    before = _adam_state(model)
+    model.save(tmp_path / "model")
+    restored = KLPPO.load(tmp_path / "model", env=_env(KLPPO), learning_rate=loaded)
+    after = _adam_state(restored)
+    assert before.keys() == after.keys() and len(before) == len(list(model.policy.parameters()))
+    for name in before:
+        assert th.equal(before[name], after[name]), name
+    split = [bool(group.get(VALUE_GROUP_KEY)) for group in restored.policy.optimizer.param_groups]
+    assert split == ([False, True] if isinstance(loaded, str) else [False])
+    restored.learn(256, reset_num_timesteps=False)
 
 
 @pytest.mark.parametrize("algo", FOUR)

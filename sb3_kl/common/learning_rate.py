@@ -11,11 +11,14 @@ itself converges to the one whose update meets the target, and ``alpha`` to 1. T
 of the unscaled step still follows it (:func:`rate_follows_kl`): where the clip range already stops the update, a
 higher rate buys no KL, and raising it anyway would wind the rate up without end.
 Only the parameters the action distribution depends on are scaled; the value function keeps its whole update
-(:func:`value_only_parameters`).
+(:func:`value_only_parameters`), and trains in an optimizer group of its own (:func:`split_value_group`) at the
+adapted rate or the starting one, whichever is larger: its loss has no KL, so the policy's rate falling to meet the
+target does not slow it.
 """
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from torch import nn
@@ -24,6 +27,8 @@ from torch import nn
 DEFAULT_AUTO_LEARNING_RATE = 3e-4
 #: The default ``lr_bounds``: wide, since the step scale, not the bounds, holds each update's KL
 DEFAULT_LR_BOUNDS = (1e-6, 0.1)
+#: The key marking the optimizer group of the value function's own parameters (``learning_rate="auto"``)
+VALUE_GROUP_KEY = "value_function"
 #: The largest factor an update's step is extended by (a rate far too small then grows by this factor per update)
 MAX_STEP_SCALE = 4.0
 #: The largest factor the rate grows by in one update (a rate far too small)
@@ -213,3 +218,60 @@ def value_only_parameters(policy: nn.Module) -> list[nn.Parameter]:
         if isinstance(module, nn.Module):
             found.update((id(param), param) for param in module.parameters())
     return list(found.values())
+
+
+def split_value_group(policy: nn.Module) -> bool:
+    """
+    Move the value-only parameters (:func:`value_only_parameters`) of the policy's optimizer into a group of their own,
+    marked by :data:`VALUE_GROUP_KEY`, with the same settings. Nothing happens when the optimizer already has more than
+    one group (split already, or the user's own groups) or the policy has no value-only parameters.
+
+    :param policy: An actor-critic policy with its ``optimizer``
+    :return: whether the optimizer now has the value group
+    """
+    optimizer = policy.optimizer
+    if len(optimizer.param_groups) != 1:
+        return any(group.get(VALUE_GROUP_KEY) for group in optimizer.param_groups)
+    value = {id(param) for param in value_only_parameters(policy)}
+    group = optimizer.param_groups[0]
+    params = list(group["params"])
+    if not any(id(param) in value for param in params):
+        return False
+    group["params"] = [param for param in params if id(param) not in value]
+    settings = {key: setting for key, setting in group.items() if key != "params"}
+    optimizer.add_param_group({**settings, "params": [param for param in params if id(param) in value], VALUE_GROUP_KEY: True})
+    return True
+
+
+def optimizer_state_in_layout(saved: dict[str, Any], policy: nn.Module) -> dict[str, Any]:
+    """
+    A saved optimizer state rearranged for the policy's optimizer when one of them has the value group of
+    :func:`split_value_group` and the other not (a model saved with ``learning_rate="auto"`` loaded with a fixed rate,
+    or the other way round, or a stock PPO zip): each parameter keeps its own state (Adam's moments). Returned unchanged
+    when the layouts already agree or are not these two.
+
+    :param saved: ``optimizer.state_dict()`` of the saved model
+    :param policy: The policy (same architecture) whose optimizer will load it
+    """
+    groups, current = saved.get("param_groups", []), policy.optimizer.param_groups
+    saved_split = [bool(group.get(VALUE_GROUP_KEY)) for group in groups]
+    current_split = [bool(group.get(VALUE_GROUP_KEY)) for group in current]
+    layouts = ([False], [False, True])
+    if saved_split == current_split or saved_split not in layouts or current_split not in layouts:
+        return saved
+    params = list(policy.parameters())
+    value = {id(param) for param in value_only_parameters(policy)}
+    actor = [i for i, param in enumerate(params) if id(param) not in value]
+    critic = [i for i, param in enumerate(params) if id(param) in value]
+    saved_order = actor + critic if saved_split == [False, True] else list(range(len(params)))
+    saved_ids = [index for group in groups for index in group["params"]]
+    if len(saved_ids) != len(params):
+        return saved
+    saved_id_of = dict(zip(saved_order, saved_ids, strict=True))
+    position = {id(param): i for i, param in enumerate(params)}
+    settings = {key: setting for key, setting in groups[0].items() if key not in ("params", VALUE_GROUP_KEY)}
+    new_groups = []
+    for group in current:
+        ids = [saved_id_of[position[id(param)]] for param in group["params"]]
+        new_groups.append({**settings, "params": ids, **({VALUE_GROUP_KEY: True} if group.get(VALUE_GROUP_KEY) else {})})
+    return {**saved, "param_groups": new_groups}

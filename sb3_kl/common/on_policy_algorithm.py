@@ -39,10 +39,13 @@ from sb3_kl.common.learning_rate import (
     STEP_SCALE_BAND,
     AdaptiveLRSchedule,
     RATE_RESPONSE_WINDOW,
+    VALUE_GROUP_KEY,
     find_step_scale,
+    optimizer_state_in_layout,
     parse_auto_learning_rate,
     rate_factor,
     rate_follows_kl,
+    split_value_group,
     value_only_parameters,
 )
 from sb3_kl.common.modes import acting_mode
@@ -444,6 +447,11 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             self.learning_rate = learning_rate
         # the rate the next update uses with learning_rate="auto" (saved with the model), None otherwise
         self.adapted_learning_rate = auto_start
+        # the least rate of the value function with learning_rate="auto": the starting one (its loss has no KL, so the
+        # policy's rate falling to meet the target does not slow it; it rises with the policy's)
+        self.value_learning_rate = auto_start
+        if auto_start is not None and getattr(self, "policy", None) is not None:
+            split_value_group(self.policy)
         self._rate_history: list[tuple[float, float]] = []  # recent (rate, unscaled KL) pairs of learning_rate="auto"
         self.lr_bounds = lr_bounds
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
@@ -509,6 +517,8 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         if not isinstance(self.policy, self.policy_base):
             raise ValueError(f"Policy must subclass {self.policy_base.__module__}.{self.policy_base.__name__}")
         self.dist_params = distribution_params_for_policy(self.policy.action_dist)
+        if self.adapts_learning_rate:
+            split_value_group(self.policy)
         self._use_fused_adam()
         self.target_kl = self._target_kl_schedule(self.target_kl)
         self._target_kl_is_schedule = True  # from now on, an assigned target_kl is converted (``__setattr__``)
@@ -556,6 +566,8 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             return
         if getattr(self, "adapted_learning_rate", None) is None:  # loaded from a model that had a fixed rate
             self.adapted_learning_rate = parse_auto_learning_rate(self.learning_rate)
+        if getattr(self, "value_learning_rate", None) is None:  # ... or saved before the value function had its own
+            self.value_learning_rate = parse_auto_learning_rate(self.learning_rate)
         self.lr_schedule = AdaptiveLRSchedule(self.adapted_learning_rate)  # type: ignore[arg-type]
 
     @property
@@ -648,6 +660,10 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         params = load_path_or_dict
         if not isinstance(params, dict):
             _, params, _ = load_from_zip_file(params, device=device, load_data=False)
+        if "policy.optimizer" in params and getattr(self, "policy", None) is not None:
+            # learning_rate="auto" gives the value function an optimizer group of its own: a zip saved with the other
+            # layout (a fixed rate, a stock PPO) loads with each parameter's state kept
+            params = {**params, "policy.optimizer": optimizer_state_in_layout(params["policy.optimizer"], self.policy)}
         reference_loads = getattr(self, "_reference_awaits_weights", False)
         if not reference_loads:
             params = {name: value for name, value in params.items() if name != "ref_policy"}
@@ -761,6 +777,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         model._apply_loaded_reference_options(reference_options)
         if "learning_rate" in kwargs:  # a rate given to load() replaces the saved adapted one
             model.adapted_learning_rate = parse_auto_learning_rate(kwargs["learning_rate"])
+            model.value_learning_rate = model.adapted_learning_rate
             model._rate_history = []
             model._setup_lr_schedule()
         if stock:
@@ -1309,6 +1326,12 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         # the schedule's value is checked where it is used (a negative one would ascend the loss)
         scheduled_value("learning_rate", self.lr_schedule, self._current_progress_remaining, allow_zero=True)
         super()._update_learning_rate(optimizers)
+        if self.adapts_learning_rate:  # the value function's own group: never slower than the starting rate
+            value_rate = max(self.value_learning_rate, self.adapted_learning_rate)  # type: ignore[type-var]
+            for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
+                for group in optimizer.param_groups:
+                    if group.get(VALUE_GROUP_KEY):
+                        group["lr"] = value_rate
 
     def _current_clip_ranges(self) -> tuple[float | None, float | None]:
         """
