@@ -6,7 +6,7 @@ MAIN_ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-
 # trpl: TRPL with PPO's zoo entry without the clip, at the bounds of ``settings.TRPL_BOUNDS``
 MAIN_ALGOS = ["ppo", "ppo_target_kl", "trpo", "klppo", "klppo_noclip", "clip_klppo", "kltrpo", "trpl"]
 # not in the default grid (kltrpo_matched needs TRPO's records first: ``--algos kltrpo_matched``; klppo_auto is KLPPO
-# with learning_rate="auto_<the zoo rate>", see SWEEP_ALGOS); reported when records exist
+# with learning_rate="auto_<the zoo rate>" and no clip range, see SWEEP_ALGOS); reported when records exist
 EXTRA_ALGOS = ["kltrpo_matched", "klppo_auto"]
 # TRPO's seeds whose records set kltrpo_matched's target: fixed, so that adding TRPO seeds does not move the target of
 # later kltrpo_matched runs away from that of the earlier ones
@@ -22,7 +22,9 @@ STRESS_ALGOS = ["ppo", "ppo_target_kl", "klppo", "klppo_noclip", "clip_klppo", "
 STRESS_LR_MULTS = [10.0]
 # The learning-rate sweep (``lr_sweep.py``): multiples of the zoo rate, on three tasks. ``ppo_adaptive_lr`` is stock PPO
 # (its clip kept) with ``KLAdaptiveLRCallback`` at the family's target, the field's practice; ``klppo_auto`` is KLPPO
-# with ``learning_rate="auto_<the multiplied zoo rate>"``
+# with ``learning_rate="auto_<the multiplied zoo rate>"`` and KLPPO's own default of no clip range (as in sb3-kl's zoo
+# configs): a clip range tighter than the target holds the update and the adapted rate climbs
+# (``results/auto_learning_rate_halfcheetah.md``)
 SWEEP_ENVS = ["Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5"]
 SWEEP_ALGOS = ["ppo", "ppo_adaptive_lr", "klppo", "klppo_auto"]
 SWEEP_LR_MULTS = [0.1, 0.3, 1.0, 3.0, 10.0]

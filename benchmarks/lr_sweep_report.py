@@ -394,7 +394,8 @@ def records_lines(records: list[dict[str, Any]], left_out: int, seeds: list[int]
             else ""
         )
         + ". Settings: rl-zoo's (`benchmarks/settings.py`) with the learning rate scaled; `ppo_adaptive_lr`:"
-        f' `KLAdaptiveLRCallback` at target {ADAPTIVE_LR_TARGET:g}; `{OURS}`: KLPPO with `learning_rate="auto_<rate>"`.'
+        f' `KLAdaptiveLRCallback` at target {ADAPTIVE_LR_TARGET:g}; `{OURS}`: KLPPO with `learning_rate="auto_<rate>"`'
+        " and no clip range (KLPPO's default)."
         f" Budgets (steps): {budgets or 'none yet'}. Evaluation: {N_EVAL_EPISODES['full']} deterministic episodes per run.",
         "",
         "Code versions of the records (commit of sb3-kl: runs): "

@@ -166,11 +166,12 @@ def clips(env_id: str) -> bool:
 def settings_for(algo: str, env_id: str) -> dict[str, Any]:
     """
     :param algo: benchmark name of the algorithm (``ppo``, ``ppo_target_kl``, ``klppo``, ``klppo_noclip``,
-        ``clip_klppo``, ``trpo``, ``kltrpo``, ``kltrpo_matched``). ``ppo_target_kl`` is stock PPO with SB3's KL early
-        stop (``target_kl``, judged on its approximate KL per minibatch) at the target KLPPO controls toward, with PPO's
-        zoo entry (so the same clip as ``klppo`` and ``clip_klppo``). ``kltrpo_matched`` gets TRPO's settings; its
-        ``target_kl`` is set by the benchmark from TRPO's records. ``trpl`` gets PPO's zoo entry without ``clip_range``
-        and the bounds of :data:`TRPL_BOUNDS`
+        ``clip_klppo``, ``klppo_auto``, ``trpo``, ``kltrpo``, ``kltrpo_matched``). ``ppo_target_kl`` is stock PPO with
+        SB3's KL early stop (``target_kl``, judged on its approximate KL per minibatch) at the target KLPPO controls
+        toward, with PPO's zoo entry (so the same clip as ``klppo`` and ``clip_klppo``). ``kltrpo_matched`` gets TRPO's
+        settings; its ``target_kl`` is set by the benchmark from TRPO's records. ``trpl`` gets PPO's zoo entry without
+        ``clip_range`` and the bounds of :data:`TRPL_BOUNDS`; ``klppo_auto`` PPO's zoo entry without ``clip_range`` (its
+        learning rate is made ``"auto_<rate>"`` by the benchmark)
     :param env_id: Gymnasium id
     :return: ``dict(n_timesteps, n_envs, normalize, kwargs)`` (kwargs copied, safe to modify)
     """
@@ -179,7 +180,7 @@ def settings_for(algo: str, env_id: str) -> dict[str, Any]:
     kwargs = dict(entry["kwargs"])
     if algo == "trpl":  # PPO's zoo entry without its clip, at the grid's bounds
         kwargs.update(TRPL_BOUNDS["discrete" if env_id in DISCRETE_ENVS else "continuous"])
-    if algo in ("klppo_noclip", "trpl"):
+    if algo in ("klppo_noclip", "klppo_auto", "trpl"):
         for name in KLPPO_DROPPED:
             kwargs.pop(name, None)
     if algo == "ppo_target_kl":
