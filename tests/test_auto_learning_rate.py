@@ -256,6 +256,26 @@ def test_value_function_trains_at_the_adapted_or_the_starting_rate_whichever_is_
         assert (last_policy_rate > start) if rising else (last_policy_rate < start)
 
 
+@pytest.mark.parametrize("algo", [KLPPO, RecurrentKLPPO])
+def test_a_clip_range_that_holds_the_update_is_warned_about_once(algo):
+    """
+    A clip range far tighter than the target holds the update; the adapted rate would climb instead of the KL: after 10
+    such updates in a row, one warning names `clip_range` and the fix. Without the clip range, none.
+    """
+    import warnings
+
+    held = _model(algo, "auto_1e-3", clip_range=0.002, n_epochs=2)
+    with pytest.warns(UserWarning, match=r"clip range \(0.002\) has held .* `clip_range=None`") as caught:
+        held.learn(12 * held.n_steps * held.n_envs)
+    assert sum("has held most of the update" in str(w.message) for w in caught) == 1
+    assert held.clip_holds_warned
+    free = _model(algo, "auto_1e-3", n_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        free.learn(12 * free.n_steps * free.n_envs)
+    assert not any("has held most of the update" in str(w.message) for w in caught)
+
+
 def _adam_state(model) -> dict[str, th.Tensor]:
     """Adam's first moment of each parameter, by the parameter's name."""
     state = model.policy.optimizer.state

@@ -362,6 +362,9 @@ def _fused_adam_available(device: th.device) -> bool:
 STALLED_AT_FLOOR_UPDATES = 10
 #: An update's KL below this fraction of the target counts as stalled
 STALLED_KL_FRACTION = 0.1
+#: With ``learning_rate="auto"`` and a clip range: an update whose clip fraction is at least this counts as held by the
+#: clip range; after :data:`STALLED_AT_FLOOR_UPDATES` such updates in a row, a warning (the adapted rate climbs instead)
+CLIP_HOLDS_FRACTION = 0.5
 
 
 class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm):
@@ -498,6 +501,9 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         # Consecutive updates with beta at its floor and the KL far below the target, and whether that was warned about
         self.kl_coef_floor_updates = 0
         self.kl_coef_floor_warned = False
+        # Consecutive updates of learning_rate="auto" held by the clip range, and whether that was warned about
+        self.clip_holds_updates = 0
+        self.clip_holds_warned = False
         self.dist_params: DistributionParams
 
     # ----------------------------------------------------------------------------------------------------------
@@ -1506,6 +1512,35 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
                 else ""
             )
             + "sb3_kl.callbacks.KLAdaptiveLRCallback, which does so from outside, or a smaller `target_kl`."
+        )
+        warn_at_user_frame(message)
+        if self.verbose >= 1:
+            print(message)
+
+    def _check_clip_holds_rate(self, clip_fraction: float, clip_range: float) -> None:
+        """
+        With ``learning_rate="auto"``, count the consecutive updates whose clip fraction is at least
+        :data:`CLIP_HOLDS_FRACTION`; at :data:`STALLED_AT_FLOOR_UPDATES`, warn once (and print with ``verbose >= 1``):
+        where the clip range holds the update, a higher rate buys little KL and the adapted rate climbs instead.
+
+        :param clip_fraction: The update's mean clip fraction
+        :param clip_range: The update's clip range
+        """
+        if not (self.adapts_learning_rate and clip_fraction >= CLIP_HOLDS_FRACTION):
+            self.clip_holds_updates = 0
+            return
+        self.clip_holds_updates = getattr(self, "clip_holds_updates", 0) + 1
+        if self.clip_holds_updates < STALLED_AT_FLOOR_UPDATES or getattr(self, "clip_holds_warned", False):
+            return
+        self.clip_holds_warned = True
+        start = parse_auto_learning_rate(self.learning_rate)
+        message = (
+            f"{type(self).__name__}: with learning_rate={self.learning_rate!r}, the clip range ({clip_range:g}) has held "
+            f"most of the update (clip fraction >= {CLIP_HOLDS_FRACTION:g}) for {self.clip_holds_updates} consecutive "
+            "updates: a higher learning rate then buys little KL, and the adapted rate climbs instead (now "
+            f"{self.adapted_learning_rate:.3g}, {self.adapted_learning_rate / start:.3g} x its start). Fixes: "  # type: ignore[operator]
+            "`clip_range=None` (KLPPO's default: the step scale alone holds each update's KL), or a `target_kl` the "
+            "clip range allows."
         )
         warn_at_user_frame(message)
         if self.verbose >= 1:

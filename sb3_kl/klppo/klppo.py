@@ -464,6 +464,7 @@ class KLPPO(KLOnPolicyAlgorithm):
         if clip_range is not None:
             self.logger.record("train/clip_fraction", means["clip_fraction"])
             self.logger.record("train/clip_range", clip_range)
+            self._check_clip_holds_rate(means["clip_fraction"], clip_range)
         self.logger.record("train/loss", loss.item())
         self.logger.record("train/explained_variance", explained_var)
         if hasattr(self.policy, "log_std"):
