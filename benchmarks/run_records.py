@@ -99,6 +99,30 @@ def append_record(folder: Path, record: dict[str, Any], unless: Callable[[dict[s
     return True
 
 
+def read_json_list(path: Path) -> list[dict[str, Any]]:
+    """:return: the records of a study's JSON list file (empty when it does not exist yet)"""
+    text = path.read_text() if path.exists() else ""
+    return json.loads(text) if text.strip() else []
+
+
+def replace_in_json_list(path: Path, record: dict[str, Any], key: Callable[[dict[str, Any]], Any]) -> None:
+    """
+    Write a finished run into a study's JSON list file, in place of an earlier run with the same ``key``, under an
+    exclusive lock of the file (studies running side by side keep each other's runs); the list is kept sorted by key.
+    """
+    import fcntl
+
+    with open(path, "a+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        file.seek(0)
+        text = file.read()
+        records = [r for r in (json.loads(text) if text.strip() else []) if key(r) != key(record)] + [record]
+        records.sort(key=key)
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps(records, indent=1) + "\n")
+
+
 def grid_record(tier: str, algo: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any] | None:
     """The grid's record of a run, or None."""
     return find_record(runs_folder(tier), record_name(algo, env_id, lr_mult, seed))

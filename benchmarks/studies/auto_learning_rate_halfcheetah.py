@@ -21,9 +21,7 @@ its commit and machine); page ``benchmarks/results/auto_learning_rate_halfcheeta
 """
 
 import argparse
-import fcntl
 import functools
-import json
 import os
 import sys
 from pathlib import Path
@@ -78,21 +76,12 @@ def run_key(record: dict[str, Any]) -> tuple[str, int]:
 
 
 def read_records() -> list[dict[str, Any]]:
-    text = RECORDS.read_text() if RECORDS.exists() else ""
-    return json.loads(text) if text.strip() else []
+    return run_records.read_json_list(RECORDS)
 
 
 def append(record: dict[str, Any]) -> None:
-    """Add a finished run to the records file under a lock of that file (a run made again replaces its record)."""
-    RECORDS.touch()
-    with open(RECORDS, "r+") as file:
-        fcntl.flock(file, fcntl.LOCK_EX)
-        text = file.read()
-        records = [r for r in (json.loads(text) if text.strip() else []) if run_key(r) != run_key(record)] + [record]
-        records.sort(key=run_key)
-        file.seek(0)
-        file.truncate()
-        file.write(json.dumps(records, indent=1) + "\n")
+    """Add a finished run to the records file (a run made again replaces its record)."""
+    run_records.replace_in_json_list(RECORDS, record, run_key)
 
 
 def run_one(variant: str, seed: int) -> dict[str, Any]:
