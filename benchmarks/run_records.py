@@ -324,6 +324,13 @@ def describe_run_environment(described: dict[str, str]) -> str:
     return ", ".join(version if name == "cpu" else f"{name} {version}" for name, version in described.items())
 
 
+def provenance(records: list[dict[str, Any]]) -> str:
+    """One sentence for a study's page: the commits (``code_version``) and the machines (``run_environment``) of its runs."""
+    commits = ", ".join(sorted({f"`{r['code_version']}`" for r in records}))
+    machines = "; ".join(sorted({describe_run_environment(r["run_environment"]) for r in records}))
+    return f"Commits: {commits}. Machines: {machines}."
+
+
 def machine(record: dict[str, Any]) -> str | None:
     """:return: the description of the machine and library versions that made a record (None: unrecorded)"""
     described = record.get("run_environment")

@@ -245,11 +245,7 @@ def report() -> str:
         " The KL is measured from outside (`KLMonitorCallback`: exact, forward, summed, mean over the rollout's states)."
         " Returns: 10 deterministic episodes on a separate environment.",
         "",
-        "Commits: "
-        + ", ".join(sorted({f"`{r['code_version']}`" for r in records}))
-        + ". Machines: "
-        + "; ".join(sorted({run_records.describe_run_environment(r["run_environment"]) for r in records}))
-        + ".",
+        run_records.provenance(records),
         "",
         "Made by `python benchmarks/studies/auto_learning_rate.py` (records: `auto_learning_rate.json`).",
     ]

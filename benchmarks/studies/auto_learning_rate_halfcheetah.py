@@ -169,11 +169,7 @@ def report() -> str:
         f"{ENV_ID}, the grid's settings and evaluation (`benchmarks/grid_runs.py`), {BUDGET:,} steps, x1 of rl-zoo's "
         f"learning rate, seeds {', '.join(map(str, seeds))} (outside the grid's 0..9), target 0.03.",
         "",
-        "Commits: "
-        + ", ".join(sorted({f"`{r['code_version']}`" for r in records}))
-        + ". Machines: "
-        + "; ".join(sorted({run_records.describe_run_environment(r["run_environment"]) for r in records}))
-        + ".",
+        run_records.provenance(records),
         "",
         "Made by `python benchmarks/studies/auto_learning_rate_halfcheetah.py` "
         "(records: `auto_learning_rate_halfcheetah.json`).",
