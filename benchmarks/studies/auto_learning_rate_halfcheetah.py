@@ -1,7 +1,7 @@
 """
 Why ``learning_rate="auto"`` lost to the fixed rate on HalfCheetah-v5 at the grid's settings, and what the sweep's
-``klppo_auto`` now is: variants beside KLPPO at the zoo's fixed rate, on seeds outside the grid's (12, 13), x1 of the
-zoo's rate, 150k steps.
+``klppo_auto`` now is: variants beside KLPPO at the zoo's fixed rate, on seeds outside the grid's (12, 13), at x1 and
+x10 of the zoo's rate, 150k steps.
 
 - ``auto_clip``: ``learning_rate="auto"`` with the zoo's ``clip_range=0.1`` kept (the sweep's ``klppo_auto`` before).
 - ``auto``: without the clip range (KLPPO's own default, as in sb3-kl's zoo configs): the sweep's ``klppo_auto``.
@@ -13,7 +13,7 @@ zoo's rate, 150k steps.
 Per update (read from the logger after each update): the learning rate, the step scale, the KL, the clip fraction,
 the explained variance and beta. Returns: 10 deterministic episodes on a separate environment (the grid's evaluation).
 
-    python benchmarks/studies/auto_learning_rate_halfcheetah.py            # the missing runs, then the page
+    python benchmarks/studies/auto_learning_rate_halfcheetah.py --workers 2   # the missing runs, then the page
     python benchmarks/studies/auto_learning_rate_halfcheetah.py --report
 
 Records: ``benchmarks/results/auto_learning_rate_halfcheetah.json`` (one per run, written as each finishes, each naming
@@ -22,6 +22,7 @@ its commit and machine); page ``benchmarks/results/auto_learning_rate_halfcheeta
 
 import argparse
 import functools
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -33,17 +34,21 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
 import run_records  # noqa: E402
+from settings import PPO_SETTINGS  # noqa: E402
 
 RESULTS = run_records.MAIN_RESULTS
 RECORDS = RESULTS / "auto_learning_rate_halfcheetah.json"
 PAGE = RESULTS / "auto_learning_rate_halfcheetah.md"
 ENV_ID = "HalfCheetah-v5"
+#: rl-zoo's learning rate of the task
+ZOO_RATE = float(PPO_SETTINGS[ENV_ID]["kwargs"]["learning_rate"])
 BUDGET = 150_000
 SEEDS = (12, 13)
+LR_MULTS = (1.0, 10.0)
 #: variant: (the grid's algorithm, overrides of its settings, whether the value function follows the adapted rate, what
 #: it is)
 VARIANTS: dict[str, tuple[str, dict[str, Any], bool, str]] = {
-    "auto_clip": ("klppo_auto", {"clip_range": 0.1}, False, '`learning_rate="auto"`, the zoo\'s `clip_range=0.1` kept'),
+    "auto_clip": ("klppo_auto", {"clip_range": 0.1}, False, '`"auto"` with the zoo\'s `clip_range=0.1` (x1 only)'),
     "auto": ("klppo_auto", {}, False, "the same without the clip range: the sweep's `klppo_auto`"),
     "auto_value_follows": ("klppo_auto", {}, True, "`auto`, the value function at the policy's adapted rate (as before)"),
     "fixed_noclip": ("klppo_noclip", {}, False, "KLPPO at the zoo's fixed rate, no clip range: beta alone holds the KL"),
@@ -71,8 +76,8 @@ def value_follows_class() -> type:
     return ValueFollows
 
 
-def run_key(record: dict[str, Any]) -> tuple[str, int]:
-    return record["variant"], record["seed"]
+def run_key(record: dict[str, Any]) -> tuple[str, float, int]:
+    return record["variant"], record["lr_mult"], record["seed"]
 
 
 def read_records() -> list[dict[str, Any]]:
@@ -84,7 +89,7 @@ def append(record: dict[str, Any]) -> None:
     run_records.replace_in_json_list(RECORDS, record, run_key)
 
 
-def run_one(variant: str, seed: int) -> dict[str, Any]:
+def run_one(variant: str, lr_mult: float, seed: int) -> dict[str, Any]:
     """Train one run with the grid's code (``grid_runs.train_and_evaluate``) and return its record."""
     from stable_baselines3.common.callbacks import BaseCallback
 
@@ -106,13 +111,14 @@ def run_one(variant: str, seed: int) -> dict[str, Any]:
     if value_follows:
         grid_runs.algorithm_class = lambda name: value_follows_class() if name == algo else original(name)
     try:
-        spec = dict(algo=algo, env=ENV_ID, seed=seed, lr_mult=1.0, tier="full", budget=BUDGET, overrides=overrides)
+        spec = dict(algo=algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full", budget=BUDGET, overrides=overrides)
         grid = grid_runs.train_and_evaluate(spec, probes=[Logged()])
     finally:
         grid_runs.algorithm_class = original
     return dict(
         variant=variant,
         env=ENV_ID,
+        lr_mult=lr_mult,
         seed=seed,
         budget=BUDGET,
         hyperparameters=grid["hyperparameters"],
@@ -128,36 +134,37 @@ def run_one(variant: str, seed: int) -> dict[str, Any]:
 def report() -> str:
     """Write the page from the records; :return: the page."""
     records = read_records()
-    by_variant: dict[str, list[dict[str, Any]]] = {}
+    cells: dict[tuple[str, float], dict[int, dict[str, Any]]] = {}
     for r in records:
-        by_variant.setdefault(r["variant"], []).append(r)
+        cells.setdefault((r["variant"], r["lr_mult"]), {})[r["seed"]] = r
     seeds = sorted({r["seed"] for r in records})
     lines = [
         '# `learning_rate="auto"` on HalfCheetah-v5: the clip range and the value function\'s rate',
         "",
-        "| variant | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | median rate / start | median clip fraction"
-        " | median beta | updates with EV < 0 |",
-        "|---|" + "---|" * (len(seeds) + 5),
+        "| variant | lr | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | median rate / zoo rate "
+        "| median clip fraction | median beta | updates with EV < 0 |",
+        "|---|---|" + "---|" * (len(seeds) + 5),
     ]
     for variant in VARIANTS:
-        runs = {r["seed"]: r for r in by_variant.get(variant, [])}
-        if not runs:
-            continue
-        returns = [f"{runs[s]['eval_mean']:.0f}" if s in runs else "—" for s in seeds]
-        updates = [u for r in runs.values() for u in r["updates"]]
-        start = next(iter(runs.values()))["updates"][0]["learning_rate"]
-        rate = np.median([u["learning_rate"] for u in updates]) / start
-        clip = [u["clip_fraction"] for u in updates if "clip_fraction" in u]
-        ev = np.mean([u["explained_variance"] < 0 for u in updates])
-        lines.append(
-            f"| `{variant}` | " + " | ".join(returns) + f" | {np.mean([r['eval_mean'] for r in runs.values()]):.0f} | "
-            f"{rate:.2g} | {np.median(clip) if clip else float('nan'):.2f} | "
-            f"{np.median([u['kl_coef'] for u in updates]):.2g} | {ev:.0%} |"
-        )
+        for lr_mult in LR_MULTS:
+            runs = cells.get((variant, lr_mult), {})
+            if not runs:
+                continue
+            returns = [f"{runs[s]['eval_mean']:.0f}" if s in runs else "—" for s in seeds]
+            updates = [u for r in runs.values() for u in r["updates"]]
+            rate = np.median([u["learning_rate"] for u in updates]) / ZOO_RATE
+            clip = [u["clip_fraction"] for u in updates if "clip_fraction" in u]
+            ev = np.mean([u["explained_variance"] < 0 for u in updates])
+            lines.append(
+                f"| `{variant}` | x{lr_mult:g} | " + " | ".join(returns) + " | "
+                f"{np.mean([r['eval_mean'] for r in runs.values()]):.0f} | {rate:.2g} | "
+                f"{f'{np.median(clip):.2f}' if clip else '—'} | "
+                f"{np.median([u['kl_coef'] for u in updates]):.2g} | {ev:.0%} |"
+            )
     lines += [
         "",
-        "Evaluation return (10 deterministic episodes), per seed and mean. Rate: the learning rate each update used, "
-        "over the starting (zoo's) rate 2.06e-5; clip fraction: PPO's, where a clip range is set; beta: KLPPO's KL "
+        "Evaluation return (10 deterministic episodes), per seed and mean. Rate: the policy's learning rate in each "
+        f"update, over the zoo's {ZOO_RATE:g}; clip fraction: PPO's, where a clip range is set; beta: KLPPO's KL "
         "coefficient; EV: the update's explained variance of the value function.",
         "",
         "## Variants",
@@ -166,12 +173,13 @@ def report() -> str:
         "",
         "## Setting",
         "",
-        f"{ENV_ID}, the grid's settings and evaluation (`benchmarks/grid_runs.py`), {BUDGET:,} steps, x1 of rl-zoo's "
-        f"learning rate, seeds {', '.join(map(str, seeds))} (outside the grid's 0..9), target 0.03.",
+        f"{ENV_ID}, the grid's settings and evaluation (`benchmarks/grid_runs.py`), {BUDGET:,} steps, rl-zoo's "
+        f"learning rate times x{', x'.join(f'{m:g}' for m in LR_MULTS)}, seeds {', '.join(map(str, seeds))} (outside "
+        "the grid's 0..9), target 0.03.",
         "",
         run_records.provenance(records),
         "",
-        "Made by `python benchmarks/studies/auto_learning_rate_halfcheetah.py` "
+        "Made by `python benchmarks/studies/auto_learning_rate_halfcheetah.py --workers 2` "
         "(records: `auto_learning_rate_halfcheetah.json`).",
     ]
     page = "\n".join(lines) + "\n"
@@ -179,21 +187,32 @@ def report() -> str:
     return page
 
 
+def _run_and_save(cell: tuple[str, float, int]) -> str:
+    record = run_one(*cell)
+    append(record)
+    return f"done {cell[0]} x{cell[1]:g} seed {cell[2]}: return {record['eval_mean']:.1f}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--lr-mults", nargs="+", type=float, default=list(LR_MULTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
     if not args.report:
         done = {run_key(r) for r in read_records()}
-        for seed in args.seeds:
-            for variant in args.variants:
-                if (variant, seed) in done:
-                    continue
-                record = run_one(variant, seed)
-                append(record)
-                print(f"done {variant} seed {seed}: return {record['eval_mean']:.1f}", flush=True)
+        cells = [
+            (variant, lr_mult, seed)
+            for lr_mult in args.lr_mults
+            for seed in args.seeds
+            for variant in args.variants
+            if (variant, lr_mult, seed) not in done and not (variant == "auto_clip" and lr_mult != 1.0)
+        ]
+        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+            for line in pool.imap_unordered(_run_and_save, cells):
+                print(line, flush=True)
     print(report())
 
 
