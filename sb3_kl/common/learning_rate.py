@@ -220,27 +220,25 @@ def value_only_parameters(policy: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def split_value_group(policy: nn.Module) -> bool:
+def split_value_group(policy: nn.Module) -> None:
     """
     Move the value-only parameters (:func:`value_only_parameters`) of the policy's optimizer into a group of their own,
     marked by :data:`VALUE_GROUP_KEY`, with the same settings. Nothing happens when the optimizer already has more than
     one group (split already, or the user's own groups) or the policy has no value-only parameters.
 
     :param policy: An actor-critic policy with its ``optimizer``
-    :return: whether the optimizer now has the value group
     """
     optimizer = policy.optimizer
     if len(optimizer.param_groups) != 1:
-        return any(group.get(VALUE_GROUP_KEY) for group in optimizer.param_groups)
+        return
     value = {id(param) for param in value_only_parameters(policy)}
     group = optimizer.param_groups[0]
     params = list(group["params"])
     if not any(id(param) in value for param in params):
-        return False
+        return
     group["params"] = [param for param in params if id(param) not in value]
     settings = {key: setting for key, setting in group.items() if key != "params"}
     optimizer.add_param_group({**settings, "params": [param for param in params if id(param) in value], VALUE_GROUP_KEY: True})
-    return True
 
 
 def optimizer_state_in_layout(saved: dict[str, Any], policy: nn.Module) -> dict[str, Any]:

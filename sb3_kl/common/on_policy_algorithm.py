@@ -450,9 +450,6 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             self.learning_rate = learning_rate
         # the rate the next update uses with learning_rate="auto" (saved with the model), None otherwise
         self.adapted_learning_rate = auto_start
-        # the least rate of the value function with learning_rate="auto": the starting one (its loss has no KL, so the
-        # policy's rate falling to meet the target does not slow it; it rises with the policy's)
-        self.value_learning_rate = auto_start
         if auto_start is not None and getattr(self, "policy", None) is not None:
             split_value_group(self.policy)
         self._rate_history: list[tuple[float, float]] = []  # recent (rate, unscaled KL) pairs of learning_rate="auto"
@@ -572,8 +569,6 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             return
         if getattr(self, "adapted_learning_rate", None) is None:  # loaded from a model that had a fixed rate
             self.adapted_learning_rate = parse_auto_learning_rate(self.learning_rate)
-        if getattr(self, "value_learning_rate", None) is None:  # ... or saved before the value function had its own
-            self.value_learning_rate = parse_auto_learning_rate(self.learning_rate)
         self.lr_schedule = AdaptiveLRSchedule(self.adapted_learning_rate)  # type: ignore[arg-type]
 
     @property
@@ -666,7 +661,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         params = load_path_or_dict
         if not isinstance(params, dict):
             _, params, _ = load_from_zip_file(params, device=device, load_data=False)
-        if "policy.optimizer" in params and getattr(self, "policy", None) is not None:
+        if "policy.optimizer" in params:
             # learning_rate="auto" gives the value function an optimizer group of its own: a zip saved with the other
             # layout (a fixed rate, a stock PPO) loads with each parameter's state kept
             params = {**params, "policy.optimizer": optimizer_state_in_layout(params["policy.optimizer"], self.policy)}
@@ -783,7 +778,6 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         model._apply_loaded_reference_options(reference_options)
         if "learning_rate" in kwargs:  # a rate given to load() replaces the saved adapted one
             model.adapted_learning_rate = parse_auto_learning_rate(kwargs["learning_rate"])
-            model.value_learning_rate = model.adapted_learning_rate
             model._rate_history = []
             model._setup_lr_schedule()
         if stock:
@@ -1332,8 +1326,10 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         # the schedule's value is checked where it is used (a negative one would ascend the loss)
         scheduled_value("learning_rate", self.lr_schedule, self._current_progress_remaining, allow_zero=True)
         super()._update_learning_rate(optimizers)
-        if self.adapts_learning_rate:  # the value function's own group: never slower than the starting rate
-            value_rate = max(self.value_learning_rate, self.adapted_learning_rate)  # type: ignore[type-var]
+        if self.adapts_learning_rate:
+            # the value function's own group: its loss has no KL, so the policy's rate falling to meet the target does
+            # not slow it below the starting rate; it rises with the policy's
+            value_rate = max(parse_auto_learning_rate(self.learning_rate), self.adapted_learning_rate)  # type: ignore[type-var]
             for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
                 for group in optimizer.param_groups:
                     if group.get(VALUE_GROUP_KEY):
@@ -1529,8 +1525,8 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         if not (self.adapts_learning_rate and clip_fraction >= CLIP_HOLDS_FRACTION):
             self.clip_holds_updates = 0
             return
-        self.clip_holds_updates = getattr(self, "clip_holds_updates", 0) + 1
-        if self.clip_holds_updates < STALLED_AT_FLOOR_UPDATES or getattr(self, "clip_holds_warned", False):
+        self.clip_holds_updates += 1
+        if self.clip_holds_updates < STALLED_AT_FLOOR_UPDATES or self.clip_holds_warned:
             return
         self.clip_holds_warned = True
         start = parse_auto_learning_rate(self.learning_rate)
