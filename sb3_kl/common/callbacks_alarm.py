@@ -14,7 +14,7 @@ from stable_baselines3.common.type_aliases import Schedule
 from sb3_kl.common.callbacks_monitor import KLMonitorCallback, MonitorUser, is_trust_region_family, model_target_kl
 from sb3_kl.common.controllers import FixedKLController
 from sb3_kl.common.on_policy_algorithm import DEFAULT_TARGET_KL
-from sb3_kl.common.user_warnings import warn_at_user_frame
+from sb3_kl.common.user_warnings import warn_and_print, warn_at_user_frame
 from sb3_kl.common.validation import (
     MIN_TARGET_KL,
     as_schedule,
@@ -220,9 +220,7 @@ class KLAlarmCallback(MonitorUser):
                 f"{type(self).__name__}: {type(self.model).__name__} has no KL target; the spike checks use {target:g}, "
                 f"{source}. Pass target_kl= to the callback to choose it."
             )
-            warn_at_user_frame(message)
-            if self.verbose >= 1:
-                print(message)
+            warn_and_print(message, self.verbose)
         return target, "mean_in_target_convention", False
 
     def _streak(self, kind: str, condition: bool) -> bool:

@@ -88,7 +88,7 @@ from sb3_kl.common.kl import (
     per_state_kl,
     per_state_kl_to,
 )
-from sb3_kl.common.user_warnings import warn_at_user_frame
+from sb3_kl.common.user_warnings import warn_and_print, warn_at_user_frame
 
 #: Constructor options folded into the KL convention (``kl_settings``, ``ref_kl_settings``) or into the KL controllers
 #: when the model is built, by the object and attribute that hold them: ``load()`` would store them where nothing reads
@@ -1509,9 +1509,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             )
             + "sb3_kl.callbacks.KLAdaptiveLRCallback, which does so from outside, or a smaller `target_kl`."
         )
-        warn_at_user_frame(message)
-        if self.verbose >= 1:
-            print(message)
+        warn_and_print(message, self.verbose)
 
     def _check_clip_holds_rate(self, clip_fraction: float, clip_range: float) -> None:
         """
@@ -1538,9 +1536,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             "`clip_range=None` (KLPPO's default: the step scale alone holds each update's KL), or a `target_kl` the "
             "clip range allows."
         )
-        warn_at_user_frame(message)
-        if self.verbose >= 1:
-            print(message)
+        warn_and_print(message, self.verbose)
 
     # ----------------------------------------------------------------------------------------------------------
     # Variance floor

@@ -46,3 +46,16 @@ def warn_at_user_frame(message: str, category: type[Warning] = UserWarning) -> N
     while frame.f_back is not None and _in_library(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+def warn_and_print(message: str, verbose: int) -> None:
+    """
+    :func:`warn_at_user_frame` for a ``UserWarning``, and the same line printed with ``verbose >= 1`` (SB3 prints what
+    an algorithm or callback reports at that level; warnings filters may hide the warning).
+
+    :param message: The warning's text
+    :param verbose: The algorithm's or callback's ``verbose``
+    """
+    warn_at_user_frame(message)
+    if verbose >= 1:
+        print(message)

@@ -37,7 +37,7 @@ from sb3_kl.common.projections import (
     project_categorical_with_distances,
     project_gaussian_with_distances,
 )
-from sb3_kl.common.user_warnings import warn_at_user_frame
+from sb3_kl.common.user_warnings import warn_and_print
 from sb3_kl.common.validation import check_bool, check_choice, check_finite, check_int, check_non_negative, check_positive
 from sb3_kl.trpl.policies import CnnPolicy, MlpPolicy, MultiInputPolicy
 
@@ -862,9 +862,7 @@ class TRPL(KLOnPolicyAlgorithm):
             f"`learning_rate` ({self.policy.optimizer.param_groups[0]['lr']:g} now) is too large for the bounds "
             f"({bounds}). Fixes: a smaller learning_rate or fewer n_epochs, or larger bounds."
         )
-        warn_at_user_frame(message)
-        if self.verbose >= 1:
-            print(message)
+        warn_and_print(message, self.verbose)
 
     def learn(
         self: SelfTRPL,
