@@ -72,6 +72,7 @@ def run_one(algo: str, lr_mult: float, seed: int) -> dict[str, Any]:
 
     import grid_runs
 
+    made_by = code_version()  # the checkout when the run starts (the worker imported its code then)
     evaluations: list[tuple[int, float]] = []
     episodes: list[tuple[int, float]] = []
 
@@ -104,7 +105,7 @@ def run_one(algo: str, lr_mult: float, seed: int) -> dict[str, Any]:
         kl_update_median=float(np.median([u["mean"] for u in grid["kl_updates"]])),
         evaluations=evaluations,
         episodes=episodes,
-        code_version=code_version(),
+        code_version=made_by,
         run_environment=run_records.run_environment(),
     )
 
