@@ -9,7 +9,8 @@ deterministic policy on ``EVAL_EPISODES`` episodes of an environment of its own 
 statistics; no random draw of the training is touched, so the run is the grid's). Compared at the same target:
 ``klppo_auto`` (the rate adapted, no clip range), ``klppo_noclip`` (the fixed rate, no clip range: beta and the
 hinge hold the KL) and ``klppo`` (the fixed rate with the zoo's ``clip_range=0.1``), at x10 of the zoo's rate, where
-all three take about 0.03 per update.
+all three take about 0.03 per update; and two variants that tell the parts of ``"auto"`` apart: its step scale
+without extension, and the fixed rate at the low rate that ``"auto"`` settles at (``VARIANTS``).
 
     python benchmarks/studies/halfcheetah_policy_swings.py            # the missing runs, then the page
     python benchmarks/studies/halfcheetah_policy_swings.py --report
@@ -38,7 +39,20 @@ RECORDS = RESULTS / "halfcheetah_policy_swings.json"
 PAGE = RESULTS / "halfcheetah_policy_swings.md"
 FIGURE = RESULTS / "halfcheetah_policy_swings.png"
 ENV_ID = "HalfCheetah-v5"
-ALGOS = ("klppo_auto", "klppo_noclip", "klppo")
+#: variant: (the grid's algorithm, overrides of its settings, the largest step scale of ``"auto"``, what it is)
+VARIANTS: dict[str, tuple[str, dict[str, Any], float | None, str]] = {
+    "klppo_auto": ("klppo_auto", {}, None, "the grid's: the rate adapted, no clip range"),
+    "klppo_noclip": ("klppo_noclip", {}, None, "the grid's: the zoo's rate x10 fixed, no clip range (beta holds the KL)"),
+    "klppo": ("klppo", {}, None, "the grid's: the zoo's rate x10 fixed, the zoo's `clip_range=0.1`"),
+    "auto_no_extension": ("klppo_auto", {}, 1.0, "`klppo_auto` whose step scale only shrinks a step (at most 1)"),
+    "noclip_auto_rate": (
+        "klppo_noclip",
+        {"learning_rate": 5e-6},
+        None,
+        "`klppo_noclip` at 5e-6 fixed, about the rate `klppo_auto` settles at (a quarter of the zoo's)",
+    ),
+}
+ALGOS = tuple(VARIANTS)
 LR_MULT = 10.0
 SEEDS = (0, 1)
 #: Rollouts between two evaluations of the deterministic policy (512 steps each: every 5,120 steps)
@@ -92,10 +106,17 @@ def run_one(algo: str, lr_mult: float, seed: int) -> dict[str, Any]:
             evaluations.append((self.num_timesteps, float(returns)))
             env.close()
 
-    spec = dict(algo=algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full")
+    grid_algo, overrides, max_scale, _ = VARIANTS[algo]
+    if max_scale is not None:  # the algorithm's module calls find_step_scale with the default largest scale
+        import sb3_kl.common.on_policy_algorithm as algorithm_module
+
+        algorithm_module.find_step_scale = functools.partial(algorithm_module.find_step_scale, max_scale=max_scale)
+    spec = dict(algo=grid_algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full", overrides=overrides)
     grid = grid_runs.train_and_evaluate(spec, probes=[Along()])
     return dict(
         algo=algo,
+        grid_algo=grid_algo,
+        overrides=overrides,
         env=ENV_ID,
         lr_mult=lr_mult,
         seed=seed,
@@ -131,13 +152,13 @@ def plot(records: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(ALGOS), figsize=(10, 3.2), sharey=True)
+    fig, axes = plt.subplots(1, len(ALGOS), figsize=(3.4 * len(ALGOS), 3.2), sharey=True)
     for ax, algo in zip(axes, ALGOS, strict=True):
         for r in sorted((r for r in records if r["algo"] == algo), key=lambda r: r["seed"]):
             steps, values = zip(*r["evaluations"], strict=True) if r["evaluations"] else ((), ())
             ax.plot(np.array(steps) / 1000, values, marker=".", label=f"seed {r['seed']}")
             ax.axhline(r["eval_mean"], linestyle=":", color=ax.lines[-1].get_color())
-        ax.set_title(f"{algo} x{LR_MULT:g}")
+        ax.set_title(algo, fontsize=9)
         ax.set_xlabel("steps (k)")
     axes[0].set_ylabel("deterministic return")
     axes[0].legend(fontsize=8)
@@ -175,6 +196,10 @@ def report() -> str:
         "absolute difference between consecutive evaluations, and between consecutive training episodes (stochastic, "
         "1,000 steps each).",
         "",
+        "## Variants",
+        "",
+        *[f"- `{name}`: {description}" for name, (_, _, _, description) in VARIANTS.items()],
+        "",
         "## Setting",
         "",
         f"{ENV_ID}, the grid's settings (`benchmarks/grid_runs.py`), budget and target 0.03, x{LR_MULT:g} the zoo's "
@@ -207,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report:
         done = {run_key(r) for r in read_records()}
         cells = [(a, LR_MULT, s) for s in args.seeds for a in args.algos if (a, LR_MULT, s) not in done]
-        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+        # one process per run: a variant patches the algorithm's module
+        pool_kwargs: dict[str, Any] = dict(maxtasksperchild=1)
+        with multiprocessing.get_context("spawn").Pool(args.workers, **pool_kwargs) as pool:
             for line in pool.imap_unordered(_run_and_save, cells):
                 print(line, flush=True)
     print(report())
