@@ -1,0 +1,272 @@
+"""
+A candidate rule for ``learning_rate="auto"``: the rate sets the first epoch's KL, beta and the hinge hold the update's.
+
+Today's rule settles at the rate whose update alone meets ``target_kl``, and scales each step onto it. On
+HalfCheetah-v5 that is about a quarter of the zoo's rate, and there the return swings from one update to the next, as
+it does for KLPPO fixed at that low rate, while KLPPO at 10x the zoo's rate (the penalty holding the same KL) climbs
+steadily (``halfcheetah_policy_swings.md``). The candidate (``first_epoch``) keeps the rate high enough for the penalty
+to shape the step: after the first epoch it measures the exact KL over the rollout's states (one no-grad pass), and
+the next update's rate is this one times ``sqrt(FIRST_EPOCH_SHARE * target / KL_first_epoch)`` (within 1/16..16; its
+square root when within 2x), with no step scale: beta and the hinge hold the update's KL, as in KLPPO at a fixed rate.
+
+Variants, each from x0.1 and x10 of rl-zoo's rate (and x1 on LunarLanderContinuous-v3), on seeds outside the grid's:
+``auto`` (the grid's ``klppo_auto``), ``first_epoch`` (the candidate), ``fixed`` (the grid's ``klppo_noclip``:
+KLPPO at the fixed rate without the clip range, the KL held by beta).
+
+    python benchmarks/studies/auto_rate_rule.py --workers 2     # the missing runs, then the page
+    python benchmarks/studies/auto_rate_rule.py --report
+
+Records: ``benchmarks/results/auto_rate_rule.json`` (one per run, written as each finishes, each naming its commit and
+machine); page ``benchmarks/results/auto_rate_rule.md``.
+"""
+
+import argparse
+import functools
+import math
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
+
+import run_records  # noqa: E402
+
+RESULTS = run_records.MAIN_RESULTS
+RECORDS = RESULTS / "auto_rate_rule.json"
+PAGE = RESULTS / "auto_rate_rule.md"
+#: (task, learning-rate multiplier) cells, cheapest first
+CELLS = (
+    ("HalfCheetah-v5", 10.0),
+    ("HalfCheetah-v5", 1.0),
+    ("Pendulum-v1", 0.1),
+    ("Pendulum-v1", 10.0),
+    ("LunarLanderContinuous-v3", 1.0),
+)
+#: HalfCheetah-v5's ``auto`` and ``fixed`` runs on these seeds, made by the same code in another study: its variant names
+BORROWED = {"auto": "auto", "fixed": "fixed_noclip"}
+BORROWED_FROM = RESULTS / "auto_learning_rate_halfcheetah.json"
+SEEDS = (12, 13)
+#: variant: the grid's algorithm it runs
+VARIANTS = {"auto": "klppo_auto", "first_epoch": "klppo_auto", "fixed": "klppo_noclip"}
+#: The share of the target the candidate's rate gives the first epoch
+FIRST_EPOCH_SHARE = 0.25
+#: The largest factor of the rate in one update (either way)
+MAX_FACTOR = 16.0
+LOGGED = ("learning_rate", "kl", "kl_coef")
+
+
+@functools.cache
+def code_version() -> str:
+    return run_records.code_version("studies/auto_rate_rule.py", "settings.py", "grid_runs.py")
+
+
+def first_epoch_class() -> type:
+    """:return: KLPPO with the candidate rule (see the module)"""
+    import sb3_kl.common.on_policy_algorithm as algorithm_module
+    from sb3_kl import KLPPO
+
+    # no step scale: the update's KL is beta's and the hinge's to hold
+    algorithm_module.find_step_scale = lambda kl_at, kl_full, target, band, **_: (1.0, kl_full)
+
+    class FirstEpoch(KLPPO):
+        first_epoch_kl: float | None = None
+
+        def _kl_ran_away(self, epoch_kl_sum: Any, epoch_states: int, target_kl: float, epoch: int) -> bool:
+            if epoch == 0 and self.adapts_learning_rate:
+                self.first_epoch_kl = float(np.mean(self._measure_update_kl()[0]))
+            return super()._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
+
+        def _measure_final_update_kl(self, target_kl: float, measured: Any = None) -> Any:
+            rate = self.adapted_learning_rate
+            result = super()._measure_final_update_kl(target_kl, measured)
+            kl = self.first_epoch_kl
+            if self.adapts_learning_rate and kl is not None:
+                goal = FIRST_EPOCH_SHARE * target_kl
+                factor = MAX_FACTOR if not kl > 0 else min(max(math.sqrt(goal / kl), 1 / MAX_FACTOR), MAX_FACTOR)
+                if 0.5 * goal <= kl <= 2 * goal:
+                    factor = math.sqrt(factor)
+                low, high = self.lr_bounds
+                self.adapted_learning_rate = min(max(rate * factor, low), high)
+                self.logger.record("train/first_epoch_kl", kl)
+            return result
+
+    return FirstEpoch
+
+
+def run_key(record: dict[str, Any]) -> tuple[str, str, float, int]:
+    return record["variant"], record["env"], record["lr_mult"], record["seed"]
+
+
+def read_records() -> list[dict[str, Any]]:
+    return run_records.read_json_list(RECORDS)
+
+
+def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any]:
+    """Train one run with the grid's code (``grid_runs.train_and_evaluate``); :return: its record."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    import grid_runs
+
+    made_by = code_version()
+    algo = VARIANTS[variant]
+    updates: list[dict[str, float]] = []
+
+    class Logged(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:  # after an update, before SB3 dumps the logger
+            values = self.model.logger.name_to_value
+            if "train/kl" in values:
+                keys = (*LOGGED, "first_epoch_kl")
+                updates.append({key: float(values[f"train/{key}"]) for key in keys if f"train/{key}" in values})
+
+    if variant == "first_epoch":
+        candidate = first_epoch_class()
+        original = grid_runs.algorithm_class
+        grid_runs.algorithm_class = lambda name: candidate if name == algo else original(name)
+    spec = dict(algo=algo, env=env_id, seed=seed, lr_mult=lr_mult, tier="full")
+    grid = grid_runs.train_and_evaluate(spec, probes=[Logged()])
+    target = grid["target_kl"]
+    in_band = [0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]]
+    return dict(
+        variant=variant,
+        env=env_id,
+        lr_mult=lr_mult,
+        seed=seed,
+        hyperparameters=grid["hyperparameters"],
+        target_kl=target,
+        eval_returns=grid["eval_returns"],
+        eval_mean=grid["eval_mean"],
+        in_band=float(np.mean(in_band)),
+        updates=updates,
+        train_seconds=grid["train_seconds"],
+        code_version=made_by,
+        run_environment=run_records.run_environment(),
+    )
+
+
+def report() -> str:
+    """Write the page from the records; :return: the page."""
+    records = read_records()
+    borrowed = [
+        {**r, "variant": name, "in_band": None, "borrowed": True}
+        for r in run_records.read_json_list(BORROWED_FROM)
+        for name, theirs in BORROWED.items()
+        if r["variant"] == theirs and r["seed"] in SEEDS
+    ]
+    records = records + [r for r in borrowed if run_key(r) not in {run_key(own) for own in records}]
+    runs: dict[tuple[str, str, float], dict[int, dict[str, Any]]] = {}
+    for r in records:
+        runs.setdefault((r["variant"], r["env"], r["lr_mult"]), {})[r["seed"]] = r
+    seeds = sorted({r["seed"] for r in records})
+    lines = [
+        '# A candidate rule for `learning_rate="auto"`: the rate sets the first epoch\'s KL',
+        "",
+        "| task | lr | variant | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | updates in band "
+        "| median rate / zoo rate | median first-epoch KL / target |",
+        "|---|---|---|" + "---|" * (len(seeds) + 4),
+    ]
+    for env_id, lr_mult in CELLS:
+        for variant in VARIANTS:
+            cell = runs.get((variant, env_id, lr_mult), {})
+            if not cell:
+                continue
+            any_run = next(iter(cell.values()))
+            zoo_rate = _zoo_rate(env_id)
+            updates = [u for r in cell.values() for u in r["updates"]]
+            rates = [u["learning_rate"] for u in updates if "learning_rate" in u]
+            first = [u["first_epoch_kl"] / any_run["target_kl"] for u in updates if "first_epoch_kl" in u]
+            lines.append(
+                f"| {env_id} | x{lr_mult:g} | `{variant}` | "
+                + " | ".join(f"{cell[s]['eval_mean']:.0f}" if s in cell else "—" for s in seeds)
+                + f" | {np.mean([r['eval_mean'] for r in cell.values()]):.0f} | "
+                f"{_in_band(cell)} | "
+                f"{np.median(rates) / zoo_rate:.2g} | {f'{np.median(first):.2f}' if first else '—'} |"
+            )
+    lines += [
+        "",
+        "Evaluation return (10 deterministic episodes, the grid's evaluation) per seed and mean. Updates in band: the "
+        "share of updates whose exact KL (`KLMonitorCallback`) lies in [0.5, 2] x target. Rate: each update's learning "
+        "rate over rl-zoo's for the task; first-epoch KL: the candidate's measurement, over the target. *: HalfCheetah-v5's "
+        "`auto` and `fixed` runs are those of `auto_learning_rate_halfcheetah.json` (variants `auto` and `fixed_noclip`, "
+        "the same code and seeds, 150k steps), their band judged on the KL the algorithm logged.",
+        "",
+        "## Variants",
+        "",
+        "- `auto`: the grid's `klppo_auto` (the rate whose update meets the target; each step scaled onto it).",
+        f"- `first_epoch`: the rate that gives the first epoch {FIRST_EPOCH_SHARE:g} x the target; no step scale.",
+        "- `fixed`: the grid's `klppo_noclip`, KLPPO at the multiplied zoo rate without the clip range.",
+        "",
+        "## Setting",
+        "",
+        "The grid's settings, budgets and evaluation (`benchmarks/grid_runs.py`), seeds "
+        f"{', '.join(map(str, seeds))} (outside the grid's 0..9).",
+        "",
+        run_records.provenance(records) if records else "",
+        "",
+        "Made by `python benchmarks/studies/auto_rate_rule.py --workers 2` (records: `auto_rate_rule.json`).",
+    ]
+    page = "\n".join(lines) + "\n"
+    PAGE.write_text(page)
+    return page
+
+
+def _in_band(cell: dict[int, dict[str, Any]]) -> str:
+    """The cell's mean share of updates in band, or where the runs are borrowed, their share of updates whose KL the
+    algorithm logged in [0.5, 2] x target."""
+    shares = [
+        r["in_band"]
+        if r["in_band"] is not None
+        else np.mean([0.5 * r["target_kl"] <= u["kl"] <= 2 * r["target_kl"] for u in r["updates"]])
+        for r in cell.values()
+    ]
+    return f"{np.mean(shares):.0%}" + ("*" if any(r.get("borrowed") for r in cell.values()) else "")
+
+
+def _zoo_rate(env_id: str) -> float:
+    from settings import settings_for
+
+    rate = settings_for("klppo", env_id)["kwargs"].get("learning_rate", 3e-4)
+    return float(rate) if not isinstance(rate, str) else float(rate.split("_")[-1])
+
+
+def _run_and_save(cell: tuple[str, str, float, int]) -> str:
+    record = run_one(*cell)
+    run_records.replace_in_json_list(RECORDS, record, run_key)
+    return f"done {cell[0]} {cell[1]} x{cell[2]:g} seed {cell[3]}: return {record['eval_mean']:.1f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", action="store_true")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--envs", nargs="+", default=sorted({env for env, _ in CELLS}))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args(argv)
+    if not args.report:
+        done = {run_key(r) for r in read_records()}
+        cells = [
+            (variant, env_id, lr_mult, seed)
+            for env_id, lr_mult in CELLS
+            if env_id in args.envs
+            for seed in args.seeds
+            for variant in args.variants
+            if (variant, env_id, lr_mult, seed) not in done
+        ]
+        # one process per run: the candidate patches the algorithm's module
+        with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
+            for line in pool.imap_unordered(_run_and_save, cells):
+                print(line, flush=True)
+    print(report())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3-kl-benchmarks")
+    main()
