@@ -204,8 +204,9 @@ def report() -> str:
         "",
         f"{ENV_ID}, the grid's settings (`benchmarks/grid_runs.py`), budget and target 0.03, x{LR_MULT:g} the zoo's "
         "learning rate (`klppo_auto` starts there), seeds "
-        f"{', '.join(map(str, sorted({r['seed'] for r in records})))}: the grid's, so that the final evaluations are "
-        "the grid's records' (the probe draws nothing from the training's random streams).",
+        f"{', '.join(map(str, sorted({r['seed'] for r in records})))}: the grid's. The probe draws nothing from the "
+        "training's random streams: `klppo_auto`'s final evaluations repeat its grid records, made on the same machine "
+        "(the fixed-rate cells' grid records come from another machine, and differ).",
         "",
         run_records.provenance(records) if records else "",
         "",
