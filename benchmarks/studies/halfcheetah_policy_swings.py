@@ -51,6 +51,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], float | None, str]] = {
         None,
         "`klppo_noclip` at 5e-6 fixed, about the rate `klppo_auto` settles at (a quarter of the zoo's)",
     ),
+    "first_epoch": ("klppo_auto", {}, None, "the candidate rule of `auto_rate_rule.md`: the rate sets the first epoch's KL"),
 }
 ALGOS = tuple(VARIANTS)
 LR_MULT = 10.0
@@ -111,6 +112,12 @@ def run_one(algo: str, lr_mult: float, seed: int) -> dict[str, Any]:
         import sb3_kl.common.on_policy_algorithm as algorithm_module
 
         algorithm_module.find_step_scale = functools.partial(algorithm_module.find_step_scale, max_scale=max_scale)
+    if algo == "first_epoch":
+        sys.path.insert(0, str(HERE / "studies"))
+        from auto_rate_rule import first_epoch_class
+
+        candidate, original = first_epoch_class(), grid_runs.algorithm_class
+        grid_runs.algorithm_class = lambda name: candidate if name == grid_algo else original(name)
     spec = dict(algo=grid_algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full", overrides=overrides)
     grid = grid_runs.train_and_evaluate(spec, probes=[Along()])
     return dict(
