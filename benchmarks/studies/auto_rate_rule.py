@@ -39,6 +39,7 @@ import run_records  # noqa: E402
 RESULTS = run_records.MAIN_RESULTS
 RECORDS = RESULTS / "auto_rate_rule.json"
 PAGE = RESULTS / "auto_rate_rule.md"
+FIGURE = RESULTS / "auto_rate_rule.png"
 #: (task, learning-rate multiplier) cells, cheapest first
 CELLS = (
     ("HalfCheetah-v5", 10.0),
@@ -165,8 +166,11 @@ def report() -> str:
     for r in records:
         runs.setdefault((r["variant"], r["env"], r["lr_mult"]), {})[r["seed"]] = r
     seeds = sorted({r["seed"] for r in records})
+    plot(runs)
     lines = [
         '# A candidate rule for `learning_rate="auto"`: the rate sets the first epoch\'s KL',
+        "",
+        f"![evaluation return per seed and mean, per cell and variant]({FIGURE.name})",
         "",
         "| task | lr | variant | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | updates in band "
         "| median rate / zoo rate | median first-epoch KL / target |",
@@ -215,6 +219,27 @@ def report() -> str:
     page = "\n".join(lines) + "\n"
     PAGE.write_text(page)
     return page
+
+
+def plot(runs: dict[tuple[str, str, float], dict[int, dict[str, Any]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CELLS), figsize=(2.6 * len(CELLS), 3.0))
+    for ax, (env_id, lr_mult) in zip(axes, CELLS, strict=True):
+        for x, variant in enumerate(VARIANTS):
+            returns = [r["eval_mean"] for r in runs.get((variant, env_id, lr_mult), {}).values()]
+            if returns:
+                ax.bar(x, np.mean(returns), color=f"C{x}", alpha=0.4)
+                ax.plot([x] * len(returns), returns, "o", color=f"C{x}")
+        ax.set_xticks(range(len(VARIANTS)), list(VARIANTS), rotation=30, fontsize=8)
+        ax.set_title(f"{env_id.split('-')[0]} x{lr_mult:g}", fontsize=9)
+    axes[0].set_ylabel("evaluation return")
+    fig.tight_layout()
+    fig.savefig(FIGURE, dpi=90, metadata={"Software": None})
+    plt.close(fig)
 
 
 def _in_band(cell: dict[int, dict[str, Any]]) -> str:
