@@ -120,6 +120,25 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def logged_updates_probe(keys: tuple[str, ...], updates: list[dict[str, float]]) -> Any:
+    """
+    A probe for :func:`train_and_evaluate`: after each update, appends to ``updates`` the values the algorithm logged
+    under ``train/<key>`` for each of ``keys`` (those it logged), read before SB3 dumps the logger.
+    """
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class LoggedUpdates(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_start(self) -> None:
+            values = self.model.logger.name_to_value
+            if "train/kl" in values:
+                updates.append({key: float(values[f"train/{key}"]) for key in keys if f"train/{key}" in values})
+
+    return LoggedUpdates()
+
+
 def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) -> dict[str, Any]:
     """
     Train and evaluate one run.

@@ -123,6 +123,21 @@ def replace_in_json_list(path: Path, record: dict[str, Any], key: Callable[[dict
         file.write(json.dumps(records, indent=1) + "\n")
 
 
+def run_in_pool(function: Callable[[Any], str], cells: list[Any], workers: int, one_process_per_run: bool = False) -> None:
+    """
+    A study's missing runs: ``function`` on each cell in ``workers`` spawned processes, printing the line each returns as
+    it finishes (``function`` writes its record itself, so a run cut off loses only itself).
+
+    :param one_process_per_run: A fresh process for each run (for a variant that patches a module of the algorithm)
+    """
+    import multiprocessing
+
+    options: dict[str, Any] = dict(maxtasksperchild=1) if one_process_per_run else {}
+    with multiprocessing.get_context("spawn").Pool(workers, **options) as pool:
+        for line in pool.imap_unordered(function, cells):
+            print(line, flush=True)
+
+
 def grid_record(tier: str, algo: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any] | None:
     """The grid's record of a run, or None."""
     return find_record(runs_folder(tier), record_name(algo, env_id, lr_mult, seed))

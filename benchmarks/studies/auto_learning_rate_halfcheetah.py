@@ -22,7 +22,6 @@ its commit and machine); page ``benchmarks/results/auto_learning_rate_halfcheeta
 
 import argparse
 import functools
-import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -91,28 +90,17 @@ def append(record: dict[str, Any]) -> None:
 
 def run_one(variant: str, lr_mult: float, seed: int) -> dict[str, Any]:
     """Train one run with the grid's code (``grid_runs.train_and_evaluate``) and return its record."""
-    from stable_baselines3.common.callbacks import BaseCallback
-
     import grid_runs
 
     algo, overrides, value_follows, _ = VARIANTS[variant]
     updates: list[dict[str, float]] = []
-
-    class Logged(BaseCallback):
-        def _on_step(self) -> bool:
-            return True
-
-        def _on_rollout_start(self) -> None:  # after an update, before SB3 dumps the logger
-            values = self.model.logger.name_to_value
-            if "train/kl" in values:
-                updates.append({key: float(values[f"train/{key}"]) for key in LOGGED if f"train/{key}" in values})
 
     original = grid_runs.algorithm_class
     if value_follows:
         grid_runs.algorithm_class = lambda name: value_follows_class() if name == algo else original(name)
     try:
         spec = dict(algo=algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full", budget=BUDGET, overrides=overrides)
-        grid = grid_runs.train_and_evaluate(spec, probes=[Logged()])
+        grid = grid_runs.train_and_evaluate(spec, probes=[grid_runs.logged_updates_probe(LOGGED, updates)])
     finally:
         grid_runs.algorithm_class = original
     return dict(
@@ -210,9 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             for variant in args.variants
             if (variant, lr_mult, seed) not in done and not (variant == "auto_clip" and lr_mult != 1.0)
         ]
-        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-            for line in pool.imap_unordered(_run_and_save, cells):
-                print(line, flush=True)
+        run_records.run_in_pool(_run_and_save, cells, args.workers)
     print(report())
 
 

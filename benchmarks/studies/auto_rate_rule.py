@@ -23,7 +23,6 @@ machine); page ``benchmarks/results/auto_rate_rule.md``.
 import argparse
 import functools
 import math
-import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -109,30 +108,18 @@ def read_records() -> list[dict[str, Any]]:
 
 def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any]:
     """Train one run with the grid's code (``grid_runs.train_and_evaluate``); :return: its record."""
-    from stable_baselines3.common.callbacks import BaseCallback
-
     import grid_runs
 
     made_by = code_version()
     algo = VARIANTS[variant]
     updates: list[dict[str, float]] = []
 
-    class Logged(BaseCallback):
-        def _on_step(self) -> bool:
-            return True
-
-        def _on_rollout_start(self) -> None:  # after an update, before SB3 dumps the logger
-            values = self.model.logger.name_to_value
-            if "train/kl" in values:
-                keys = (*LOGGED, "first_epoch_kl")
-                updates.append({key: float(values[f"train/{key}"]) for key in keys if f"train/{key}" in values})
-
     if variant == "first_epoch":
         candidate = first_epoch_class()
         original = grid_runs.algorithm_class
         grid_runs.algorithm_class = lambda name: candidate if name == algo else original(name)
     spec = dict(algo=algo, env=env_id, seed=seed, lr_mult=lr_mult, tier="full")
-    grid = grid_runs.train_and_evaluate(spec, probes=[Logged()])
+    grid = grid_runs.train_and_evaluate(spec, probes=[grid_runs.logged_updates_probe((*LOGGED, "first_epoch_kl"), updates)])
     target = grid["target_kl"]
     in_band = [0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]]
     return dict(
@@ -286,9 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             if (variant, env_id, lr_mult, seed) not in done
         ]
         # one process per run: the candidate patches the algorithm's module
-        with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
-            for line in pool.imap_unordered(_run_and_save, cells):
-                print(line, flush=True)
+        run_records.run_in_pool(_run_and_save, cells, args.workers, one_process_per_run=True)
     print(report())
 
 

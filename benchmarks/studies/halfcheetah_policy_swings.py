@@ -21,7 +21,6 @@ commit and machine); page ``benchmarks/results/halfcheetah_policy_swings.md`` an
 
 import argparse
 import functools
-import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -241,10 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         done = {run_key(r) for r in read_records()}
         cells = [(a, LR_MULT, s) for s in args.seeds for a in args.algos if (a, LR_MULT, s) not in done]
         # one process per run: a variant patches the algorithm's module
-        pool_kwargs: dict[str, Any] = dict(maxtasksperchild=1)
-        with multiprocessing.get_context("spawn").Pool(args.workers, **pool_kwargs) as pool:
-            for line in pool.imap_unordered(_run_and_save, cells):
-                print(line, flush=True)
+        run_records.run_in_pool(_run_and_save, cells, args.workers, one_process_per_run=True)
     print(report())
 
 
