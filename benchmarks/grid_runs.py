@@ -139,7 +139,22 @@ def logged_updates_probe(keys: tuple[str, ...], updates: list[dict[str, float]])
     return LoggedUpdates()
 
 
-def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) -> dict[str, Any]:
+def evaluation_env(env_id: str, seed: int, training_env: Any) -> Any:
+    """
+    :return: a one-environment VecEnv for evaluating a policy, seeded ``seed``, normalized with a snapshot of
+        ``training_env``'s observation statistics where that is a ``VecNormalize`` (rewards left raw)
+    """
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    env = make_vec_env(env_id, n_envs=1, seed=seed)
+    if isinstance(training_env, VecNormalize):
+        env = VecNormalize(env, training=False, norm_reward=False)
+        env.obs_rms = training_env.obs_rms.copy()
+    return env
+
+
+def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None, algorithm: type | None = None) -> dict[str, Any]:
     """
     Train and evaluate one run.
 
@@ -147,6 +162,7 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
         and ``budget`` (environment steps, instead of the tier's for the environment)
     :param probes: more callbacks to train with (they must not change the training: no random draws, no writes to
         the model or the environment)
+    :param algorithm: the class to train instead of the grid's for ``spec["algo"]`` (a study's variant of it)
     :return: its record (not written: :func:`run_one` or the distributed grid does). ``learn(budget)`` ends with the
         rollout in which the budget is reached, so a run trains up to one rollout (``n_steps`` x ``n_envs``) more than
         ``budget``: ``trained_steps`` holds the steps it trained (the model's ``num_timesteps``), and
@@ -207,19 +223,18 @@ def train_and_evaluate(spec: dict[str, Any], probes: list[Any] | None = None) ->
     except ImportError:
         pass
 
-    model = algorithm_class(algo)("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+    model = (algorithm or algorithm_class(algo))("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
     start = time.perf_counter()
     model.learn(budget, callback=CallbackList(callbacks))
     train_seconds = time.perf_counter() - start
     steps = int(model.num_timesteps)  # past the budget: learn() ends with the rollout in which it is reached
 
-    eval_env = make_vec_env(env_id, n_envs=1, seed=10_000 + seed)
-    if setting["normalize"]:
-        assert isinstance(env, VecNormalize)
-        eval_env = VecNormalize(eval_env, training=False, norm_reward=False)
-        eval_env.obs_rms = env.obs_rms
     returns, _ = evaluate_policy(
-        model, eval_env, n_eval_episodes=N_EVAL_EPISODES[tier], deterministic=True, return_episode_rewards=True
+        model,
+        evaluation_env(env_id, 10_000 + seed, env),
+        n_eval_episodes=N_EVAL_EPISODES[tier],
+        deterministic=True,
+        return_episode_rewards=True,
     )
 
     kl_updates = []

@@ -95,14 +95,12 @@ def run_one(variant: str, lr_mult: float, seed: int) -> dict[str, Any]:
     algo, overrides, value_follows, _ = VARIANTS[variant]
     updates: list[dict[str, float]] = []
 
-    original = grid_runs.algorithm_class
-    if value_follows:
-        grid_runs.algorithm_class = lambda name: value_follows_class() if name == algo else original(name)
-    try:
-        spec = dict(algo=algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full", budget=BUDGET, overrides=overrides)
-        grid = grid_runs.train_and_evaluate(spec, probes=[grid_runs.logged_updates_probe(LOGGED, updates)])
-    finally:
-        grid_runs.algorithm_class = original
+    spec = dict(algo=algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full", budget=BUDGET, overrides=overrides)
+    grid = grid_runs.train_and_evaluate(
+        spec,
+        probes=[grid_runs.logged_updates_probe(LOGGED, updates)],
+        algorithm=value_follows_class() if value_follows else None,
+    )
     return dict(
         variant=variant,
         env=ENV_ID,

@@ -114,12 +114,12 @@ def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, A
     algo = VARIANTS[variant]
     updates: list[dict[str, float]] = []
 
-    if variant == "first_epoch":
-        candidate = first_epoch_class()
-        original = grid_runs.algorithm_class
-        grid_runs.algorithm_class = lambda name: candidate if name == algo else original(name)
     spec = dict(algo=algo, env=env_id, seed=seed, lr_mult=lr_mult, tier="full")
-    grid = grid_runs.train_and_evaluate(spec, probes=[grid_runs.logged_updates_probe((*LOGGED, "first_epoch_kl"), updates)])
+    grid = grid_runs.train_and_evaluate(
+        spec,
+        probes=[grid_runs.logged_updates_probe((*LOGGED, "first_epoch_kl"), updates)],
+        algorithm=first_epoch_class() if variant == "first_epoch" else None,
+    )
     target = grid["target_kl"]
     in_band = [0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]]
     return dict(

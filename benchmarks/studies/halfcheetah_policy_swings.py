@@ -80,9 +80,7 @@ def read_records() -> list[dict[str, Any]]:
 def run_one(algo: str, lr_mult: float, seed: int) -> dict[str, Any]:
     """Train one run with the grid's code, evaluating the deterministic policy along the way; :return: its record."""
     from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.evaluation import evaluate_policy
-    from stable_baselines3.common.vec_env import VecNormalize
 
     import grid_runs
 
@@ -99,9 +97,7 @@ def run_one(algo: str, lr_mult: float, seed: int) -> dict[str, Any]:
             self.rollouts = getattr(self, "rollouts", -1) + 1
             if self.rollouts == 0 or self.rollouts % EVAL_EVERY:
                 return
-            env = make_vec_env(ENV_ID, n_envs=1, seed=EVAL_SEED + seed)
-            env = VecNormalize(env, training=False, norm_reward=False)
-            env.obs_rms = self.training_env.obs_rms.copy()  # type: ignore[attr-defined]
+            env = grid_runs.evaluation_env(ENV_ID, EVAL_SEED + seed, self.training_env)
             returns, _ = evaluate_policy(self.model, env, n_eval_episodes=EVAL_EPISODES, deterministic=True)
             evaluations.append((self.num_timesteps, float(returns)))
             env.close()
@@ -111,14 +107,14 @@ def run_one(algo: str, lr_mult: float, seed: int) -> dict[str, Any]:
         import sb3_kl.common.on_policy_algorithm as algorithm_module
 
         algorithm_module.find_step_scale = functools.partial(algorithm_module.find_step_scale, max_scale=max_scale)
+    candidate = None
     if algo == "first_epoch":
         sys.path.insert(0, str(HERE / "studies"))
         from auto_rate_rule import first_epoch_class
 
-        candidate, original = first_epoch_class(), grid_runs.algorithm_class
-        grid_runs.algorithm_class = lambda name: candidate if name == grid_algo else original(name)
+        candidate = first_epoch_class()
     spec = dict(algo=grid_algo, env=ENV_ID, seed=seed, lr_mult=lr_mult, tier="full", overrides=overrides)
-    grid = grid_runs.train_and_evaluate(spec, probes=[Along()])
+    grid = grid_runs.train_and_evaluate(spec, probes=[Along()], algorithm=candidate)
     return dict(
         algo=algo,
         grid_algo=grid_algo,
