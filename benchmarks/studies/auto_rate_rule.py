@@ -52,11 +52,13 @@ BORROWED = {"auto": "auto", "fixed": "fixed_noclip"}
 BORROWED_FROM = RESULTS / "auto_learning_rate_halfcheetah.json"
 SEEDS = (12, 13)
 #: variant: the grid's algorithm it runs
-VARIANTS = {"auto": "klppo_auto", "first_epoch": "klppo_auto", "fixed": "klppo_noclip"}
+VARIANTS = {"auto": "klppo_auto", "first_epoch": "klppo_auto", "first_epoch_guard": "klppo_auto", "fixed": "klppo_noclip"}
 #: The share of the target the candidate's rate gives the first epoch
 FIRST_EPOCH_SHARE = 0.25
 #: The largest factor of the rate in one update (either way)
 MAX_FACTOR = 16.0
+#: ``first_epoch_guard``: the band of the update's KL, as multiples of the target, outside which the step is scaled
+GUARD_BAND = (0.5, 2.0)
 LOGGED = ("learning_rate", "kl", "kl_coef")
 
 
@@ -98,6 +100,48 @@ def first_epoch_class() -> type:
     return FirstEpoch
 
 
+def first_epoch_guard_class() -> type:
+    """
+    :return: the candidate with a guard: an update whose KL ends outside [0.5, 2] x target is scaled onto beta's band
+        (the step scale of today's rule), while beta adapts from the unscaled KL, so that the penalty, not the guard,
+        keeps shaping the step
+    """
+    import sb3_kl.common.on_policy_algorithm as algorithm_module
+    from sb3_kl.common.learning_rate import find_step_scale
+
+    def guarded_scale(kl_at: Any, kl_full: float, target: float, band: tuple[float, float], **kwargs: Any) -> Any:
+        if GUARD_BAND[0] * target <= kl_full <= GUARD_BAND[1] * target:
+            return 1.0, kl_full
+        return find_step_scale(kl_at, kl_full, target, band, **kwargs)
+
+    first_epoch = first_epoch_class()
+    algorithm_module.find_step_scale = guarded_scale
+
+    class FirstEpochGuard(first_epoch):  # type: ignore[misc, valid-type]
+        unscaled_kl: float | None = None
+
+        def _measure_final_update_kl(self, target_kl: float, measured: Any = None) -> Any:
+            measured = measured or self._measure_update_kl()
+            self.unscaled_kl = float(np.mean(measured[0]))
+            return super()._measure_final_update_kl(target_kl, measured)
+
+        def _record_update_kl(self, per_state: Any, new_params: Any, target_kl: Any, hold_kl_coef: bool = False) -> Any:
+            controller, unscaled = self.kl_controller, self.unscaled_kl
+            if unscaled is not None and self.adapts_learning_rate:
+                update = controller.update
+                controller.update = lambda kl, *args, **kwargs: update(unscaled, *args, **kwargs)
+            try:
+                return super()._record_update_kl(per_state, new_params, target_kl, hold_kl_coef)
+            finally:
+                controller.__dict__.pop("update", None)
+
+    return FirstEpochGuard
+
+
+#: variant: the function returning its algorithm class (the others run the grid's)
+VARIANT_CLASSES = {"first_epoch": first_epoch_class, "first_epoch_guard": first_epoch_guard_class}
+
+
 def run_key(record: dict[str, Any]) -> tuple[str, str, float, int]:
     return record["variant"], record["env"], record["lr_mult"], record["seed"]
 
@@ -118,7 +162,7 @@ def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, A
     grid = grid_runs.train_and_evaluate(
         spec,
         probes=[grid_runs.logged_updates_probe((*LOGGED, "first_epoch_kl"), updates)],
-        algorithm=first_epoch_class() if variant == "first_epoch" else None,
+        algorithm=VARIANT_CLASSES[variant]() if variant in VARIANT_CLASSES else None,
     )
     target = grid["target_kl"]
     in_band = [0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]]
@@ -192,6 +236,8 @@ def report() -> str:
         "",
         "- `auto`: the grid's `klppo_auto` (the rate whose update meets the target; each step scaled onto it).",
         f"- `first_epoch`: the rate that gives the first epoch {FIRST_EPOCH_SHARE:g} x the target; no step scale.",
+        f"- `first_epoch_guard`: `first_epoch`, and an update whose KL ends outside [{GUARD_BAND[0]:g}, {GUARD_BAND[1]:g}] x "
+        "target is scaled onto beta's band; beta adapts from the unscaled KL.",
         "- `fixed`: the grid's `klppo_noclip`, KLPPO at the multiplied zoo rate without the clip range.",
         "",
         "## Setting",
