@@ -1,15 +1,22 @@
 """
-``learning_rate="auto"``: the learning rate adapted from the exact KL so that each update's KL is the target, from
-below as well as from above.
+``learning_rate="auto"``: the learning rate adapted from the exact KL so that each update's KL meets the target, from
+below as well as from above, with beta's penalty still shaping the step.
 
-After the update's epochs, the whole parameter change ``delta`` of the update is scaled by a factor ``alpha`` found
-on the exact KL over the rollout's states (:func:`find_step_scale`): ``theta_old + alpha * delta`` lands the KL in
-the band around the target, shrinking a step that went too far (``alpha < 1``) and extending one that fell short
-(``alpha > 1``, at most :data:`MAX_STEP_SCALE`). The next update's learning rate is the last one times the factor
-that would have met the target (:func:`rate_factor`: in full outside the band, its square root inside), so the rate
-itself converges to the one whose update meets the target, and ``alpha`` to 1. The rate rises only while the KL
-of the unscaled step still follows it (:func:`rate_follows_kl`): where the clip range already stops the update, a
-higher rate buys no KL, and raising it anyway would wind the rate up without end.
+Who does what:
+
+- **The rate sets the first epoch's KL.** After the update's first epoch, one no-grad pass measures the exact KL over
+  the rollout's states; the next update's rate is this one times :func:`rate_factor`, which would bring that KL to
+  :data:`FIRST_EPOCH_SHARE` of the target (in full outside twice that, its square root inside). The rate so stays high
+  enough for the penalty to shape the update's later epochs, as in KLPPO at a well-chosen fixed rate: a rate low
+  enough to meet the target alone made HalfCheetah-v5's return swing (``docs/guide/learning_rate.md``).
+- **Beta and the hinge hold the update's KL** from the KL of the update as the epochs left it.
+- **A guard lands the rest in the band.** An update whose KL ends outside :data:`GUARD_BAND` x target has its whole
+  parameter change ``delta`` scaled by a factor found on the exact KL (:func:`find_step_scale`):
+  ``theta_old + alpha * delta`` lands in beta's band, shrinking a step that went too far and extending (at most
+  :data:`MAX_STEP_SCALE`) one that fell short. Beta adapts from the unscaled KL, so the guard stays a correction.
+
+The rate rises only while the first epoch's KL still follows it (:func:`rate_follows_kl`): where the clip range already
+stops the update, a higher rate buys no KL, and raising it anyway would wind the rate up without end.
 Only the parameters the action distribution depends on are scaled; the value function keeps its whole update
 (:func:`value_only_parameters`), and trains in an optimizer group of its own (:func:`split_value_group`) at the
 adapted rate or the starting one, whichever is larger: its loss has no KL, so the policy's rate falling to meet the
@@ -25,22 +32,31 @@ from torch import nn
 
 #: ``learning_rate="auto"`` starts at SB3 PPO's default rate
 DEFAULT_AUTO_LEARNING_RATE = 3e-4
-#: The default ``lr_bounds``: wide, since the step scale, not the bounds, holds each update's KL
+#: The default ``lr_bounds``: wide, since the KL, not the bounds, sets the rate
 DEFAULT_LR_BOUNDS = (1e-6, 0.1)
 #: The key marking the optimizer group of the value function's own parameters (``learning_rate="auto"``)
 VALUE_GROUP_KEY = "value_function"
 #: The largest factor an update's step is extended by (a rate far too small then grows by this factor per update)
 MAX_STEP_SCALE = 4.0
-#: The largest factor the rate grows by in one update (a rate far too small)
+#: The largest factor the rate grows or shrinks by in one update
 MAX_RATE_FACTOR = 16.0
+#: The share of the target the rate gives the update's first epoch (the whole target when the update has one epoch)
+FIRST_EPOCH_SHARE = 0.25
+#: How far (a factor either way) the first epoch's KL may lie from its goal for the rate to follow it damped
+#: (:func:`rate_factor`)
+DAMPED_WITHIN = 16.0
+#: The updates whose first-epoch KLs set the next rate (:func:`recent_first_epoch_kl`)
+MEDIAN_WINDOW = 5
+#: The band, as multiples of the target, outside which an update's step is scaled (:func:`find_step_scale`)
+GUARD_BAND = (0.5, 2.0)
 #: The smallest factor a step is shrunk to (a step whose KL stays above the band even there is kept at this scale)
 MIN_STEP_SCALE = 1.0 / 1024
-#: Where the step scale lands the KL, as multiples of the target, when the KL controller has no band of its own (the
-#: adaptive controller's band, where beta holds, is used when it has one)
+#: Where the guard's step scale lands the KL, as multiples of the target, when the KL controller has no band of its
+#: own (the adaptive controller's band, where beta holds, is used when it has one)
 STEP_SCALE_BAND = (0.8, 1.25)
 #: KL evaluations the search may spend beyond the update's own measurement
 MAX_SCALE_EVALUATIONS = 6
-#: The recent updates whose rates and unscaled KLs tell whether the KL still follows the rate (:func:`rate_follows_kl`)
+#: The recent updates whose rates and first-epoch KLs tell whether the KL still follows the rate (:func:`rate_follows_kl`)
 RATE_RESPONSE_WINDOW = 10
 #: The least slope of log KL against log rate over that window for the rate to keep rising (2 for a small step, where
 #: the KL is quadratic in it; near 0 where the clip range holds the update)
@@ -161,32 +177,49 @@ def _between(below: tuple[float, float], above: tuple[float, float], target: flo
     return math.exp(l0 + min(max(fraction, 0.2), 0.8) * (l1 - l0))
 
 
-def rate_factor(scale: float, kl: float, target: float, band: tuple[float, float]) -> float:
+def rate_factor(kl: float, goal: float) -> float:
     """
-    The factor the next update's learning rate is multiplied by: the one that would have met ``target`` exactly,
-    ``scale * sqrt(target / kl)`` (the KL is quadratic in a small step), within ``[MIN_STEP_SCALE, MAX_RATE_FACTOR]``;
-    its square root when the kept KL is in the band, so that the rate does not follow the KL's noise from one rollout
-    to the next in full.
+    The factor the next update's learning rate is multiplied by, from the one that would have brought the first
+    epoch's ``kl`` to ``goal``: ``sqrt(goal / kl)`` (the KL is quadratic in a small step), within ``1 / MAX_RATE_FACTOR``
+    and :data:`MAX_RATE_FACTOR`. Within :data:`DAMPED_WITHIN` x of the goal, its square root: the first epoch's KL
+    varies several-fold from one rollout to the next, and a rate following it in full would swing with it.
 
-    :param scale: The step scale the update kept
-    :param kl: The KL at that scale
-    :param target: The target KL
-    :param band: The band of :func:`find_step_scale`
+    :param kl: The exact KL after the first epoch (after the update, when it has one epoch), as
+        :func:`recent_first_epoch_kl` expects it
+    :param goal: What that KL should be: :data:`FIRST_EPOCH_SHARE` x target (the target for a one-epoch update)
     """
     if not (math.isfinite(kl) and kl > 0):
-        return MIN_STEP_SCALE if not math.isfinite(kl) else MAX_RATE_FACTOR
-    factor = min(max(scale * math.sqrt(target / kl), MIN_STEP_SCALE), MAX_RATE_FACTOR)
-    return math.sqrt(factor) if band[0] * target <= kl <= band[1] * target else factor
+        return 1.0 / MAX_RATE_FACTOR if not math.isfinite(kl) else MAX_RATE_FACTOR
+    factor = min(max(math.sqrt(goal / kl), 1.0 / MAX_RATE_FACTOR), MAX_RATE_FACTOR)
+    return math.sqrt(factor) if goal / DAMPED_WITHIN <= kl <= DAMPED_WITHIN * goal else factor
+
+
+def recent_first_epoch_kl(history: Sequence[tuple[float, float]], rate: float, window: int = MEDIAN_WINDOW) -> float:
+    """
+    The first epoch's KL to expect at ``rate``: the median over the last ``window`` updates of their first-epoch KL,
+    each rescaled from its own rate as ``KL * (rate / its rate) ** 2`` (the KL is quadratic in a small step). One rollout
+    whose first epoch barely moved the policy, or moved it far, then does not swing the rate.
+
+    :param history: ``(rate, first-epoch KL)`` of recent updates, the latest last
+    :param rate: The rate the next update's factor applies to (the latest update's)
+    """
+    rescaled = [kl * (rate / old_rate) ** 2 for old_rate, kl in history[-window:] if old_rate > 0 and not math.isnan(kl)]
+    return float(np.median(rescaled)) if rescaled else math.nan
+
+
+def in_guard_band(kl: float, target: float) -> bool:
+    """Whether an update's KL lies in :data:`GUARD_BAND` x ``target`` (False when not finite): then no step scale."""
+    return GUARD_BAND[0] * target <= kl <= GUARD_BAND[1] * target
 
 
 def rate_follows_kl(rates: Sequence[float], kls: Sequence[float], min_slope: float = MIN_RATE_RESPONSE) -> bool:
     """
-    Whether raising the learning rate still raises the KL of the unscaled step: the least-squares slope of log KL
+    Whether raising the learning rate still raises the KL of the first epoch: the least-squares slope of log KL
     against log rate over recent updates is at least ``min_slope``. True while their rates are too alike (within a
     factor of 2) to tell.
 
     :param rates: The learning rates of recent updates
-    :param kls: The KL of each of those updates at step scale 1
+    :param kls: The KL after each of those updates' first epoch
     """
     rates_, kls_ = np.asarray(rates, dtype=float), np.asarray(kls, dtype=float)
     usable = np.isfinite(rates_) & np.isfinite(kls_) & (rates_ > 0) & (kls_ > 0)
@@ -199,8 +232,8 @@ def rate_follows_kl(rates: Sequence[float], kls: Sequence[float], min_slope: flo
 
 def value_only_parameters(policy: nn.Module) -> list[nn.Parameter]:
     """
-    The parameters only the value function uses (SB3's and sb3-contrib's actor-critic policies): the step scale of
-    ``learning_rate="auto"`` leaves them at the end of the update, since the KL does not depend on them.
+    The parameters only the value function uses (SB3's and sb3-contrib's actor-critic policies): the guard's step
+    scale of ``learning_rate="auto"`` leaves them at the end of the update, since the KL does not depend on them.
 
     :param policy: An actor-critic policy
     """

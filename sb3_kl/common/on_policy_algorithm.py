@@ -36,15 +36,18 @@ from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
 from sb3_kl.common.learning_rate import (
     DEFAULT_LR_BOUNDS,
+    FIRST_EPOCH_SHARE,
     STEP_SCALE_BAND,
     AdaptiveLRSchedule,
     RATE_RESPONSE_WINDOW,
     VALUE_GROUP_KEY,
     find_step_scale,
+    in_guard_band,
     optimizer_state_in_layout,
     parse_auto_learning_rate,
     rate_factor,
     rate_follows_kl,
+    recent_first_epoch_kl,
     split_value_group,
     value_only_parameters,
 )
@@ -452,7 +455,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         self.adapted_learning_rate = auto_start
         if auto_start is not None and getattr(self, "policy", None) is not None:
             split_value_group(self.policy)
-        self._rate_history: list[tuple[float, float]] = []  # recent (rate, unscaled KL) pairs of learning_rate="auto"
+        self._rate_history: list[tuple[float, float]] = []  # recent (rate, first-epoch KL) pairs of learning_rate="auto"
         self.lr_bounds = lr_bounds
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
@@ -610,6 +613,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         excluded = ["dist_params", "ref_policy", "ref_dist_params"]
         # flags of set-up and set_parameters, not state
         flags = ["_reference_awaits_weights", "_reference_in_parameters", "_target_kl_is_schedule", "_step_start"]
+        flags += ["_first_epoch_kl", "_unscaled_update_kl"]  # learning_rate="auto": one update's measurements
         return [*super()._excluded_save_params(), *excluded, *flags]
 
     def _get_torch_save_params(self) -> tuple[list[str], list[str]]:
@@ -1384,27 +1388,74 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         return th.cat(kls).cpu().numpy(), th.cat(params).cpu().numpy()
 
     @th.no_grad()
+    def _measure_first_epoch_kl(self, epoch: int) -> None:
+        """
+        With ``learning_rate="auto"``, at the end of the update's first epoch (``epoch`` 0) of several: the exact KL over
+        the rollout's states (one no-grad pass), from which the next update's rate is set (see
+        :mod:`~sb3_kl.common.learning_rate`).
+
+        :param epoch: Index of the epoch just finished
+        """
+        if epoch == 0 and self.adapts_learning_rate and self.n_epochs > 1:
+            self._first_epoch_kl = float(np.mean(self._measure_update_kl()[0]))
+
+    @th.no_grad()
     def _measure_final_update_kl(
         self, target_kl: float, measured: tuple[np.ndarray, np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """
         The update's KL as :meth:`_measure_update_kl` gives it (or ``measured``, already taken on the final policy).
-        With ``learning_rate="auto"``, the update's whole parameter change is first scaled so that its KL lands in
-        the band around ``target_kl`` (:func:`~sb3_kl.common.learning_rate.find_step_scale`, logged as
-        ``train/step_scale``), and the next update's learning rate is this one times the factor that would have met
-        the target (:func:`~sb3_kl.common.learning_rate.rate_factor`), within ``lr_bounds``.
+        With ``learning_rate="auto"``, an update whose KL ends outside the guard's band has its whole parameter change
+        first scaled onto beta's band (:func:`~sb3_kl.common.learning_rate.find_step_scale`, logged as
+        ``train/step_scale``), and the next update's learning rate is this one times the factor that would have given
+        the first epoch its share of the target (:func:`~sb3_kl.common.learning_rate.rate_factor`, the first epoch's
+        KL logged as ``train/first_epoch_kl``), within ``lr_bounds``.
 
         :return: the per-state KL and the distribution parameters of the policy the update leaves
         """
         per_state, new_params = measured or self._measure_update_kl()
         start, self._step_start = getattr(self, "_step_start", None), None
+        first_epoch_kl, self._first_epoch_kl = getattr(self, "_first_epoch_kl", None), None
         if not self.adapts_learning_rate or start is None:
             return per_state, new_params
+        kl_full = float(np.mean(per_state))
+        # beta adapts from the KL the epochs left (read by _record_update_kl), not from the guard's correction
+        self._unscaled_update_kl = kl_full if math.isfinite(kl_full) else None
+        scale, kept = 1.0, (per_state, new_params)
+        if not in_guard_band(kl_full, target_kl):
+            scale, kept = self._scale_step(start, target_kl, kl_full, kept)
+        if first_epoch_kl is None:  # one epoch, or stopped within the first: the update's own KL
+            first_epoch_kl, goal = kl_full, (FIRST_EPOCH_SHARE if self.n_epochs > 1 else 1.0) * target_kl
+        else:
+            goal = FIRST_EPOCH_SHARE * target_kl
+            self.logger.record("train/first_epoch_kl", first_epoch_kl)
+        # the rate and first-epoch KL of recent updates (saved with the model)
+        history = [*self._rate_history[1 - RATE_RESPONSE_WINDOW :], (self.adapted_learning_rate, first_epoch_kl)]
+        self._rate_history = history
+        rate = self.adapted_learning_rate
+        factor = rate_factor(recent_first_epoch_kl(history, rate), goal)  # type: ignore[arg-type]
+        if factor > 1.0 and not rate_follows_kl([r for r, _ in history], [kl for _, kl in history]):
+            factor = 1.0  # the clip range holds the update: a higher rate would buy no KL
+        low, high = self.lr_bounds
+        self.adapted_learning_rate = min(max(rate * factor, low), high)  # type: ignore[operator]
+        self.logger.record("train/step_scale", scale)
+        return kept
+
+    def _scale_step(
+        self, start: list[th.Tensor], target_kl: float, kl_full: float, measured: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[float, tuple[np.ndarray, np.ndarray]]:
+        """
+        Scale the update's parameter change (from ``start``, the rollout policy's parameters) so that its KL lands in
+        beta's band (:func:`~sb3_kl.common.learning_rate.find_step_scale`); the value-only parameters keep theirs.
+
+        :param measured: The KL and distribution parameters of the whole step (scale 1)
+        :return: the chosen scale, and the KL and distribution parameters of the policy it leaves
+        """
         value_only = {id(param) for param in value_only_parameters(self.policy)}
         pairs = zip(self.policy.parameters(), start, strict=True)
         moved = [(param, first) for param, first in pairs if id(param) not in value_only]
         end = [param.detach().clone() for param, _ in moved]
-        measurements = {1.0: (per_state, new_params)}
+        measurements = {1.0: measured}
 
         def move_to(scale: float) -> None:
             for (param, first), last in zip(moved, end, strict=True):
@@ -1417,20 +1468,9 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             return float(np.mean(measurements[scale][0]))
 
         band = getattr(self.kl_controller, "kl_band", None) or STEP_SCALE_BAND
-        kl_full = float(np.mean(per_state))
-        scale, kl = find_step_scale(kl_at, kl_full, target_kl, band)
+        scale, _ = find_step_scale(kl_at, kl_full, target_kl, band)
         move_to(scale)
-        low, high = self.lr_bounds
-        # the rate and unscaled KL of recent updates (saved with the model)
-        history = [*getattr(self, "_rate_history", [])[1 - RATE_RESPONSE_WINDOW :], (self.adapted_learning_rate, kl_full)]
-        self._rate_history = history
-        factor = rate_factor(scale, kl, target_kl, band)
-        if factor > 1.0 and not rate_follows_kl([rate for rate, _ in history], [kl for _, kl in history]):
-            factor = 1.0  # the clip range holds the update: a higher rate would buy no KL
-        rate = self.adapted_learning_rate * factor  # type: ignore[operator]
-        self.adapted_learning_rate = min(max(rate, low), high)
-        self.logger.record("train/step_scale", scale)
-        return measurements[scale]
+        return scale, measurements[scale]
 
     def _record_update_kl(
         self,
@@ -1464,7 +1504,10 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         if target_kl is not None:
             self.logger.record("train/target_kl", target_kl)
         if self.has_kl_coef and target_kl is not None:
-            self.kl_controller.update(stats["mean"], target_kl, self.n_steps * self.n_envs, allow_decrease=not hold_kl_coef)
+            # learning_rate="auto": the KL the epochs left, before the guard's step scale
+            controller_kl, self._unscaled_update_kl = getattr(self, "_unscaled_update_kl", None), None
+            controller_kl = stats["mean"] if controller_kl is None else controller_kl
+            self.kl_controller.update(controller_kl, target_kl, self.n_steps * self.n_envs, allow_decrease=not hold_kl_coef)
             self.logger.record("train/kl_coef", self.kl_coef)
             self._check_kl_coef_floor(stats["mean"], target_kl)
             band = getattr(self.kl_controller, "kl_band", None)
@@ -1533,7 +1576,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             f"most of the update (clip fraction >= {CLIP_HOLDS_FRACTION:g}) for {self.clip_holds_updates} consecutive "
             "updates: a higher learning rate then buys little KL, and the adapted rate climbs instead (now "
             f"{self.adapted_learning_rate:.3g}, {self.adapted_learning_rate / start:.3g} x its start). Fixes: "  # type: ignore[operator]
-            "`clip_range=None` (KLPPO's default: the step scale alone holds each update's KL), or a `target_kl` the "
+            "`clip_range=None` (KLPPO's default: beta and the step scale hold each update's KL), or a `target_kl` the "
             "clip range allows."
         )
         warn_and_print(message, self.verbose)

@@ -442,6 +442,7 @@ class KLPPO(KLOnPolicyAlgorithm):
 
             self._n_updates += 1
             # Or the early stop judged once per epoch on the KL of all the states seen in it (see _kl_ran_away)
+            self._measure_first_epoch_kl(epoch)  # learning_rate="auto" sets the next rate from it
             if stopped_at_bound or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if stopped_at_bound or epoch < self.n_epochs - 1:

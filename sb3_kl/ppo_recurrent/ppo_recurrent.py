@@ -585,6 +585,7 @@ class RecurrentKLPPO(KLOnPolicyAlgorithm, RecurrentPPO):
                 minibatch_steps += 1
 
             self._n_updates += 1
+            self._measure_first_epoch_kl(epoch)  # learning_rate="auto" sets the next rate from it
             if stopped_at_bound or self._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch):
                 early_stop_epoch = epoch + 1
                 if stopped_at_bound or epoch < self.n_epochs - 1:
