@@ -1,17 +1,21 @@
 """
-A candidate rule for ``learning_rate="auto"``: the rate sets the first epoch's KL, beta and the hinge hold the update's.
+The rule of ``learning_rate="auto"``: the rate sets the first epoch's KL, beta and the hinge hold the update's.
 
-Today's rule settles at the rate whose update alone meets ``target_kl``, and scales each step onto it. On
-HalfCheetah-v5 that is about a quarter of the zoo's rate, and there the return swings from one update to the next, as
-it does for KLPPO fixed at that low rate, while KLPPO at 10x the zoo's rate (the penalty holding the same KL) climbs
-steadily (``halfcheetah_policy_swings.md``). The candidate (``first_epoch``) keeps the rate high enough for the penalty
-to shape the step: after the first epoch it measures the exact KL over the rollout's states (one no-grad pass), and
-the next update's rate is this one times ``sqrt(FIRST_EPOCH_SHARE * target / KL_first_epoch)`` (within 1/16..16; its
-square root when within 2x), with no step scale: beta and the hinge hold the update's KL, as in KLPPO at a fixed rate.
+The earlier rule (``step_scale``, sb3-kl before commit cfddeeb) settled at the rate whose update alone meets
+``target_kl``, and scaled each step onto it. On HalfCheetah-v5 that is about a quarter of the zoo's rate, and there the
+return swings from one update to the next, as it does for KLPPO fixed at that low rate, while KLPPO at 10x the zoo's
+rate (the penalty holding the same KL) climbs steadily (``halfcheetah_policy_swings.md``). The candidate
+(``first_epoch``) kept the rate high enough for the penalty to shape the step: after the first epoch it measured the
+exact KL over the rollout's states, and the next rate was this one times ``sqrt(0.25 * target / KL_first_epoch)``
+(within 1/16..16; its square root within 2x), with no step scale. It left 25-50 % of LunarLanderContinuous-v3's updates
+below the band, so the rule shipped (``auto``, ``sb3_kl/common/learning_rate.py``) adds a guard (a step whose KL ends
+outside [0.5, 2] x target is scaled onto beta's band, beta adapting from the unscaled KL) and sets the rate from the
+median of five rollouts' first-epoch KLs.
 
-Variants, each from x0.1 and x10 of rl-zoo's rate (and x1 on LunarLanderContinuous-v3), on seeds outside the grid's:
-``auto`` (the grid's ``klppo_auto``), ``first_epoch`` (the candidate), ``fixed`` (the grid's ``klppo_noclip``:
-KLPPO at the fixed rate without the clip range, the KL held by beta).
+Variants, each from x0.1 and x10 of rl-zoo's rate (and x1), on seeds outside the grid's: ``auto`` (the grid's
+``klppo_auto``: today's rule), ``step_scale`` and ``first_epoch`` (records of the code that defined them, commits
+named on the page), ``fixed`` (the grid's ``klppo_noclip``: KLPPO at the fixed rate without the clip range, the KL held
+by beta).
 
     python benchmarks/studies/auto_rate_rule.py --workers 2     # the missing runs, then the page
     python benchmarks/studies/auto_rate_rule.py --report
@@ -22,7 +26,6 @@ machine); page ``benchmarks/results/auto_rate_rule.md``.
 
 import argparse
 import functools
-import math
 import os
 import sys
 from pathlib import Path
@@ -47,99 +50,21 @@ CELLS = (
     ("Pendulum-v1", 10.0),
     ("LunarLanderContinuous-v3", 1.0),
 )
-#: HalfCheetah-v5's ``auto`` and ``fixed`` runs on these seeds, made by the same code in another study: its variant names
-BORROWED = {"auto": "auto", "fixed": "fixed_noclip"}
+#: HalfCheetah-v5's ``step_scale`` and ``fixed`` runs on these seeds, made by the same code in another study: its variant
+#: names
+BORROWED = {"step_scale": "auto", "fixed": "fixed_noclip"}
 BORROWED_FROM = RESULTS / "auto_learning_rate_halfcheetah.json"
 SEEDS = (12, 13)
 #: variant: the grid's algorithm it runs
-VARIANTS = {"auto": "klppo_auto", "first_epoch": "klppo_auto", "first_epoch_guard": "klppo_auto", "fixed": "klppo_noclip"}
-#: The share of the target the candidate's rate gives the first epoch
-FIRST_EPOCH_SHARE = 0.25
-#: The largest factor of the rate in one update (either way)
-MAX_FACTOR = 16.0
-#: ``first_epoch_guard``: the band of the update's KL, as multiples of the target, outside which the step is scaled
-GUARD_BAND = (0.5, 2.0)
+VARIANTS = {"step_scale": "klppo_auto", "first_epoch": "klppo_auto", "auto": "klppo_auto", "fixed": "klppo_noclip"}
+#: Variants of earlier code, kept as records (their code is in the commits the records name): not run again
+EARLIER_RULES = ("step_scale", "first_epoch")
 LOGGED = ("learning_rate", "kl", "kl_coef")
 
 
 @functools.cache
 def code_version() -> str:
     return run_records.code_version("studies/auto_rate_rule.py", "settings.py", "grid_runs.py")
-
-
-def first_epoch_class() -> type:
-    """:return: KLPPO with the candidate rule (see the module)"""
-    import sb3_kl.common.on_policy_algorithm as algorithm_module
-    from sb3_kl import KLPPO
-
-    # no step scale: the update's KL is beta's and the hinge's to hold
-    algorithm_module.find_step_scale = lambda kl_at, kl_full, target, band, **_: (1.0, kl_full)
-
-    class FirstEpoch(KLPPO):
-        first_epoch_kl: float | None = None
-
-        def _kl_ran_away(self, epoch_kl_sum: Any, epoch_states: int, target_kl: float, epoch: int) -> bool:
-            if epoch == 0 and self.adapts_learning_rate:
-                self.first_epoch_kl = float(np.mean(self._measure_update_kl()[0]))
-            return super()._kl_ran_away(epoch_kl_sum, epoch_states, target_kl, epoch)
-
-        def _measure_final_update_kl(self, target_kl: float, measured: Any = None) -> Any:
-            rate = self.adapted_learning_rate
-            result = super()._measure_final_update_kl(target_kl, measured)
-            kl = self.first_epoch_kl
-            if self.adapts_learning_rate and kl is not None:
-                goal = FIRST_EPOCH_SHARE * target_kl
-                factor = MAX_FACTOR if not kl > 0 else min(max(math.sqrt(goal / kl), 1 / MAX_FACTOR), MAX_FACTOR)
-                if 0.5 * goal <= kl <= 2 * goal:
-                    factor = math.sqrt(factor)
-                low, high = self.lr_bounds
-                self.adapted_learning_rate = min(max(rate * factor, low), high)
-                self.logger.record("train/first_epoch_kl", kl)
-            return result
-
-    return FirstEpoch
-
-
-def first_epoch_guard_class() -> type:
-    """
-    :return: the candidate with a guard: an update whose KL ends outside [0.5, 2] x target is scaled onto beta's band
-        (the step scale of today's rule), while beta adapts from the unscaled KL, so that the penalty, not the guard,
-        keeps shaping the step
-    """
-    import sb3_kl.common.on_policy_algorithm as algorithm_module
-    from sb3_kl.common.learning_rate import find_step_scale
-
-    def guarded_scale(kl_at: Any, kl_full: float, target: float, band: tuple[float, float], **kwargs: Any) -> Any:
-        if GUARD_BAND[0] * target <= kl_full <= GUARD_BAND[1] * target:
-            return 1.0, kl_full
-        return find_step_scale(kl_at, kl_full, target, band, **kwargs)
-
-    first_epoch = first_epoch_class()
-    algorithm_module.find_step_scale = guarded_scale
-
-    class FirstEpochGuard(first_epoch):  # type: ignore[misc, valid-type]
-        unscaled_kl: float | None = None
-
-        def _measure_final_update_kl(self, target_kl: float, measured: Any = None) -> Any:
-            measured = measured or self._measure_update_kl()
-            self.unscaled_kl = float(np.mean(measured[0]))
-            return super()._measure_final_update_kl(target_kl, measured)
-
-        def _record_update_kl(self, per_state: Any, new_params: Any, target_kl: Any, hold_kl_coef: bool = False) -> Any:
-            controller, unscaled = self.kl_controller, self.unscaled_kl
-            if unscaled is not None and self.adapts_learning_rate:
-                update = controller.update
-                controller.update = lambda kl, *args, **kwargs: update(unscaled, *args, **kwargs)
-            try:
-                return super()._record_update_kl(per_state, new_params, target_kl, hold_kl_coef)
-            finally:
-                controller.__dict__.pop("update", None)
-
-    return FirstEpochGuard
-
-
-#: variant: the function returning its algorithm class (the others run the grid's)
-VARIANT_CLASSES = {"first_epoch": first_epoch_class, "first_epoch_guard": first_epoch_guard_class}
 
 
 def run_key(record: dict[str, Any]) -> tuple[str, str, float, int]:
@@ -162,7 +87,6 @@ def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, A
     grid = grid_runs.train_and_evaluate(
         spec,
         probes=[grid_runs.logged_updates_probe((*LOGGED, "first_epoch_kl"), updates)],
-        algorithm=VARIANT_CLASSES[variant]() if variant in VARIANT_CLASSES else None,
     )
     target = grid["target_kl"]
     in_band = [0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]]
@@ -199,7 +123,7 @@ def report() -> str:
     seeds = sorted({r["seed"] for r in records})
     plot(runs)
     lines = [
-        '# A candidate rule for `learning_rate="auto"`: the rate sets the first epoch\'s KL',
+        '# The rule of `learning_rate="auto"`: the rate sets the first epoch\'s KL',
         "",
         f"![evaluation return per seed and mean, per cell and variant]({FIGURE.name})",
         "",
@@ -228,16 +152,18 @@ def report() -> str:
         "",
         "Evaluation return (10 deterministic episodes, the grid's evaluation) per seed and mean. Updates in band: the "
         "share of updates whose exact KL (`KLMonitorCallback`) lies in [0.5, 2] x target. Rate: each update's learning "
-        "rate over rl-zoo's for the task; first-epoch KL: the candidate's measurement, over the target. *: HalfCheetah-v5's "
-        "`auto` and `fixed` runs are those of `auto_learning_rate_halfcheetah.json` (variants `auto` and `fixed_noclip`, "
-        "the same code and seeds, 150k steps), their band judged on the KL the algorithm logged.",
+        "rate over rl-zoo's for the task; first-epoch KL: the measurement the rate follows, over the target. *: "
+        "HalfCheetah-v5's `step_scale` and `fixed` runs are those of `auto_learning_rate_halfcheetah.json` (variants "
+        "`auto` and `fixed_noclip`, the same code and seeds, 150k steps), their band judged on the KL the algorithm logged.",
         "",
         "## Variants",
         "",
-        "- `auto`: the grid's `klppo_auto` (the rate whose update meets the target; each step scaled onto it).",
-        f"- `first_epoch`: the rate that gives the first epoch {FIRST_EPOCH_SHARE:g} x the target; no step scale.",
-        f"- `first_epoch_guard`: `first_epoch`, and an update whose KL ends outside [{GUARD_BAND[0]:g}, {GUARD_BAND[1]:g}] x "
-        "target is scaled onto beta's band; beta adapts from the unscaled KL.",
+        "- `auto`: the grid's `klppo_auto`, today's rule: the rate gives the first epoch a quarter of the target (median "
+        "of five rollouts), beta holds the update's KL, an update outside [0.5, 2] x target is scaled onto beta's band.",
+        "- `step_scale`: the earlier rule (before commit `cfddeeb`): the rate whose update meets the target; each step "
+        "scaled onto it.",
+        "- `first_epoch`: the candidate: the rate gives the first epoch 0.25 x the target (that rollout's alone); no "
+        "step scale.",
         "- `fixed`: the grid's `klppo_noclip`, KLPPO at the multiplied zoo rate without the clip range.",
         "",
         "## Setting",
@@ -303,7 +229,8 @@ def _run_and_save(cell: tuple[str, str, float, int]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", action="store_true")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    runnable = [variant for variant in VARIANTS if variant not in EARLIER_RULES]
+    parser.add_argument("--variants", nargs="+", choices=runnable, default=runnable)
     parser.add_argument("--envs", nargs="+", default=sorted({env for env, _ in CELLS}))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--workers", type=int, default=1)
@@ -318,8 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             for variant in args.variants
             if (variant, env_id, lr_mult, seed) not in done
         ]
-        # one process per run: the candidate patches the algorithm's module
-        run_records.run_in_pool(_run_and_save, cells, args.workers, one_process_per_run=True)
+        run_records.run_in_pool(_run_and_save, cells, args.workers)
     print(report())
 
 
