@@ -38,8 +38,9 @@ class ClipKLPPO(KLPPO):
     :param env: The environment to learn from (if registered in Gym, can be str)
     :param learning_rate: The learning rate, it can be a function of the current progress remaining (from 1 to 0).
         ``"auto"`` (or ``"auto_<start>"``, e.g. ``"auto_1e-3"``; ``"auto"`` starts at 3e-4) adapts it from the exact
-        KL so that each update's KL is ``target_kl``: the update's step is scaled onto the target and the next rate
-        follows the scale (docs: "learning_rate='auto'"). The adapted rate is saved with the model
+        KL so that each update's KL is ``target_kl``: the rate sets the first epoch's KL, beta the update's, and a step
+        scale lands an update outside [0.5, 2] x target in the band (docs: "learning_rate='auto'"). The adapted rate
+        is saved with the model
     :param n_steps: The number of steps to run for each environment per update
         (i.e. rollout buffer size is n_steps * n_envs where n_envs is number of environment copies running in parallel)
     :param batch_size: Minibatch size
