@@ -6,14 +6,17 @@ Who does what:
 
 - **The rate sets the first epoch's KL.** After the update's first epoch, one no-grad pass measures the exact KL over
   the rollout's states; the next update's rate is this one times :func:`rate_factor`, which would bring that KL to
-  :data:`FIRST_EPOCH_SHARE` of the target (in full outside twice that, its square root inside). The rate so stays high
-  enough for the penalty to shape the update's later epochs, as in KLPPO at a well-chosen fixed rate: a rate low
-  enough to meet the target alone made HalfCheetah-v5's return swing (``docs/guide/learning_rate.md``).
+  :data:`FIRST_EPOCH_SHARE` of the target (from the median of recent updates, :func:`recent_kl`). The rate so stays
+  high enough for the penalty to shape the update's later epochs, as in KLPPO at a well-chosen fixed rate: a rate low
+  enough to meet the target alone made HalfCheetah-v5's return swing (``docs/guide/learning_rate.md``). Where the
+  later epochs add too little and the update ends below the band, the rate rises towards the one whose update meets
+  the target (from the updates' unscaled KLs), if that is larger.
 - **Beta and the hinge hold the update's KL** from the KL of the update as the epochs left it.
 - **A guard lands the rest in the band.** An update whose KL ends outside :data:`GUARD_BAND` x target has its whole
   parameter change ``delta`` scaled by a factor found on the exact KL (:func:`find_step_scale`):
-  ``theta_old + alpha * delta`` lands in beta's band, shrinking a step that went too far and extending (at most
-  :data:`MAX_STEP_SCALE`) one that fell short. Beta adapts from the unscaled KL, so the guard stays a correction.
+  ``theta_old + alpha * delta`` lands just inside the band (:data:`GUARD_AIM`), shrinking a step that went too far and
+  extending (at most :data:`MAX_STEP_SCALE`) one that fell short. Beta adapts from the unscaled KL, so the guard stays
+  a correction.
 
 The rate rises only while the first epoch's KL still follows it (:func:`rate_follows_kl`): where the clip range already
 stops the update, a higher rate buys no KL, and raising it anyway would wind the rate up without end.
@@ -45,15 +48,15 @@ FIRST_EPOCH_SHARE = 0.25
 #: How far (a factor either way) the first epoch's KL may lie from its goal for the rate to follow it damped
 #: (:func:`rate_factor`)
 DAMPED_WITHIN = 16.0
-#: The updates whose first-epoch KLs set the next rate (:func:`recent_first_epoch_kl`)
+#: The updates whose KLs set the next rate (:func:`recent_kl`)
 MEDIAN_WINDOW = 5
 #: The band, as multiples of the target, outside which an update's step is scaled (:func:`find_step_scale`)
 GUARD_BAND = (0.5, 2.0)
+#: Where the guard's scale aims, as multiples of the target, from below and from above: just inside the band, so the
+#: correction is the least that lands the update in it
+GUARD_AIM = (0.6, 1.6)
 #: The smallest factor a step is shrunk to (a step whose KL stays above the band even there is kept at this scale)
 MIN_STEP_SCALE = 1.0 / 1024
-#: Where the guard's step scale lands the KL, as multiples of the target, when the KL controller has no band of its
-#: own (the adaptive controller's band, where beta holds, is used when it has one)
-STEP_SCALE_BAND = (0.8, 1.25)
 #: KL evaluations the search may spend beyond the update's own measurement
 MAX_SCALE_EVALUATIONS = 6
 #: The recent updates whose rates and first-epoch KLs tell whether the KL still follows the rate (:func:`rate_follows_kl`)
@@ -184,9 +187,10 @@ def rate_factor(kl: float, goal: float) -> float:
     and :data:`MAX_RATE_FACTOR`. Within :data:`DAMPED_WITHIN` x of the goal, its square root: the first epoch's KL
     varies several-fold from one rollout to the next, and a rate following it in full would swing with it.
 
-    :param kl: The exact KL after the first epoch (after the update, when it has one epoch), as
-        :func:`recent_first_epoch_kl` expects it
-    :param goal: What that KL should be: :data:`FIRST_EPOCH_SHARE` x target (the target for a one-epoch update)
+    :param kl: The exact KL after the first epoch (after the update, when it has one epoch), or of the update before
+        the guard's scale, as :func:`recent_kl` expects it at the current rate
+    :param goal: What that KL should be: :data:`FIRST_EPOCH_SHARE` x target (the target for a one-epoch update), or
+        the target for the update's unscaled KL
     """
     if not (math.isfinite(kl) and kl > 0):
         return 1.0 / MAX_RATE_FACTOR if not math.isfinite(kl) else MAX_RATE_FACTOR
@@ -194,13 +198,14 @@ def rate_factor(kl: float, goal: float) -> float:
     return math.sqrt(factor) if goal / DAMPED_WITHIN <= kl <= DAMPED_WITHIN * goal else factor
 
 
-def recent_first_epoch_kl(history: Sequence[tuple[float, float]], rate: float, window: int = MEDIAN_WINDOW) -> float:
+def recent_kl(history: Sequence[tuple[float, float]], rate: float, window: int = MEDIAN_WINDOW) -> float:
     """
-    The first epoch's KL to expect at ``rate``: the median over the last ``window`` updates of their first-epoch KL,
-    each rescaled from its own rate as ``KL * (rate / its rate) ** 2`` (the KL is quadratic in a small step). One rollout
-    whose first epoch barely moved the policy, or moved it far, then does not swing the rate.
+    The KL to expect at ``rate``: the median over the last ``window`` updates of their KL (of the first epoch, or of
+    the update before the guard's scale), each rescaled from its own rate as ``KL * (rate / its rate) ** 2`` (the KL is
+    quadratic in a small step). One rollout whose first epoch barely moved the policy, or moved it far, then does not
+    swing the rate.
 
-    :param history: ``(rate, first-epoch KL)`` of recent updates, the latest last
+    :param history: ``(rate, KL)`` of recent updates, the latest last
     :param rate: The rate the next update's factor applies to (the latest update's)
     """
     rescaled = [kl * (rate / old_rate) ** 2 for old_rate, kl in history[-window:] if old_rate > 0 and not math.isnan(kl)]
@@ -210,6 +215,17 @@ def recent_first_epoch_kl(history: Sequence[tuple[float, float]], rate: float, w
 def in_guard_band(kl: float, target: float) -> bool:
     """Whether an update's KL lies in :data:`GUARD_BAND` x ``target`` (False when not finite): then no step scale."""
     return GUARD_BAND[0] * target <= kl <= GUARD_BAND[1] * target
+
+
+def guard_aim(kl: float, target: float) -> tuple[float, tuple[float, float]]:
+    """
+    What the guard's :func:`find_step_scale` aims at for an update whose KL ``kl`` lies outside the band: the
+    :data:`GUARD_AIM` on its side (above for a non-finite KL), with the band as multiples of that aim.
+
+    :return: ``(aim, band)``, the ``target`` and ``band`` arguments of :func:`find_step_scale`
+    """
+    aim = (GUARD_AIM[0] if kl < GUARD_BAND[0] * target else GUARD_AIM[1]) * target
+    return aim, (GUARD_BAND[0] * target / aim, GUARD_BAND[1] * target / aim)
 
 
 def rate_follows_kl(rates: Sequence[float], kls: Sequence[float], min_slope: float = MIN_RATE_RESPONSE) -> bool:

@@ -37,17 +37,18 @@ from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_cont
 from sb3_kl.common.learning_rate import (
     DEFAULT_LR_BOUNDS,
     FIRST_EPOCH_SHARE,
-    STEP_SCALE_BAND,
+    GUARD_BAND,
     AdaptiveLRSchedule,
     RATE_RESPONSE_WINDOW,
     VALUE_GROUP_KEY,
     find_step_scale,
+    guard_aim,
     in_guard_band,
     optimizer_state_in_layout,
     parse_auto_learning_rate,
     rate_factor,
     rate_follows_kl,
-    recent_first_epoch_kl,
+    recent_kl,
     split_value_group,
     value_only_parameters,
 )
@@ -455,7 +456,8 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         self.adapted_learning_rate = auto_start
         if auto_start is not None and getattr(self, "policy", None) is not None:
             split_value_group(self.policy)
-        self._rate_history: list[tuple[float, float]] = []  # recent (rate, first-epoch KL) pairs of learning_rate="auto"
+        # recent (rate, first-epoch KL, unscaled KL) of learning_rate="auto"
+        self._rate_history: list[tuple[float, ...]] = []
         self.lr_bounds = lr_bounds
         check_schedule("target_kl", target_kl, allow_none=True, allow_zero_at_end=True)
         self.kl_settings = KLSettings(kl_estimator, kl_direction, kl_reduction, log_ratio_clip)
@@ -533,7 +535,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         # Saved as JSON lists: ``load`` gives back the tuples the constructor stores
         self.kl_quantiles = tuple(self.kl_quantiles)
         self.lr_bounds = tuple(self.lr_bounds)  # type: ignore[assignment]
-        self._rate_history = [(float(rate), float(kl)) for rate, kl in getattr(self, "_rate_history", [])]
+        self._rate_history = [tuple(float(value) for value in entry) for entry in getattr(self, "_rate_history", [])]
         # ``Algo.load(path, kl_coef=x)`` puts ``kl_coef`` in ``__dict__`` before calling ``_setup_model``: apply it
         if "kl_coef" in self.__dict__:
             self.kl_coef = self.__dict__.pop("kl_coef")
@@ -1406,7 +1408,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         """
         The update's KL as :meth:`_measure_update_kl` gives it (or ``measured``, already taken on the final policy).
         With ``learning_rate="auto"``, an update whose KL ends outside the guard's band has its whole parameter change
-        first scaled onto beta's band (:func:`~sb3_kl.common.learning_rate.find_step_scale`, logged as
+        first scaled just inside it (:func:`~sb3_kl.common.learning_rate.find_step_scale`, logged as
         ``train/step_scale``), and the next update's learning rate is this one times the factor that would have given
         the first epoch its share of the target (:func:`~sb3_kl.common.learning_rate.rate_factor`, the first epoch's
         KL logged as ``train/first_epoch_kl``), within ``lr_bounds``.
@@ -1429,15 +1431,23 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         else:
             goal = FIRST_EPOCH_SHARE * target_kl
             self.logger.record("train/first_epoch_kl", first_epoch_kl)
-        # the rate and first-epoch KL of recent updates (saved with the model)
-        history = [*self._rate_history[1 - RATE_RESPONSE_WINDOW :], (self.adapted_learning_rate, first_epoch_kl)]
-        self._rate_history = history
+        # (rate, first-epoch KL, unscaled KL) of recent updates (saved with the model)
         rate = self.adapted_learning_rate
-        factor = rate_factor(recent_first_epoch_kl(history, rate), goal)  # type: ignore[arg-type]
-        if factor > 1.0 and not rate_follows_kl([r for r, _ in history], [kl for _, kl in history]):
+        history = [*self._rate_history[1 - RATE_RESPONSE_WINDOW :], (rate, first_epoch_kl, kl_full)]
+        self._rate_history = history
+        first_epochs = [(entry[0], entry[1]) for entry in history]
+        updates = [(entry[0], entry[2] if len(entry) > 2 else math.nan) for entry in history]
+        # the first epoch's share of the target; where the later epochs leave the update below the band, the rate that
+        # brings the update to the target if larger
+        factor = max(
+            rate_factor(recent_kl(first_epochs, rate), goal),  # type: ignore[arg-type]
+            rate_factor(recent_kl(updates, rate), target_kl) if kl_full < GUARD_BAND[0] * target_kl else 0.0,  # type: ignore[arg-type]
+        )
+        if factor > 1.0 and not rate_follows_kl(*zip(*first_epochs, strict=True)):
             factor = 1.0  # the clip range holds the update: a higher rate would buy no KL
         low, high = self.lr_bounds
         self.adapted_learning_rate = min(max(rate * factor, low), high)  # type: ignore[operator]
+        self.logger.record("train/unscaled_kl", kl_full)
         self.logger.record("train/step_scale", scale)
         return kept
 
@@ -1445,8 +1455,8 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         self, start: list[th.Tensor], target_kl: float, kl_full: float, measured: tuple[np.ndarray, np.ndarray]
     ) -> tuple[float, tuple[np.ndarray, np.ndarray]]:
         """
-        Scale the update's parameter change (from ``start``, the rollout policy's parameters) so that its KL lands in
-        beta's band (:func:`~sb3_kl.common.learning_rate.find_step_scale`); the value-only parameters keep theirs.
+        Scale the update's parameter change (from ``start``, the rollout policy's parameters) so that its KL lands just
+        inside the guard's band (:func:`~sb3_kl.common.learning_rate.guard_aim`); the value-only parameters keep theirs.
 
         :param measured: The KL and distribution parameters of the whole step (scale 1)
         :return: the chosen scale, and the KL and distribution parameters of the policy it leaves
@@ -1467,8 +1477,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
             measurements[scale] = self._measure_update_kl()
             return float(np.mean(measurements[scale][0]))
 
-        band = getattr(self.kl_controller, "kl_band", None) or STEP_SCALE_BAND
-        scale, _ = find_step_scale(kl_at, kl_full, target_kl, band)
+        scale, _ = find_step_scale(kl_at, kl_full, *guard_aim(kl_full, target_kl))
         move_to(scale)
         return scale, measurements[scale]
 
