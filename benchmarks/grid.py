@@ -30,6 +30,9 @@ SWEEP_ALGOS = ["ppo", "ppo_adaptive_lr", "klppo", "klppo_auto"]
 SWEEP_LR_MULTS = [0.1, 0.3, 1.0, 3.0, 10.0]
 #: the target of ``ppo_adaptive_lr``'s callback (KLPPO's default for ``Box`` actions)
 ADAPTIVE_LR_TARGET = 0.03
+#: The commit from which ``learning_rate="auto"`` follows the first epoch's KL (``docs/guide/learning_rate.md``):
+#: ``klppo_auto`` records of older code ran the earlier rule (each update's step scaled onto the target)
+AUTO_RULE_SINCE = "2780723"
 # Budget (environment steps) per tier: "full" is what the results report; MuJoCo runs below rl-zoo's 1M steps to fit
 # 2 CPU cores; "quick" runs the whole grid in minutes; "tiny" is for the test suite.
 BUDGETS = {

@@ -25,6 +25,7 @@ from grid import (
 )
 from grid_runs import matched_seed_kls
 from learning_plots import plot
+from lr_sweep_report import auto_rule_line
 from measures import count_collapses, fall_kl, fall_span, sb3_kl_collapses, summarize, update_mean
 from run_records import (
     HERE,
@@ -200,7 +201,8 @@ def report(tier: str) -> str:
             " *unrecorded*: runs from before records stored it, made with sb3-kl at commit d9fd1be or earlier."
             if any("code_version" not in r for r in records)
             else ""
-        ),
+        )
+        + (" " + auto_rule_line(records) if any(r["algo"] == "klppo_auto" for r in records) else ""),
         "",
         "Machines and library versions of the records (run count): "
         + "; ".join(f"{described}: {n}" for described, n in sorted(run_environments(records).items()))

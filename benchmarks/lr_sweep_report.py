@@ -25,7 +25,16 @@ from aggregate import (
     probability_of_improvement_ci,
     stratified_bootstrap_ci,
 )
-from grid import ADAPTIVE_LR_TARGET, BAND, N_EVAL_EPISODES, STRESS_LR_MULTS, SWEEP_ALGOS, SWEEP_ENVS, SWEEP_LR_MULTS
+from grid import (
+    ADAPTIVE_LR_TARGET,
+    AUTO_RULE_SINCE,
+    BAND,
+    N_EVAL_EPISODES,
+    STRESS_LR_MULTS,
+    SWEEP_ALGOS,
+    SWEEP_ENVS,
+    SWEEP_LR_MULTS,
+)
 from measures import summarize
 from significance import SIGNIFICANCE, fmt, verdict
 
@@ -400,12 +409,22 @@ def records_lines(records: list[dict[str, Any]], left_out: int, seeds: list[int]
         "",
         "Code versions of the records (commit of sb3-kl: runs): "
         + (", ".join(f"`{v}`: {n}" for v, n in sorted(run_records.code_versions(records).items())) or "none")
-        + ". Machines and library versions (runs): "
+        + f". {auto_rule_line(records)} Machines and library versions (runs): "
         + ("; ".join(f"{m}: {n}" for m, n in sorted(run_records.run_environments(records).items())) or "none")
         + f". The random policy's returns (`{run_records.results_folder_label(random_returns_path())}`): "
         + ("; ".join(random_made) or "none")
         + ".",
     ]
+
+
+def auto_rule_line(records: list[dict[str, Any]]) -> str:
+    """One sentence: how many of the ``klppo_auto`` records ran today's rule of ``learning_rate="auto"``."""
+    ours = [r for r in records if r["algo"] == OURS]
+    current = sum(run_records.made_since(r, AUTO_RULE_SINCE) for r in ours)
+    return (
+        f'`{OURS}`: {current} of {len(ours)} records made by today\'s rule of `learning_rate="auto"` (commit '
+        f"`{AUTO_RULE_SINCE}` or later), the others by the earlier rule (each step scaled onto the target)."
+    )
 
 
 def report(records: list[dict[str, Any]]) -> str:
