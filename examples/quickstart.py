@@ -1,8 +1,9 @@
 """
 Train KLPPO on CartPole-v1 for a short run and print the KL figures of every update: the KL against its target, its
-tail, the learning rate and beta (``--learning-rate auto`` adapts the rate so that each update's KL meets the target).
+tail, the learning rate and beta. The rate is ``"auto_1e-3"``: adapted from the KL, starting at rl-zoo's rate, so that
+each update's KL meets the target (``--learning-rate 1e-3`` fixes it, as KLPPO's default does).
 
-    python examples/quickstart.py [--steps 20000] [--env CartPole-v1]
+    python examples/quickstart.py [--steps 20000] [--env CartPole-v1] [--learning-rate auto_1e-3]
 
 Writes no file. ``SB3_KL_EXAMPLE_STEPS=N`` in the environment sets the default of ``--steps`` (the tests run every
 example with a small N).
@@ -45,8 +46,8 @@ def main() -> None:
     parser.add_argument(
         "--learning-rate",
         type=lambda text: text if text.startswith("auto") else float(text),
-        default=1e-3,
-        help='a number, or "auto"/"auto_<start>" (docs/guide/learning_rate.md)',
+        default="auto_1e-3",
+        help='"auto"/"auto_<start>" (docs/guide/learning_rate.md), or a number',
     )
     args = parser.parse_args()
     th.set_num_threads(1)
