@@ -1,0 +1,135 @@
+"""
+The first epoch's share of the target under ``learning_rate="auto"``: 0.25 (shipped) against ``1 / n_epochs``.
+
+At rl-zoo's CartPole-v1 settings (20 epochs of one minibatch) the shipped share lets the rate climb to ~40x the zoo's,
+beta to its bound, and 4 of 5 grid seeds end under 475 (``learning.md``). A share of ``1 / n_epochs`` (the target
+spread evenly over the epochs) keeps the rate several times lower. Cells from the grid's CartPole-v1 and HalfCheetah-v5
+runs, the shipped share's returns read from the grid's and the sweep's records.
+
+    python benchmarks/studies/first_epoch_share.py --workers 2    # the missing runs, then the page
+    python benchmarks/studies/first_epoch_share.py --report
+
+Records: ``benchmarks/results/first_epoch_share.json`` (one per run, each naming its commit and machine); page
+``benchmarks/results/first_epoch_share.md``.
+"""
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
+
+import run_records  # noqa: E402
+
+RESULTS = run_records.MAIN_RESULTS
+RECORDS = RESULTS / "first_epoch_share.json"
+PAGE = RESULTS / "first_epoch_share.md"
+#: (task, learning-rate multiplier, seed)
+CELLS = (("CartPole-v1", 1.0, 0), ("CartPole-v1", 1.0, 1), ("HalfCheetah-v5", 10.0, 0), ("HalfCheetah-v5", 1.0, 1))
+
+
+@functools.cache
+def code_version() -> str:
+    return run_records.code_version("studies/first_epoch_share.py", "settings.py", "grid_runs.py")
+
+
+def run_key(record: dict[str, Any]) -> tuple[str, float, int]:
+    return record["env"], record["lr_mult"], record["seed"]
+
+
+def run_one(cell: tuple[str, float, int]) -> str:
+    """Train one cell with the grid's code and a share of ``1 / n_epochs``; write its record."""
+    import grid_runs
+    from settings import settings_for
+
+    import sb3_kl.common.on_policy_algorithm as algorithm_module
+
+    env_id, lr_mult, seed = cell
+    made_by = code_version()
+    n_epochs = settings_for("klppo_auto", env_id)["kwargs"].get("n_epochs", 10)
+    algorithm_module.FIRST_EPOCH_SHARE = 1.0 / n_epochs  # (one process per run)
+    grid = grid_runs.train_and_evaluate(dict(algo="klppo_auto", env=env_id, seed=seed, lr_mult=lr_mult, tier="full"))
+    target = grid["target_kl"]
+    record = dict(
+        env=env_id,
+        lr_mult=lr_mult,
+        seed=seed,
+        share=1.0 / n_epochs,
+        eval_mean=grid["eval_mean"],
+        in_band=float(np.mean([0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]])),
+        kl_p99_median=float(np.median([u["p99"] for u in grid["kl_updates"]])),
+        code_version=made_by,
+        run_environment=run_records.run_environment(),
+    )
+    run_records.replace_in_json_list(RECORDS, record, run_key)
+    return f"done {env_id} x{lr_mult:g} seed {seed}: {record['eval_mean']:.1f}"
+
+
+def report() -> str:
+    records = run_records.read_json_list(RECORDS)
+    lines = [
+        '# The first epoch\'s share of the target under `learning_rate="auto"`',
+        "",
+        "| task | lr | seed | shipped (0.25): return | in band | KL p99 | 1 / n_epochs: return | in band | KL p99 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        grid = _shipped(run_key(r))
+        target = grid["target_kl"]
+        kls = grid["kl_updates"]
+        band = np.mean([0.5 * target <= u["mean"] <= 2 * target for u in kls])
+        lines.append(
+            f"| {r['env']} | x{r['lr_mult']:g} | {r['seed']} | {grid['eval_mean']:.1f} | {band:.0%} | "
+            f"{np.median([u['p99'] for u in kls]):.3f} | {r['eval_mean']:.1f} | {r['in_band']:.0%} | "
+            f"{r['kl_p99_median']:.3f} |"
+        )
+    lines += [
+        "",
+        "Shipped: the `klppo_auto` records of the grid (x1) and the sweep (x10) made by commit "
+        "`2780723` or later; 1 / n_epochs: CartPole-v1 0.05 (20 epochs), HalfCheetah-v5 "
+        "0.05 (20 epochs). Return: 10 deterministic episodes (the grid's evaluation); in band: updates with their exact "
+        "KL in [0.5, 2] x target; KL p99: median over updates of the per-state KL's 99th percentile.",
+        "",
+        run_records.provenance(records) if records else "",
+        "",
+        "Made by `python benchmarks/studies/first_epoch_share.py --workers 2` (records: `first_epoch_share.json`).",
+    ]
+    page = "\n".join(lines) + "\n"
+    PAGE.write_text(page)
+    return page
+
+
+def _shipped(key: tuple[str, float, int]) -> dict[str, Any]:
+    """The grid's or the sweep's record of ``klppo_auto`` in a cell (the last one written)."""
+    import lr_sweep
+
+    env_id, lr_mult, seed = key
+    matches = [
+        r
+        for r in lr_sweep.sweep_records() + run_records.read_folder(run_records.runs_folder("full"))
+        if (r["algo"], r["env"], r["lr_mult"], r["seed"]) == ("klppo_auto", env_id, lr_mult, seed)
+    ]
+    return matches[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", action="store_true")
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args()
+    if not args.report:
+        done = {run_key(r) for r in run_records.read_json_list(RECORDS)}
+        cells = [cell for cell in CELLS if cell not in done]
+        run_records.run_in_pool(run_one, cells, args.workers, one_process_per_run=True)
+    print(report())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SB3_LOGDIR", "/tmp/sb3-kl-benchmarks")
+    main()
