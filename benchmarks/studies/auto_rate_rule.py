@@ -78,6 +78,7 @@ def read_records() -> list[dict[str, Any]]:
 def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, Any]:
     """Train one run with the grid's code (``grid_runs.train_and_evaluate``); :return: its record."""
     import grid_runs
+    from measures import summarize
 
     made_by = code_version()
     algo = VARIANTS[variant]
@@ -89,7 +90,6 @@ def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, A
         probes=[grid_runs.logged_updates_probe((*LOGGED, "first_epoch_kl"), updates)],
     )
     target = grid["target_kl"]
-    in_band = [0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]]
     return dict(
         variant=variant,
         env=env_id,
@@ -99,7 +99,7 @@ def run_one(variant: str, env_id: str, lr_mult: float, seed: int) -> dict[str, A
         target_kl=target,
         eval_returns=grid["eval_returns"],
         eval_mean=grid["eval_mean"],
-        in_band=float(np.mean(in_band)),
+        in_band=summarize(grid)["in_band"],
         updates=updates,
         train_seconds=grid["train_seconds"],
         code_version=made_by,

@@ -1,10 +1,10 @@
 """
 The first epoch's share of the target under ``learning_rate="auto"``: 0.25 (shipped) against ``1 / n_epochs``.
 
-At rl-zoo's CartPole-v1 settings (20 epochs of one minibatch) the shipped share lets the rate climb to ~40x the zoo's,
-beta to its bound, and 4 of 5 grid seeds end under 475 (``learning.md``). A share of ``1 / n_epochs`` (the target
-spread evenly over the epochs) keeps the rate several times lower. Cells from the grid's CartPole-v1 and HalfCheetah-v5
-runs, the shipped share's returns read from the grid's and the sweep's records.
+At rl-zoo's CartPole-v1 settings (20 epochs of one minibatch) the first epoch is a single optimizer step, and under the
+shipped share 4 of 5 grid seeds end under 475 (``learning.md``). A share of ``1 / n_epochs`` spreads the target evenly
+over the epochs. Cells from the grid's CartPole-v1 and HalfCheetah-v5 runs, the shipped share's returns read from the
+grid's and the sweep's records of today's rule (``grid.AUTO_RULE_SINCE``).
 
     python benchmarks/studies/first_epoch_share.py --workers 2    # the missing runs, then the page
     python benchmarks/studies/first_epoch_share.py --report
@@ -46,6 +46,7 @@ def run_key(record: dict[str, Any]) -> tuple[str, float, int]:
 def run_one(cell: tuple[str, float, int]) -> str:
     """Train one cell with the grid's code and a share of ``1 / n_epochs``; write its record."""
     import grid_runs
+    from measures import summarize
     from settings import settings_for
 
     import sb3_kl.common.on_policy_algorithm as algorithm_module
@@ -55,14 +56,13 @@ def run_one(cell: tuple[str, float, int]) -> str:
     n_epochs = settings_for("klppo_auto", env_id)["kwargs"].get("n_epochs", 10)
     algorithm_module.FIRST_EPOCH_SHARE = 1.0 / n_epochs  # (one process per run)
     grid = grid_runs.train_and_evaluate(dict(algo="klppo_auto", env=env_id, seed=seed, lr_mult=lr_mult, tier="full"))
-    target = grid["target_kl"]
     record = dict(
         env=env_id,
         lr_mult=lr_mult,
         seed=seed,
         share=1.0 / n_epochs,
         eval_mean=grid["eval_mean"],
-        in_band=float(np.mean([0.5 * target <= u["mean"] <= 2 * target for u in grid["kl_updates"]])),
+        in_band=summarize(grid)["in_band"],
         kl_p99_median=float(np.median([u["p99"] for u in grid["kl_updates"]])),
         code_version=made_by,
         run_environment=run_records.run_environment(),
@@ -72,7 +72,11 @@ def run_one(cell: tuple[str, float, int]) -> str:
 
 
 def report() -> str:
+    from grid import AUTO_RULE_SINCE
+    from measures import summarize
+
     records = run_records.read_json_list(RECORDS)
+    shipped = _shipped_records(AUTO_RULE_SINCE)
     lines = [
         '# The first epoch\'s share of the target under `learning_rate="auto"`',
         "",
@@ -80,21 +84,18 @@ def report() -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        grid = _shipped(run_key(r))
-        target = grid["target_kl"]
-        kls = grid["kl_updates"]
-        band = np.mean([0.5 * target <= u["mean"] <= 2 * target for u in kls])
+        grid = shipped[run_key(r)]
         lines.append(
-            f"| {r['env']} | x{r['lr_mult']:g} | {r['seed']} | {grid['eval_mean']:.1f} | {band:.0%} | "
-            f"{np.median([u['p99'] for u in kls]):.3f} | {r['eval_mean']:.1f} | {r['in_band']:.0%} | "
+            f"| {r['env']} | x{r['lr_mult']:g} | {r['seed']} | {grid['eval_mean']:.1f} | {summarize(grid)['in_band']:.0%} | "
+            f"{np.median([u['p99'] for u in grid['kl_updates']]):.3f} | {r['eval_mean']:.1f} | {r['in_band']:.0%} | "
             f"{r['kl_p99_median']:.3f} |"
         )
+    shares = ", ".join(sorted({f"{r['env']} {r['share']:g}" for r in records}))
     lines += [
         "",
-        "Shipped: the `klppo_auto` records of the grid (x1) and the sweep (x10) made by commit "
-        "`2780723` or later; 1 / n_epochs: CartPole-v1 0.05 (20 epochs), HalfCheetah-v5 "
-        "0.05 (20 epochs). Return: 10 deterministic episodes (the grid's evaluation); in band: updates with their exact "
-        "KL in [0.5, 2] x target; KL p99: median over updates of the per-state KL's 99th percentile.",
+        f"Shipped: the `klppo_auto` records of the grid (x1) and the sweep (x10) made by commit `{AUTO_RULE_SINCE}` or "
+        f"later; 1 / n_epochs: {shares}. Return: 10 deterministic episodes (the grid's evaluation); in band: updates with "
+        "their exact KL in [0.5, 2] x target; KL p99: median over updates of the per-state KL's 99th percentile.",
         "",
         run_records.provenance(records) if records else "",
         "",
@@ -105,17 +106,15 @@ def report() -> str:
     return page
 
 
-def _shipped(key: tuple[str, float, int]) -> dict[str, Any]:
-    """The grid's or the sweep's record of ``klppo_auto`` in a cell (the last one written)."""
+def _shipped_records(since: str) -> dict[tuple[str, float, int], dict[str, Any]]:
+    """The grid's and the sweep's ``klppo_auto`` records made by ``since`` or later, by :func:`run_key` (the last wins)."""
     import lr_sweep
 
-    env_id, lr_mult, seed = key
-    matches = [
-        r
+    return {
+        run_key(r): r
         for r in lr_sweep.sweep_records() + run_records.read_folder(run_records.runs_folder("full"))
-        if (r["algo"], r["env"], r["lr_mult"], r["seed"]) == ("klppo_auto", env_id, lr_mult, seed)
-    ]
-    return matches[-1]
+        if r["algo"] == "klppo_auto" and run_records.made_since(r, since)
+    }
 
 
 def main() -> None:
