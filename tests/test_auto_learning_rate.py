@@ -23,7 +23,6 @@ from torch.distributions import Categorical, Normal, kl_divergence
 from sb3_kl import TRPL, ClipKLPPO, KLPPO, KLTRPO, MaskableKLPPO, RecurrentKLPPO
 from sb3_kl.callbacks import KLAdaptiveLRCallback
 from sb3_kl.common.learning_rate import (
-    FIRST_EPOCH_SHARE,
     GUARD_BAND,
     MAX_STEP_SCALE,
     VALUE_GROUP_KEY,
@@ -167,10 +166,11 @@ def test_kl_meets_its_target_from_a_rate_far_too_small_or_too_large(algo, start,
         assert max(rates[settled_from:]) < start / 4
 
 
-def test_logged_learning_rate_is_the_rate_each_update_used_and_follows_the_first_epoch():
+@pytest.mark.parametrize("n_epochs", [4, 10])
+def test_logged_learning_rate_is_the_rate_each_update_used_and_follows_the_first_epoch(n_epochs: int):
     """
     ``train/learning_rate`` is the optimizer's rate during that update; the next one's is it times the factor that would
-    have given the first epoch its share of the target.
+    have given the first epoch its share of the target, ``1 / n_epochs``.
     """
 
     class OptimizerRate(BaseCallback):
@@ -186,7 +186,7 @@ def test_logged_learning_rate_is_the_rate_each_update_used_and_follows_the_first
                 self.rates.append(self.model.policy.optimizer.param_groups[0]["lr"])
 
     rates, logged = OptimizerRate(), Logged()
-    model = _model(KLPPO, "auto_1e-4")
+    model = _model(KLPPO, "auto_1e-4", n_epochs=n_epochs)
     model.learn(6 * 256, callback=[rates, logged])
     used = [v["train/learning_rate"] for v in logged.values]
     assert used[:5] == pytest.approx(rates.rates[:5])
@@ -195,13 +195,13 @@ def test_logged_learning_rate_is_the_rate_each_update_used_and_follows_the_first
     for this, following in itertools.pairwise(logged.values):
         rate, target = this["train/learning_rate"], this["train/target_kl"]
         history.append((rate, this["train/first_epoch_kl"], this["train/unscaled_kl"]))
-        assert following["train/learning_rate"] == pytest.approx(rate * _expected_factor(history, target, 4))
+        assert following["train/learning_rate"] == pytest.approx(rate * _expected_factor(history, target, n_epochs))
 
 
 def _expected_factor(history: list[tuple[float, float, float]], target: float, n_epochs: int) -> float:
     """The rule of learning_rate="auto", from the logged values (``sb3_kl.common.learning_rate``)."""
     rate = history[-1][0]
-    share = FIRST_EPOCH_SHARE if n_epochs > 1 else 1.0
+    share = 1.0 / n_epochs
     factor = rate_factor(recent_kl([(r, first) for r, first, _ in history], rate), share * target)
     if history[-1][2] < GUARD_BAND[0] * target:  # the update fell below the band: the rate that meets the target
         factor = max(factor, rate_factor(recent_kl([(r, kl) for r, _, kl in history], rate), target))

@@ -36,12 +36,12 @@ from sb3_kl.common.callbacks_monitor import distribution_params_for_policy
 from sb3_kl.common.controllers import KL_CONTROLLERS, KLController, make_kl_controller
 from sb3_kl.common.learning_rate import (
     DEFAULT_LR_BOUNDS,
-    FIRST_EPOCH_SHARE,
     GUARD_BAND,
     AdaptiveLRSchedule,
     RATE_RESPONSE_WINDOW,
     VALUE_GROUP_KEY,
     find_step_scale,
+    first_epoch_share,
     guard_aim,
     in_guard_band,
     optimizer_state_in_layout,
@@ -1426,10 +1426,10 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         scale, kept = 1.0, (per_state, new_params)
         if not in_guard_band(kl_full, target_kl):
             scale, kept = self._scale_step(start, target_kl, kl_full, kept)
+        goal = first_epoch_share(self.n_epochs) * target_kl
         if first_epoch_kl is None:  # one epoch, or stopped within the first: the update's own KL
-            first_epoch_kl, goal = kl_full, (FIRST_EPOCH_SHARE if self.n_epochs > 1 else 1.0) * target_kl
+            first_epoch_kl = kl_full
         else:
-            goal = FIRST_EPOCH_SHARE * target_kl
             self.logger.record("train/first_epoch_kl", first_epoch_kl)
         # (rate, first-epoch KL, unscaled KL) of recent updates (saved with the model)
         rate = self.adapted_learning_rate
