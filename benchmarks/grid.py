@@ -1,5 +1,7 @@
 """The learning grid's definition: its environments, algorithms, learning-rate multiples, budgets and scoring band."""
 
+from typing import Any
+
 MAIN_ENVS = ["CartPole-v1", "Acrobot-v1", "Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5", "Hopper-v5"]
 # ppo_target_kl: stock PPO with SB3's KL early stop at KLPPO's target (see settings.settings_for);
 # klppo_noclip runs only where PPO's zoo entry clips (elsewhere klppo is already KLPPO without clipping)
@@ -30,9 +32,14 @@ SWEEP_ALGOS = ["ppo", "ppo_adaptive_lr", "klppo", "klppo_auto"]
 SWEEP_LR_MULTS = [0.1, 0.3, 1.0, 3.0, 10.0]
 #: the target of ``ppo_adaptive_lr``'s callback (KLPPO's default for ``Box`` actions)
 ADAPTIVE_LR_TARGET = 0.03
-#: The commit from which ``learning_rate="auto"`` follows the first epoch's KL (``docs/guide/learning_rate.md``):
-#: ``klppo_auto`` records of older code ran the earlier rule (each update's step scaled onto the target)
-AUTO_RULE_SINCE = "2780723"
+#: The commit from which ``learning_rate="auto"`` gives the first epoch ``1 / n_epochs`` of the target
+#: (``docs/guide/learning_rate.md``)
+AUTO_RULE_SINCE = "35755f6"
+#: From this commit to :data:`AUTO_RULE_SINCE` the first epoch was given a quarter of the target: the same rule, to the
+#: bit, where ``n_epochs`` is 4 (``1 / 4 == 0.25``). Older ``klppo_auto`` records ran the earlier rule (each update's
+#: step scaled onto the target)
+QUARTER_SHARE_SINCE = "2780723"
+
 # Budget (environment steps) per tier: "full" is what the results report; MuJoCo runs below rl-zoo's 1M steps to fit
 # 2 CPU cores; "quick" runs the whole grid in minutes; "tiny" is for the test suite.
 BUDGETS = {
@@ -63,3 +70,14 @@ def cell_order(cell: tuple[str, str, float]) -> tuple[float, int, str]:
 
 # Stock algorithms: their records do not depend on the sb3-kl version
 STOCK = ("ppo", "ppo_target_kl", "trpo")
+
+
+def made_by_todays_auto_rule(record: dict[str, Any]) -> bool:
+    """Whether a ``klppo_auto`` record's run followed today's rule of ``learning_rate="auto"``."""
+    import run_records
+    from settings import settings_for
+
+    if run_records.made_since(record, AUTO_RULE_SINCE):
+        return True
+    four_epochs = settings_for("klppo_auto", record["env"])["kwargs"].get("n_epochs", 10) == 4
+    return four_epochs and run_records.made_since(record, QUARTER_SHARE_SINCE)

@@ -28,12 +28,14 @@ from aggregate import (
 from grid import (
     ADAPTIVE_LR_TARGET,
     AUTO_RULE_SINCE,
+    QUARTER_SHARE_SINCE,
     BAND,
     N_EVAL_EPISODES,
     STRESS_LR_MULTS,
     SWEEP_ALGOS,
     SWEEP_ENVS,
     SWEEP_LR_MULTS,
+    made_by_todays_auto_rule,
 )
 from measures import summarize
 from significance import SIGNIFICANCE, fmt, verdict
@@ -420,10 +422,11 @@ def records_lines(records: list[dict[str, Any]], left_out: int, seeds: list[int]
 def auto_rule_line(records: list[dict[str, Any]]) -> str:
     """One sentence: how many of the ``klppo_auto`` records ran today's rule of ``learning_rate="auto"``."""
     ours = [r for r in records if r["algo"] == OURS]
-    current = sum(run_records.made_since(r, AUTO_RULE_SINCE) for r in ours)
+    current = sum(made_by_todays_auto_rule(r) for r in ours)
     return (
         f'`{OURS}`: {current} of {len(ours)} records made by today\'s rule of `learning_rate="auto"` (commit '
-        f"`{AUTO_RULE_SINCE}` or later), the others by the earlier rule (each step scaled onto the target)."
+        f"`{AUTO_RULE_SINCE}` or later; where `n_epochs` is 4, `{QUARTER_SHARE_SINCE}` or later, the same rule there), "
+        "the others by earlier rules."
     )
 
 
