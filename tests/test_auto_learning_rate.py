@@ -27,6 +27,7 @@ from sb3_kl.common.learning_rate import (
     MAX_STEP_SCALE,
     VALUE_GROUP_KEY,
     find_step_scale,
+    first_epoch_share,
     guard_aim,
     in_guard_band,
     parse_auto_learning_rate,
@@ -494,6 +495,12 @@ def test_rate_factor_follows_the_first_epoch_damped_near_its_goal():
     assert rate_factor(1 / 4, 1.0) == pytest.approx(math.sqrt(2.0))  # within 16x: the square root
     assert rate_factor(4.0, 1.0) == pytest.approx(1 / math.sqrt(2.0))
     assert rate_factor(math.inf, 1.0) == 1 / 16 and rate_factor(0.0, 1.0) == 16.0
+
+
+def test_first_epoch_share_spreads_the_target_evenly_over_the_epochs():
+    assert first_epoch_share(1) == 1.0 and first_epoch_share(20) == pytest.approx(0.05)
+    # at four epochs the share is exactly the quarter of the earlier rule (benchmarks/grid.py counts those runs as today's)
+    assert first_epoch_share(4) == 0.25 and 0.25 * 0.03 == first_epoch_share(4) * 0.03
 
 
 def test_recent_kl_is_a_median_rescaled_to_the_rate():
