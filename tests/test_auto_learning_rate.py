@@ -536,3 +536,22 @@ def test_a_one_epoch_update_sets_the_rate_from_its_own_kl():
     assert model.adapted_learning_rate == pytest.approx(
         history[-1][0] * _expected_factor(history, logged[-1]["train/target_kl"], 1)
     )
+
+
+def test_the_epoch_end_stop_reuses_the_first_epochs_measurement():
+    """With ``_kl_stop_judge="epoch_end"`` the first epoch's end is measured once, for the rate and the stop alike."""
+    model = _model(KLPPO, "auto_1e-4", n_epochs=3, kl_stop_factor=100.0)
+    model._kl_stop_judge = "epoch_end"
+    measured_policies = []
+    measure = model._measure_update_kl
+
+    def counted(*args, **kwargs):
+        measured_policies.append(th.cat([p.detach().flatten() for p in model.policy.parameters()]).clone())
+        return measure(*args, **kwargs)
+
+    model._measure_update_kl = counted
+    model.learn(2 * 256)
+    assert len(measured_policies) >= 2 * 3  # every epoch's end, in each update
+    # no policy is measured twice
+    for a, b in itertools.combinations(measured_policies, 2):
+        assert not th.equal(a, b)

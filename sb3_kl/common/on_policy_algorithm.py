@@ -1399,7 +1399,9 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         :param epoch: Index of the epoch just finished
         """
         if epoch == 0 and self.adapts_learning_rate and self.n_epochs > 1:
-            self._first_epoch_kl = float(np.mean(self._measure_update_kl()[0]))
+            # kept for the epoch-end stop's judgement of the same policy (KLPPO._kl_ran_away): one pass, not two
+            self._first_epoch_measured = self._measure_update_kl()
+            self._first_epoch_kl = float(np.mean(self._first_epoch_measured[0]))
 
     @th.no_grad()
     def _measure_final_update_kl(
@@ -1418,6 +1420,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         per_state, new_params = measured or self._measure_update_kl()
         start, self._step_start = getattr(self, "_step_start", None), None
         first_epoch_kl, self._first_epoch_kl = getattr(self, "_first_epoch_kl", None), None
+        self._first_epoch_measured = None
         if not self.adapts_learning_rate or start is None:
             return per_state, new_params
         kl_full = float(np.mean(per_state))

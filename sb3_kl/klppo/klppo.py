@@ -503,7 +503,9 @@ class KLPPO(KLOnPolicyAlgorithm):
         if self._kl_stop_judge == "minibatch_mean":
             epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1)
         else:
-            self._epoch_end_kl = self._measure_update_kl()
+            # learning_rate="auto" has measured the first epoch's end already (_measure_first_epoch_kl)
+            measured, self._first_epoch_measured = getattr(self, "_first_epoch_measured", None), None
+            self._epoch_end_kl = measured if epoch == 0 and measured is not None else self._measure_update_kl()
             epoch_kl = float(np.mean(self._epoch_end_kl[0]))
         if epoch_kl <= self.kl_stop_factor * target_kl:
             return False
