@@ -3,9 +3,10 @@ The first epoch's share of the target under ``learning_rate="auto"``: 0.25 (ship
 against ``1 / n_epochs`` (shipped since).
 
 At rl-zoo's CartPole-v1 settings (20 epochs of one minibatch) the first epoch is a single optimizer step, and under the
-shipped share 4 of 5 grid seeds end under 475 (``learning.md``). A share of ``1 / n_epochs`` spreads the target evenly
-over the epochs. Cells from the grid's CartPole-v1 and HalfCheetah-v5 runs, the shipped share's returns read from the
-grid's and the sweep's records of today's rule (``grid.AUTO_RULE_SINCE``).
+quarter 4 of 5 grid seeds ended under 475 (``learning.md`` before ``grid.AUTO_RULE_SINCE``). A share of
+``1 / n_epochs`` spreads the target evenly over the epochs. Cells from the grid's CartPole-v1 and HalfCheetah-v5 runs
+(the quarter's returns read from the grid's and the sweep's records), and CartPole-v1 and Pendulum-v1 (10 epochs) on
+seeds 12-14, outside the grid's, both shares run here.
 
     python benchmarks/studies/first_epoch_share.py --workers 2    # the missing runs, then the page
     python benchmarks/studies/first_epoch_share.py --report
@@ -33,7 +34,17 @@ RESULTS = run_records.MAIN_RESULTS
 RECORDS = RESULTS / "first_epoch_share.json"
 PAGE = RESULTS / "first_epoch_share.md"
 #: (task, learning-rate multiplier, seed)
-CELLS = (("CartPole-v1", 1.0, 0), ("CartPole-v1", 1.0, 1), ("HalfCheetah-v5", 10.0, 0), ("HalfCheetah-v5", 1.0, 1))
+#: (task, learning-rate multiplier, seed): grid cells (seeds 0-1, the quarter's runs read from the grid's and the
+#: sweep's records) and cells on seeds outside the grid's (12-14, both shares run here)
+CELLS = (
+    ("CartPole-v1", 1.0, 0),
+    ("CartPole-v1", 1.0, 1),
+    ("HalfCheetah-v5", 10.0, 0),
+    ("HalfCheetah-v5", 1.0, 1),
+    *((env_id, 1.0, seed) for env_id in ("CartPole-v1", "Pendulum-v1") for seed in (12, 13, 14)),
+)
+#: The shares compared: the earlier quarter, and ``1 / n_epochs`` (shipped since ``grid.AUTO_RULE_SINCE``)
+QUARTER, PER_EPOCH = "0.25", "1 / n_epochs"
 
 
 @functools.cache
@@ -41,28 +52,34 @@ def code_version() -> str:
     return run_records.code_version("studies/first_epoch_share.py", "settings.py", "grid_runs.py")
 
 
-def run_key(record: dict[str, Any]) -> tuple[str, float, int]:
-    return record["env"], record["lr_mult"], record["seed"]
+def run_key(record: dict[str, Any]) -> tuple[str, float, int, float]:
+    return record["env"], record["lr_mult"], record["seed"], record["share"]
 
 
-def run_one(cell: tuple[str, float, int]) -> str:
-    """Train one cell with the grid's code and a share of ``1 / n_epochs``; write its record."""
+def share_of(variant: str, env_id: str) -> float:
+    from settings import settings_for
+
+    return 0.25 if variant == QUARTER else 1.0 / settings_for("klppo_auto", env_id)["kwargs"].get("n_epochs", 10)
+
+
+def run_one(cell: tuple[str, float, int, str]) -> str:
+    """Train one cell with the grid's code and one of the two shares; write its record."""
     import grid_runs
     from measures import summarize
-    from settings import settings_for
 
     import sb3_kl.common.on_policy_algorithm as algorithm_module
 
-    env_id, lr_mult, seed = cell
+    env_id, lr_mult, seed, variant = cell
     made_by = code_version()
-    n_epochs = settings_for("klppo_auto", env_id)["kwargs"].get("n_epochs", 10)
-    algorithm_module.FIRST_EPOCH_SHARE = 1.0 / n_epochs  # (one process per run)
+    share = share_of(variant, env_id)
+    if variant == QUARTER:  # (one process per run)
+        algorithm_module.first_epoch_share = lambda n_epochs: 0.25  # type: ignore[assignment]
     grid = grid_runs.train_and_evaluate(dict(algo="klppo_auto", env=env_id, seed=seed, lr_mult=lr_mult, tier="full"))
     record = dict(
         env=env_id,
         lr_mult=lr_mult,
         seed=seed,
-        share=1.0 / n_epochs,
+        share=share,
         eval_mean=grid["eval_mean"],
         in_band=summarize(grid)["in_band"],
         kl_p99_median=float(np.median([u["p99"] for u in grid["kl_updates"]])),
@@ -70,7 +87,11 @@ def run_one(cell: tuple[str, float, int]) -> str:
         run_environment=run_records.run_environment(),
     )
     run_records.replace_in_json_list(RECORDS, record, run_key)
-    return f"done {env_id} x{lr_mult:g} seed {seed}: {record['eval_mean']:.1f}"
+    return f"done {env_id} x{lr_mult:g} seed {seed} share {share:g}: {record['eval_mean']:.1f}"
+
+
+def _from_grid(cell: tuple[str, float, int]) -> bool:
+    return cell[2] < 10
 
 
 def report() -> str:
@@ -78,26 +99,36 @@ def report() -> str:
     from measures import summarize
 
     records = run_records.read_json_list(RECORDS)
-    shipped = _quarter_share_records(QUARTER_SHARE_SINCE, AUTO_RULE_SINCE)
+    by_key = {run_key(r): r for r in records}
+    from_grid = _quarter_share_records(QUARTER_SHARE_SINCE, AUTO_RULE_SINCE)
     lines = [
         '# The first epoch\'s share of the target under `learning_rate="auto"`',
         "",
-        "| task | lr | seed | 0.25: return | in band | KL p99 | 1 / n_epochs: return | in band | KL p99 |",
+        f"| task | lr | seed | {QUARTER}: return | in band | KL p99 | {PER_EPOCH}: return | in band | KL p99 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in records:
-        grid = shipped[run_key(r)]
-        lines.append(
-            f"| {r['env']} | x{r['lr_mult']:g} | {r['seed']} | {grid['eval_mean']:.1f} | {summarize(grid)['in_band']:.0%} | "
-            f"{np.median([u['p99'] for u in grid['kl_updates']]):.3f} | {r['eval_mean']:.1f} | {r['in_band']:.0%} | "
-            f"{r['kl_p99_median']:.3f} |"
-        )
-    shares = ", ".join(sorted({f"{r['env']} {r['share']:g}" for r in records}))
+    for env_id, lr_mult, seed in CELLS:
+        cells = []
+        for variant in (QUARTER, PER_EPOCH):
+            record = by_key.get((env_id, lr_mult, seed, share_of(variant, env_id)))
+            if record is None and variant == QUARTER and _from_grid((env_id, lr_mult, seed)):
+                grid = from_grid.get((env_id, lr_mult, seed))
+                if grid is not None:
+                    p99 = float(np.median([u["p99"] for u in grid["kl_updates"]]))
+                    record = dict(eval_mean=grid["eval_mean"], in_band=summarize(grid)["in_band"], kl_p99_median=p99)
+            cells.append(
+                "— | — | —"
+                if record is None
+                else f"{record['eval_mean']:.1f} | {record['in_band']:.0%} | {record['kl_p99_median']:.3f}"
+            )
+        lines.append(f"| {env_id} | x{lr_mult:g} | {seed} | {cells[0]} | {cells[1]} |")
     lines += [
         "",
-        f"0.25: the `klppo_auto` records of the grid (x1) and the sweep (x10) made from commit `{QUARTER_SHARE_SINCE}` "
-        f"to `{AUTO_RULE_SINCE}`, which ships 1 / n_epochs; 1 / n_epochs: {shares}. Return: 10 deterministic episodes (the grid's evaluation); in band: updates with "
-        "their exact KL in [0.5, 2] x target; KL p99: median over updates of the per-state KL's 99th percentile.",
+        f"{QUARTER} on seeds 0-1: the `klppo_auto` records of the grid (x1) and the sweep (x10) made from commit "
+        f"`{QUARTER_SHARE_SINCE}` to `{AUTO_RULE_SINCE}`, which ships {PER_EPOCH}; on seeds 12-14 (outside the grid's) "
+        f"both shares run here. {PER_EPOCH}: CartPole-v1 and HalfCheetah-v5 0.05 (20 epochs), Pendulum-v1 0.1. Return: 10 "
+        "deterministic episodes (the grid's evaluation); in band: updates with their exact KL in [0.5, 2] x target; KL "
+        "p99: median over updates of the per-state KL's 99th percentile.",
         "",
         run_records.provenance(records) if records else "",
         "",
@@ -119,7 +150,7 @@ def _quarter_share_records(since: str, until: str) -> dict[tuple[str, float, int
     for folder in (lr_sweep.FOLDER, lr_sweep.GRID_FOLDER):
         lines += [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines() if line.strip()]
     return {
-        run_key(r): r
+        (r["env"], r["lr_mult"], r["seed"]): r
         for r in lines
         if r["algo"] == "klppo_auto" and run_records.made_since(r, since) and not run_records.made_since(r, until)
     }
@@ -132,7 +163,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.report:
         done = {run_key(r) for r in run_records.read_json_list(RECORDS)}
-        cells = [cell for cell in CELLS if cell not in done]
+        cells = [
+            (*cell, variant)
+            for cell in CELLS
+            for variant in (PER_EPOCH, QUARTER)
+            if not (variant == QUARTER and _from_grid(cell)) and (*cell, share_of(variant, cell[0])) not in done
+        ]
         run_records.run_in_pool(run_one, cells, args.workers, one_process_per_run=True)
     print(report())
 
