@@ -346,6 +346,28 @@ def provenance(records: list[dict[str, Any]]) -> str:
     return f"Commits: {commits}. Machines: {machines}."
 
 
+def write_study_page(page: Path, lines: list[str], records: list[dict[str, Any]], command: str) -> str:
+    """
+    Write a study's page: ``lines``, then its provenance (:func:`provenance`) and the command that made its records.
+
+    :return: the page's text
+    """
+    text = (
+        "\n".join(
+            [
+                *lines,
+                "",
+                provenance(records) if records else "",
+                "",
+                f"Made by `{command}` (records: `{page.with_suffix('.json').name}`).",
+            ]
+        )
+        + "\n"
+    )
+    page.write_text(text)
+    return text
+
+
 def machine(record: dict[str, Any]) -> str | None:
     """:return: the description of the machine and library versions that made a record (None: unrecorded)"""
     described = record.get("run_environment")

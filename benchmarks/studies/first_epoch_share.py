@@ -129,14 +129,8 @@ def report() -> str:
         f"both shares run here. {PER_EPOCH}: CartPole-v1 and HalfCheetah-v5 0.05 (20 epochs), Pendulum-v1 0.1. Return: 10 "
         "deterministic episodes (the grid's evaluation); in band: updates with their exact KL in [0.5, 2] x target; KL "
         "p99: median over updates of the per-state KL's 99th percentile.",
-        "",
-        run_records.provenance(records) if records else "",
-        "",
-        "Made by `python benchmarks/studies/first_epoch_share.py --workers 2` (records: `first_epoch_share.json`).",
     ]
-    page = "\n".join(lines) + "\n"
-    PAGE.write_text(page)
-    return page
+    return run_records.write_study_page(PAGE, lines, records, "python benchmarks/studies/first_epoch_share.py --workers 2")
 
 
 def _quarter_share_records(since: str, until: str) -> dict[tuple[str, float, int], dict[str, Any]]:

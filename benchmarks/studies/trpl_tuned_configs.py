@@ -148,14 +148,8 @@ def report() -> str:
         "last 100 training episodes averaged over training (`measures.area_under_curve`).",
         "",
         *verdicts,
-        "",
-        run_records.provenance(records) if records else "",
-        "",
-        "Made by `python benchmarks/studies/trpl_tuned_configs.py --workers 2` (records: `trpl_tuned_configs.json`).",
     ]
-    page = "\n".join(lines) + "\n"
-    PAGE.write_text(page)
-    return page
+    return run_records.write_study_page(PAGE, lines, records, "python benchmarks/studies/trpl_tuned_configs.py --workers 2")
 
 
 def main() -> None:
