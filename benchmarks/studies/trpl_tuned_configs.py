@@ -118,6 +118,49 @@ def summarize_candidates(records: list[dict[str, Any]], env_id: str) -> list[dic
     return rows
 
 
+#: The chosen entries run on the grid's seeds 0-4 (``learning.py --override``), one records folder per task
+GRID_FOLDERS = {
+    "LunarLanderContinuous-v3": RESULTS / "trpl_tuned_configs_grid",
+    "Hopper-v5": RESULTS / "trpl_tuned_configs_grid_hopper",
+}
+
+
+def grid_seed_lines() -> list[str]:
+    """The chosen entries on the grid's seeds against the grid's PPO and TRPO: the goal ``>= max(PPO, TRPO) - 1 std``."""
+    grid = run_records.read_folder(run_records.runs_folder("full"))
+    lines = [
+        "## The chosen entries on the grid's seeds",
+        "",
+        "| task | runs | TRPL, chosen entry | PPO (grid) | TRPO (grid) | goal: >= better - 1 std |",
+        "|---|---|---|---|---|---|",
+    ]
+    for env_id, folder in GRID_FOLDERS.items():
+        ours = [r["eval_mean"] for r in run_records.read_folder(folder / "runs" / "full") if r["env"] == env_id]
+        if not ours:
+            continue
+        stock = {
+            algo: [
+                r["eval_mean"]
+                for r in grid
+                if r["algo"] == algo and r["env"] == env_id and r["lr_mult"] == 1.0 and r["seed"] < 5
+            ]
+            for algo in ("ppo", "trpo")
+        }
+        better = max(stock.values(), key=np.mean)
+        threshold = float(np.mean(better) - np.std(better, ddof=1))
+        status = "met" if np.mean(ours) >= threshold else "not met"
+        status += "" if len(ours) >= 5 else f" so far ({len(ours)} of 5 seeds)"
+        cells = [f"{np.mean(v):.1f} ± {np.std(v, ddof=1):.1f} (n={len(v)})" for v in (ours, stock["ppo"], stock["trpo"])]
+        lines.append(f"| {env_id} | {len(ours)} | {cells[0]} | {cells[1]} | {cells[2]} | {threshold:.1f}: {status} |")
+    return [
+        *lines,
+        "",
+        "Made by `SB3_KL_BENCHMARK_RESULTS=<folder> python benchmarks/learning.py --tier full --algos trpl --envs <task> "
+        "--seeds 0..4 --override <the entry's overrides>` into `trpl_tuned_configs_grid/` (LunarLanderContinuous-v3) and "
+        "`trpl_tuned_configs_grid_hopper/` (Hopper-v5); mean ± std over seeds 0-4 of the 10-episode evaluation.",
+    ]
+
+
 def report() -> str:
     records = run_records.read_json_list(RECORDS)
     lines = [
@@ -148,6 +191,8 @@ def report() -> str:
         "last 100 training episodes averaged over training (`measures.area_under_curve`).",
         "",
         *verdicts,
+        "",
+        *grid_seed_lines(),
     ]
     return run_records.write_study_page(PAGE, lines, records, "python benchmarks/studies/trpl_tuned_configs.py --workers 2")
 
