@@ -75,9 +75,8 @@ STOCK = ("ppo", "ppo_target_kl", "trpo")
 def made_by_todays_auto_rule(record: dict[str, Any]) -> bool:
     """Whether a ``klppo_auto`` record's run followed today's rule of ``learning_rate="auto"``."""
     import run_records
-    from settings import settings_for
+    from settings import n_epochs_for
 
     if run_records.made_since(record, AUTO_RULE_SINCE):
         return True
-    four_epochs = settings_for("klppo_auto", record["env"])["kwargs"].get("n_epochs", 10) == 4
-    return four_epochs and run_records.made_since(record, QUARTER_SHARE_SINCE)
+    return n_epochs_for("klppo_auto", record["env"]) == 4 and run_records.made_since(record, QUARTER_SHARE_SINCE)

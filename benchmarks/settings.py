@@ -186,3 +186,8 @@ def settings_for(algo: str, env_id: str) -> dict[str, Any]:
     if algo == "ppo_target_kl":
         kwargs["target_kl"] = klppo_default_target(env_id)
     return {**entry, "kwargs": kwargs}
+
+
+def n_epochs_for(algo: str, env_id: str) -> int:
+    """The epochs per update of ``algo``'s settings on ``env_id`` (the zoo entry's, else SB3's default 10)."""
+    return int(settings_for(algo, env_id)["kwargs"].get("n_epochs", 10))

@@ -33,7 +33,6 @@ import run_records  # noqa: E402
 RESULTS = run_records.MAIN_RESULTS
 RECORDS = RESULTS / "first_epoch_share.json"
 PAGE = RESULTS / "first_epoch_share.md"
-#: (task, learning-rate multiplier, seed)
 #: (task, learning-rate multiplier, seed): grid cells (seeds 0-1, the quarter's runs read from the grid's and the
 #: sweep's records) and cells on seeds outside the grid's (12-14, both shares run here)
 CELLS = (
@@ -57,9 +56,12 @@ def run_key(record: dict[str, Any]) -> tuple[str, float, int, float]:
 
 
 def share_of(variant: str, env_id: str) -> float:
-    from settings import settings_for
+    """The first epoch's share of the target a variant gives on ``env_id``."""
+    from settings import n_epochs_for
 
-    return 0.25 if variant == QUARTER else 1.0 / settings_for("klppo_auto", env_id)["kwargs"].get("n_epochs", 10)
+    from sb3_kl.common.learning_rate import first_epoch_share
+
+    return 0.25 if variant == QUARTER else first_epoch_share(n_epochs_for("klppo_auto", env_id))
 
 
 def run_one(cell: tuple[str, float, int, str]) -> str:

@@ -91,9 +91,9 @@ def run(env_id: str, seed: int, lr_mult: float, n_epochs: int | None = None) -> 
 
 def grid_epochs(env_id: str) -> int:
     """The epochs per update of TRPL's grid settings on ``env_id`` (PPO's zoo entry, else SB3's default 10)."""
-    from settings import settings_for
+    from settings import n_epochs_for
 
-    return int(settings_for("trpl", env_id)["kwargs"].get("n_epochs", 10))
+    return n_epochs_for("trpl", env_id)
 
 
 def variants(runs: list[dict[str, Any]], env_id: str) -> list[int | None]:

@@ -6,11 +6,11 @@ Who does what:
 
 - **The rate sets the first epoch's KL.** After the update's first epoch, one no-grad pass measures the exact KL over
   the rollout's states; the next update's rate is this one times :func:`rate_factor`, which would bring that KL to
-  :func:`first_epoch_share` of the target, ``1 / n_epochs`` (from the median of recent updates, :func:`recent_kl`). The rate so stays
-  high enough for the penalty to shape the update's later epochs, as in KLPPO at a well-chosen fixed rate: a rate low
-  enough to meet the target alone made HalfCheetah-v5's return swing (``docs/guide/learning_rate.md``). Where the
-  later epochs add too little and the update ends below the band, the rate rises towards the one whose update meets
-  the target (from the updates' unscaled KLs), if that is larger.
+  :func:`first_epoch_share` of the target, ``1 / n_epochs`` (from the median of recent updates, :func:`recent_kl`).
+  The rate so stays high enough for the penalty to shape the update's later epochs, as in KLPPO at a well-chosen fixed
+  rate: a rate low enough to meet the target alone made HalfCheetah-v5's return swing (``docs/guide/learning_rate.md``).
+  Where the later epochs add too little and the update ends below the band, the rate rises towards the one whose
+  update meets the target (from the updates' unscaled KLs), if that is larger.
 - **Beta and the hinge hold the update's KL** from the KL of the update as the epochs left it.
 - **A guard lands the rest in the band.** An update whose KL ends outside :data:`GUARD_BAND` x target has its whole
   parameter change ``delta`` scaled by a factor found on the exact KL (:func:`find_step_scale`):

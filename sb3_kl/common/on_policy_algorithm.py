@@ -615,7 +615,7 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         excluded = ["dist_params", "ref_policy", "ref_dist_params"]
         # flags of set-up and set_parameters, not state
         flags = ["_reference_awaits_weights", "_reference_in_parameters", "_target_kl_is_schedule", "_step_start"]
-        flags += ["_first_epoch_kl", "_unscaled_update_kl"]  # learning_rate="auto": one update's measurements
+        flags += ["_first_epoch_measured", "_unscaled_update_kl"]  # learning_rate="auto": one update's measurements
         return [*super()._excluded_save_params(), *excluded, *flags]
 
     def _get_torch_save_params(self) -> tuple[list[str], list[str]]:
@@ -1399,9 +1399,8 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         :param epoch: Index of the epoch just finished
         """
         if epoch == 0 and self.adapts_learning_rate and self.n_epochs > 1:
-            # kept for the epoch-end stop's judgement of the same policy (KLPPO._kl_ran_away): one pass, not two
+            # also read by the epoch-end stop's judgement of the same policy (KLPPO._kl_ran_away): one pass, not two
             self._first_epoch_measured = self._measure_update_kl()
-            self._first_epoch_kl = float(np.mean(self._first_epoch_measured[0]))
 
     @th.no_grad()
     def _measure_final_update_kl(
@@ -1419,8 +1418,8 @@ class KLOnPolicyAlgorithm(SuggestsKeywords, ReferenceKLMixin, OnPolicyAlgorithm)
         """
         per_state, new_params = measured or self._measure_update_kl()
         start, self._step_start = getattr(self, "_step_start", None), None
-        first_epoch_kl, self._first_epoch_kl = getattr(self, "_first_epoch_kl", None), None
-        self._first_epoch_measured = None
+        first_epoch, self._first_epoch_measured = getattr(self, "_first_epoch_measured", None), None
+        first_epoch_kl = None if first_epoch is None else float(np.mean(first_epoch[0]))
         if not self.adapts_learning_rate or start is None:
             return per_state, new_params
         kl_full = float(np.mean(per_state))

@@ -504,8 +504,8 @@ class KLPPO(KLOnPolicyAlgorithm):
             epoch_kl = epoch_kl_sum.item() / max(epoch_states, 1)
         else:
             # learning_rate="auto" has measured the first epoch's end already (_measure_first_epoch_kl)
-            measured, self._first_epoch_measured = getattr(self, "_first_epoch_measured", None), None
-            self._epoch_end_kl = measured if epoch == 0 and measured is not None else self._measure_update_kl()
+            measured = getattr(self, "_first_epoch_measured", None) if epoch == 0 else None
+            self._epoch_end_kl = measured or self._measure_update_kl()
             epoch_kl = float(np.mean(self._epoch_end_kl[0]))
         if epoch_kl <= self.kl_stop_factor * target_kl:
             return False
